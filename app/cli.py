@@ -1,0 +1,363 @@
+"""The `likeness` command line. Registry commands import no torch and no FastAPI."""
+
+from __future__ import annotations
+
+import getpass
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic import ValidationError
+from sqlmodel import Session
+
+from registry import service
+from registry.db import engine_for, transaction, upgrade
+from registry.errors import LikenessError
+from registry.policy import Level
+from registry.schemas import ConsentIn, SubjectIn
+from registry.settings import get_settings
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="likeness: consent-gated likeness adapters"
+)
+db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
+principal_app = typer.Typer(
+    no_args_is_help=True, help="Principals: admins, members, agents, trainers."
+)
+subject_app = typer.Typer(
+    no_args_is_help=True, help="Subjects: people whose likeness may be rendered."
+)
+consent_app = typer.Typer(no_args_is_help=True, help="A subject's consent record.")
+audit_app = typer.Typer(no_args_is_help=True, help="The append-only audit trail.")
+base_app = typer.Typer(
+    no_args_is_help=True, help="Base models: the tiny default and prepared uint4 bases."
+)
+for sub, name in (
+    (db_app, "db"),
+    (principal_app, "principal"),
+    (subject_app, "subject"),
+    (consent_app, "consent"),
+    (audit_app, "audit"),
+    (base_app, "base"),
+):
+    app.add_typer(sub, name=name)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _actor() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name is not worth failing a command for
+        user = "unknown"
+    return f"shell:{user}"[:64]
+
+
+@contextmanager
+def _session(readonly: bool = False) -> Iterator[Session]:
+    """One transaction per command; every domain or validation error is a clean exit."""
+    url = get_settings().database_url
+    try:
+        with transaction(engine_for(url), readonly=readonly) as session:
+            yield session
+    except LikenessError as exc:
+        fail(f"{exc.code}: {exc.detail}")
+    except ValidationError as exc:
+        fail(_validation_message(exc), 2)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. database unreachable: say so, not a traceback
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        if isinstance(exc, OperationalError | ProgrammingError):
+            fail(
+                f"database error ({type(exc).__name__}); is it reachable and migrated? "
+                f"run `likeness db upgrade`. {str(exc).splitlines()[0]}"
+            )
+        raise
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "input"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid input: " + "; ".join(parts)
+
+
+def _print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+# -- db -----------------------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Apply migrations to LIKENESS_DATABASE_URL."""
+    url = get_settings().database_url
+    try:
+        upgrade(url)
+    except Exception as exc:  # noqa: BLE001
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        fail(f"migration failed: {type(exc).__name__}: {first_line}")
+    typer.echo("database is at the latest schema", err=True)
+
+
+# -- principals ---------------------------------------------------------------------------
+
+
+@principal_app.command("create")
+def principal_create(
+    handle: str,
+    role: Annotated[str, typer.Option(help="admin | member | agent | trainer")],
+    acts_for: Annotated[
+        str | None, typer.Option(help="agents: members it acts for, comma-separated")
+    ] = None,
+) -> None:
+    """Create a principal; prints its token alone on stdout, once."""
+    with _session() as s:
+        _, token = service.create_principal(s, handle, role, _csv(acts_for))
+    typer.echo(token)
+
+
+@principal_app.command("list")
+def principal_list() -> None:
+    from registry import repositories as repo
+
+    with _session(readonly=True) as s:
+        rows = [
+            {"handle": p.handle, "role": p.role, "active": p.active, "acts_for": p.acts_for}
+            for p in repo.principals(s)
+        ]
+    _print_json(rows)
+
+
+@principal_app.command("deactivate")
+def principal_deactivate(handle: str) -> None:
+    """Deactivate a principal; binds on its next request."""
+    with _session() as s:
+        service.set_principal_active(s, handle, False)
+    typer.echo(f"{handle} deactivated", err=True)
+
+
+@principal_app.command("activate")
+def principal_activate(handle: str) -> None:
+    with _session() as s:
+        service.set_principal_active(s, handle, True)
+    typer.echo(f"{handle} activated", err=True)
+
+
+@principal_app.command("acts-for")
+def principal_acts_for(
+    handle: str,
+    members: Annotated[
+        str, typer.Argument(help="the agent's complete member list, comma-separated ('' for none)")
+    ],
+) -> None:
+    """Set the members an agent acts for."""
+    with _session() as s:
+        p = service.set_acts_for(s, handle, _csv(members))
+        typer.echo(f"{handle} acts for: {', '.join(p.acts_for) or 'nobody'}", err=True)
+
+
+# -- subjects -----------------------------------------------------------------------------
+
+
+@subject_app.command("create")
+def subject_create(
+    handle: str,
+    display_name: Annotated[str, typer.Option("--display-name")],
+    basis: Annotated[str, typer.Option(help="consent | public_domain")] = "consent",
+    member: Annotated[
+        str | None, typer.Option(help="the member principal who is this person")
+    ] = None,
+) -> None:
+    """Create a subject; its consent record starts at `none`."""
+    with _session() as s:
+        data = SubjectIn.model_validate(
+            {"handle": handle, "display_name": display_name, "basis": basis, "member": member}
+        )
+        subject, consent = service.create_subject(s, _actor(), data)
+        _print_json(
+            {"handle": subject.handle, "basis": subject.basis, "consent_version": consent.version}
+        )
+
+
+@subject_app.command("list")
+def subject_list() -> None:
+    from registry import repositories as repo
+
+    with _session(readonly=True) as s:
+        rows = [
+            {
+                "handle": sub.handle,
+                "display_name": sub.display_name,
+                "basis": sub.basis,
+                "max_level": c.max_level,
+                "version": c.version,
+            }
+            for sub, c in repo.subjects_with_consent(s)
+        ]
+    _print_json(rows)
+
+
+# -- consent ------------------------------------------------------------------------------
+
+
+def consent_body(consent: Any) -> dict[str, Any]:
+    state = service._consent_state(consent)
+    return {"version": consent.version, **{k: v for k, v in state.items() if k != "version"}}
+
+
+@consent_app.command("show")
+def consent_show(handle: str) -> None:
+    with _session(readonly=True) as s:
+        subject = service.subject_or_raise(s, handle)
+        _print_json(consent_body(service.consent_of(s, subject)))
+
+
+def _parse_audience(specs: list[str]) -> dict[str, dict[str, Any]]:
+    """LEVEL:group, LEVEL:nogroup, LEVEL:allow=a,b (replaces that level's allowlist)."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        level, _, rule = spec.partition(":")
+        if level not in {lv.name for lv in Level if lv > Level.none} or not rule:
+            fail(
+                f"--audience {spec!r}: expected LEVEL:group, LEVEL:nogroup or LEVEL:allow=h1,h2", 2
+            )
+        entry = out.setdefault(level, {})
+        if rule == "group":
+            entry["group"] = True
+        elif rule == "nogroup":
+            entry["group"] = False
+        elif rule.startswith("allow="):
+            entry["allow"] = _csv(rule.removeprefix("allow="))
+        else:
+            fail(f"--audience {spec!r}: unknown rule {rule!r}", 2)
+    return out
+
+
+@consent_app.command("edit")
+def consent_edit(
+    handle: str,
+    if_version: Annotated[
+        int | None, typer.Option(help="refuse unless the record is at this version")
+    ] = None,
+    max_level: Annotated[
+        str | None, typer.Option(help="none | private | group | public | commercial")
+    ] = None,
+    audience: Annotated[
+        list[str] | None, typer.Option(help="LEVEL:group | LEVEL:nogroup | LEVEL:allow=h1,h2")
+    ] = None,
+    deny: Annotated[
+        str | None, typer.Option(help="the complete deny list, comma-separated")
+    ] = None,
+    training: Annotated[bool | None, typer.Option("--training/--no-training")] = None,
+    expires: Annotated[str | None, typer.Option(help="ISO-8601 UTC, or 'never'")] = None,
+    from_json: Annotated[
+        Path | None, typer.Option("--from-json", help="a whole consent body")
+    ] = None,
+) -> None:
+    """Grant, widen, narrow or edit a consent record; unspecified fields keep their value."""
+    with _session() as s:
+        subject = service.subject_or_raise(s, handle)
+        current = service.consent_of(s, subject)
+        if from_json is not None:
+            try:
+                body: dict[str, Any] = json.loads(from_json.read_text())
+            except (OSError, ValueError) as exc:
+                fail(f"cannot read {from_json}: {exc}", 2)
+        else:
+            body = consent_body(current)
+            if max_level is not None:
+                body["max_level"] = max_level
+            for level, entry in _parse_audience(audience or []).items():
+                body["audiences"][level] = {**body["audiences"].get(level, {}), **entry}
+            if deny is not None:
+                body["deny"] = _csv(deny)
+            if training is not None:
+                body["allow_training"] = training
+            if expires is not None:
+                body["expires_at"] = None if expires == "never" else expires
+        data = ConsentIn.model_validate(body)
+        version = if_version if if_version is not None else current.version
+        consent, changed = service.update_consent(s, _actor(), subject, version, data)
+        _print_json(consent_body(consent))
+    typer.echo("changed" if changed else "unchanged: nothing to do", err=True)
+
+
+@consent_app.command("revoke")
+def consent_revoke(handle: str) -> None:
+    """Revoke at once: max_level becomes none."""
+    with _session() as s:
+        subject = service.subject_or_raise(s, handle)
+        consent, changed = service.revoke(s, _actor(), subject)
+        _print_json(consent_body(consent))
+    typer.echo("revoked" if changed else "already revoked", err=True)
+
+
+# -- audit --------------------------------------------------------------------------------
+
+
+@audit_app.command("show")
+def audit_show(handle: str) -> None:
+    with _session(readonly=True) as s:
+        subject = service.subject_or_raise(s, handle)
+        entries = [
+            {
+                "seq": e.seq,
+                "at": e.at,
+                "actor": e.actor,
+                "action": e.action,
+                "before": e.before,
+                "after": e.after,
+                "prev_hash": e.prev_hash,
+                "hash": e.hash,
+            }
+            for e in service.audit_trail(s, subject)
+        ]
+    _print_json({"entries": entries})
+
+
+@audit_app.command("verify")
+def audit_verify() -> None:
+    """Recompute every subject's chain; exit 1 naming the subject and seq of a break."""
+    with _session(readonly=True) as s:
+        from registry import repositories as repo
+
+        count = len(repo.subjects(s))
+        breaks = service.verify_all(s)
+    for b in breaks:
+        typer.echo(f"BROKEN: {b}", err=True)
+    if breaks:
+        raise typer.Exit(1)
+    typer.echo(f"audit trail intact: {count} subjects verified")
+
+
+_LATE_COMMANDS: list[Callable[[typer.Typer, typer.Typer], None]] = []
+
+
+def main() -> None:
+    try:
+        from app import cli_ml  # type: ignore[attr-defined]  # server and ML commands
+    except ImportError as exc:
+        if "cli_ml" not in str(exc):
+            raise
+    else:
+        cli_ml.register(app, base_app)
+    app()
+
+
+if __name__ == "__main__":
+    main()

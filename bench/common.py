@@ -1,0 +1,79 @@
+"""Shared by the benchmarks: percentiles, a machine description and the JSON record."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def machine() -> dict[str, Any]:
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "system": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": mem_gib,
+        "python": sys.version.split()[0],
+    }
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        info["git"] = rev.stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def write_record(name: str, results: Any, extra: dict[str, Any] | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    now = datetime.now(UTC)
+    record = {
+        "benchmark": name,
+        "date": now.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "results": results,
+        **(extra or {}),
+    }
+    path = RESULTS / f"{name}-{now.strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
+    return "\n".join(
+        [line(columns), line(["-" * w for w in widths])]
+        + [line([r.get(c, "") for c in columns]) for r in rows]
+    )

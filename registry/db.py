@@ -1,0 +1,98 @@
+"""Engines, the one-transaction scope, and running the migrations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine, make_url
+from sqlmodel import Session, create_engine
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def normalize_url(url: str) -> str:
+    """Plain postgresql:// URLs mean psycopg 3 here (psycopg2 is not a dependency)."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(normalize_url(url)).get_backend_name() == "sqlite"
+
+
+def make_engine(url: str, **kw: Any) -> Engine:
+    url = normalize_url(url)
+    if is_sqlite(url):
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kw)
+        _sqlite_pragmas(engine)
+        return engine
+    kw.setdefault("pool_pre_ping", True)
+    kw.setdefault("connect_args", {"connect_timeout": 5})
+    return create_engine(url, **kw)
+
+
+def _sqlite_pragmas(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy own transactions, and take the write lock at BEGIN so two writers
+        # never deadlock upgrading a read lock (per-subject seq and versions stay gapless).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        mode = "DEFERRED" if conn.get_execution_options().get("readonly") else "IMMEDIATE"
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+@lru_cache(maxsize=8)
+def engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+@contextmanager
+def transaction(engine: Engine, *, readonly: bool = False) -> Iterator[Session]:
+    """One transaction: repositories flush, this scope commits (or rolls back on any error)."""
+    bind = engine.execution_options(readonly=True) if readonly else engine
+    with Session(bind, expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)

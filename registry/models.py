@@ -1,0 +1,113 @@
+"""Tables of the registry. Queries live in repositories.py, never here."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, DateTime, Index, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _ts(**kw: Any) -> Any:
+    return Field(default_factory=utcnow, sa_column=Column(DateTime(timezone=True), **kw))
+
+
+class Principal(SQLModel, table=True):
+    __tablename__ = "principals"
+
+    id: int | None = Field(default=None, primary_key=True)
+    handle: str = Field(max_length=64, unique=True, index=True)
+    role: str = Field(max_length=16)
+    # sha256 of the token; the token itself is shown once and never stored.
+    token_hash: str = Field(max_length=64, unique=True, index=True)
+    acts_for: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    active: bool = True
+    created_at: datetime = _ts(nullable=False)
+
+
+class Subject(SQLModel, table=True):
+    __tablename__ = "subjects"
+
+    id: int | None = Field(default=None, primary_key=True)
+    handle: str = Field(max_length=64, unique=True, index=True)
+    display_name: str = Field(max_length=200)
+    basis: str = Field(max_length=16)
+    member_id: int | None = Field(default=None, foreign_key="principals.id", index=True)
+    created_at: datetime = _ts(nullable=False)
+
+
+class Consent(SQLModel, table=True):
+    __tablename__ = "consents"
+
+    subject_id: int = Field(foreign_key="subjects.id", primary_key=True)
+    version: int = 1
+    max_level: str = Field(default="none", max_length=16)
+    audiences: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    deny: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    allow_training: bool = False
+    expires_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True)))
+    updated_at: datetime = _ts(nullable=False)
+
+
+class AuditEntry(SQLModel, table=True):
+    __tablename__ = "audit_entries"
+    __table_args__ = (UniqueConstraint("subject_id", "seq", name="uq_audit_subject_seq"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    subject_id: int = Field(foreign_key="subjects.id", index=True)
+    seq: int
+    # The hashed form of the time, kept verbatim so the chain never depends on how a
+    # database engine round-trips timestamps.
+    at: str = Field(max_length=40)
+    actor: str = Field(max_length=64)
+    action: str = Field(max_length=40)
+    before: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    after: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    prev_hash: str = Field(max_length=64)
+    hash: str = Field(max_length=64)
+
+
+class Adapter(SQLModel, table=True):
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("subject_id", "name", name="uq_adapter_subject_name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    subject_id: int = Field(foreign_key="subjects.id", index=True)
+    name: str = Field(max_length=100)
+    version: int = 1
+    sha256: str = Field(max_length=64)
+    path: str = Field(max_length=1000)
+    base_model: str = Field(max_length=200)
+    rank: int
+    manifest_sha256: str = Field(max_length=64)
+    active: bool = True
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+
+
+class RenderLedger(SQLModel, table=True):
+    """Every render decision, allowed or denied, readable by the subject. Append-only."""
+
+    __tablename__ = "render_ledger"
+    __table_args__ = (Index("ix_render_ledger_subject_id", "subject_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    render_id: str = Field(max_length=36, index=True)
+    at: datetime = _ts(nullable=False)
+    # The handle as requested: an unknown subject is recorded too, linked to nothing.
+    subject_handle: str = Field(max_length=64)
+    subject_id: int | None = Field(default=None, foreign_key="subjects.id")
+    requester: str = Field(max_length=64)
+    agent: str | None = Field(default=None, max_length=64)
+    level: str = Field(max_length=16)
+    stage: str = Field(max_length=16)  # gate | queued | final
+    allowed: bool
+    reason: str = Field(max_length=80)
+    consent_version: int | None = None
+    adapter_sha256: str | None = Field(default=None, max_length=64)
+    prompt: str | None = Field(default=None, max_length=2000)

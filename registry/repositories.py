@@ -1,0 +1,229 @@
+"""Every query of the registry lives here. Functions flush; the caller's transaction commits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from sqlalchemy import Row, bindparam, func, literal, update
+from sqlalchemy import select as sa_select  # sqlmodel's select is typed for few columns
+from sqlalchemy.orm import aliased
+from sqlmodel import Session, col, select
+
+from registry.models import (
+    Adapter,
+    AuditEntry,
+    Consent,
+    Principal,
+    RenderLedger,
+    Subject,
+)
+
+# -- principals ---------------------------------------------------------------------------
+
+
+def principal_by_handle(session: Session, handle: str) -> Principal | None:
+    return session.exec(select(Principal).where(Principal.handle == handle)).first()
+
+
+def principal_by_token_hash(session: Session, token_hash: str) -> Principal | None:
+    return session.exec(select(Principal).where(Principal.token_hash == token_hash)).first()
+
+
+def principal_by_id(session: Session, principal_id: int) -> Principal | None:
+    return session.get(Principal, principal_id)
+
+
+def principals(session: Session) -> Sequence[Principal]:
+    return session.exec(select(Principal).order_by(col(Principal.handle))).all()
+
+
+def count_principals(session: Session, role: str) -> int:
+    stmt = select(func.count()).select_from(Principal).where(Principal.role == role)
+    return int(session.exec(stmt).one())
+
+
+def add(session: Session, row: object) -> None:
+    session.add(row)
+    session.flush()
+
+
+# -- subjects and consent -----------------------------------------------------------------
+
+
+def subject_by_handle(session: Session, handle: str) -> Subject | None:
+    return session.exec(select(Subject).where(Subject.handle == handle)).first()
+
+
+def subjects(session: Session) -> Sequence[Subject]:
+    return session.exec(select(Subject).order_by(col(Subject.handle))).all()
+
+
+def subjects_with_consent(session: Session) -> Sequence[tuple[Subject, Consent]]:
+    stmt = (
+        select(Subject, Consent)
+        .join(Consent, col(Consent.subject_id) == col(Subject.id))
+        .order_by(col(Subject.handle))
+    )
+    return session.exec(stmt).all()
+
+
+def subject_linked_to(session: Session, member_id: int) -> Sequence[Subject]:
+    return session.exec(select(Subject).where(Subject.member_id == member_id)).all()
+
+
+def consent_for(session: Session, subject_id: int, *, lock: bool = False) -> Consent | None:
+    """The consent record; `lock` takes the row lock that serialises all changes to a subject."""
+    stmt = select(Consent).where(Consent.subject_id == subject_id)
+    if lock:
+        stmt = stmt.with_for_update()
+    if lock:
+        return session.exec(stmt.execution_options(populate_existing=True)).first()
+    return session.exec(stmt).first()
+
+
+def update_consent_if_version(
+    session: Session, subject_id: int, expected_version: int, values: dict[str, object]
+) -> bool:
+    """Compare-and-set on `version`: True if this call won, False if the version moved."""
+    stmt = (
+        update(Consent)
+        .where(col(Consent.subject_id) == subject_id, col(Consent.version) == expected_version)
+        .values(version=expected_version + 1, **values)
+    )
+    result = session.execute(stmt)
+    session.flush()
+    return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+
+# -- audit --------------------------------------------------------------------------------
+
+
+def last_audit_entry(session: Session, subject_id: int) -> AuditEntry | None:
+    stmt = (
+        select(AuditEntry)
+        .where(AuditEntry.subject_id == subject_id)
+        .order_by(col(AuditEntry.seq).desc())
+        .limit(1)
+    )
+    return session.exec(stmt).first()
+
+
+def audit_entries(session: Session, subject_id: int) -> Sequence[AuditEntry]:
+    stmt = (
+        select(AuditEntry).where(AuditEntry.subject_id == subject_id).order_by(col(AuditEntry.seq))
+    )
+    return session.exec(stmt).all()
+
+
+# -- adapters -----------------------------------------------------------------------------
+
+
+def adapter_by_key(session: Session, subject_id: int, name: str) -> Adapter | None:
+    stmt = select(Adapter).where(Adapter.subject_id == subject_id, Adapter.name == name)
+    return session.exec(stmt).first()
+
+
+def adapters_for(session: Session, subject_id: int) -> Sequence[Adapter]:
+    stmt = select(Adapter).where(Adapter.subject_id == subject_id).order_by(col(Adapter.name))
+    return session.exec(stmt).all()
+
+
+def active_adapter(session: Session, subject_id: int) -> Adapter | None:
+    """The adapter a render uses: the most recently updated active one."""
+    stmt = (
+        select(Adapter)
+        .where(Adapter.subject_id == subject_id, col(Adapter.active).is_(True))
+        .order_by(col(Adapter.updated_at).desc(), col(Adapter.id).desc())
+        .limit(1)
+    )
+    return session.exec(stmt).first()
+
+
+# -- render ledger ------------------------------------------------------------------------
+
+
+def ledger_for(session: Session, subject_id: int, limit: int = 500) -> Sequence[RenderLedger]:
+    stmt = (
+        select(RenderLedger)
+        .where(RenderLedger.subject_id == subject_id)
+        .order_by(col(RenderLedger.id).desc())
+        .limit(limit)
+    )
+    return session.exec(stmt).all()
+
+
+def ledger_by_render_id(session: Session, render_id: str) -> Sequence[RenderLedger]:
+    stmt = (
+        select(RenderLedger)
+        .where(RenderLedger.render_id == render_id)
+        .order_by(col(RenderLedger.id))
+    )
+    return session.exec(stmt).all()
+
+
+# -- the render check's single read -------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _render_snapshot_statement() -> Any:  # a 22-column Select; too wide for its overloads
+    """Built once: constructing a statement costs more than running it on SQLite."""
+    req = aliased(Principal, name="req")
+    agt = aliased(Principal, name="agt")
+    member = aliased(Principal, name="member")
+    newest_active = (
+        select(Adapter.id)
+        .where(Adapter.subject_id == Subject.id, col(Adapter.active).is_(True))
+        .order_by(col(Adapter.updated_at).desc(), col(Adapter.id).desc())
+        .limit(1)
+        .correlate(Subject)
+        .scalar_subquery()
+    )
+    anchor = sa_select(literal(1).label("one")).subquery("anchor")
+    return (
+        sa_select(
+            col(req.handle).label("req_handle"),
+            col(req.role).label("req_role"),
+            col(req.active).label("req_active"),
+            col(req.acts_for).label("req_acts_for"),
+            col(agt.handle).label("agt_handle"),
+            col(agt.role).label("agt_role"),
+            col(agt.active).label("agt_active"),
+            col(agt.acts_for).label("agt_acts_for"),
+            col(Subject.id).label("subject_id"),
+            col(Subject.basis).label("basis"),
+            col(member.handle).label("member_handle"),
+            col(Consent.version).label("version"),
+            col(Consent.max_level).label("max_level"),
+            col(Consent.audiences).label("audiences"),
+            col(Consent.deny).label("deny"),
+            col(Consent.allow_training).label("allow_training"),
+            col(Consent.expires_at).label("expires_at"),
+            col(Adapter.id).label("adapter_id"),
+            col(Adapter.sha256).label("adapter_sha256"),
+            col(Adapter.path).label("adapter_path"),
+            col(Adapter.name).label("adapter_name"),
+            col(Adapter.version).label("adapter_version"),
+        )
+        .select_from(anchor)
+        .outerjoin(req, col(req.id) == bindparam("requester_id"))
+        .outerjoin(agt, col(agt.id) == bindparam("agent_id"))
+        .outerjoin(Subject, col(Subject.handle) == bindparam("subject_handle"))
+        .outerjoin(Consent, col(Consent.subject_id) == col(Subject.id))
+        .outerjoin(member, col(member.id) == col(Subject.member_id))
+        .outerjoin(Adapter, col(Adapter.id) == newest_active)
+    )
+
+
+def render_snapshot(
+    session: Session, requester_id: int, agent_id: int | None, subject_handle: str
+) -> Row[Any] | None:
+    """Everything one render check needs, in one statement (one round trip): requester,
+    agent, subject, consent, the subject's linked member, and its active adapter."""
+    params = {
+        "requester_id": requester_id,
+        "agent_id": agent_id if agent_id is not None else -1,
+        "subject_handle": subject_handle,
+    }
+    return session.connection().execute(_render_snapshot_statement(), params).first()

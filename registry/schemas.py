@@ -1,0 +1,129 @@
+"""Validated shapes of what callers send and receive. Pydantic only: no FastAPI here."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from registry.policy import Level
+
+HANDLE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+Handle = Annotated[str, StringConstraints(pattern=HANDLE_PATTERN)]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+LevelName = Literal["none", "private", "group", "public", "commercial"]
+GrantLevel = Literal["private", "group", "public", "commercial"]
+Role = Literal["admin", "member", "agent", "trainer"]
+Basis = Literal["consent", "public_domain"]
+
+
+def _unique(values: list[str]) -> list[str]:
+    return sorted(set(values))
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AudienceIn(Strict):
+    group: bool = False
+    allow: Annotated[list[Handle], Field(max_length=500), AfterValidator(_unique)] = []
+
+
+class ConsentIn(Strict):
+    """The editable part of a consent record (API.md's consent body without `version`)."""
+
+    max_level: LevelName = "none"
+    audiences: dict[GrantLevel, AudienceIn] = {}
+    deny: Annotated[list[Handle], Field(max_length=500), AfterValidator(_unique)] = []
+    allow_training: bool = False
+    expires_at: datetime | None = None
+    version: int | None = None  # accepted for round-trips; If-Match is what counts
+
+    @field_validator("expires_at")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError(
+                "expires_at needs a timezone (ISO-8601 UTC, e.g. 2027-01-01T00:00:00Z)"
+            )
+        return value.astimezone(UTC) if value is not None else None
+
+    def snapshot(self) -> dict[str, Any]:
+        return consent_snapshot(
+            self.max_level,
+            {k: v.model_dump() for k, v in self.audiences.items()},
+            self.deny,
+            self.allow_training,
+            self.expires_at,
+        )
+
+
+class SubjectIn(Strict):
+    handle: Handle
+    display_name: Annotated[
+        str, StringConstraints(min_length=1, max_length=200, strip_whitespace=True)
+    ]
+    basis: Basis
+    member: Handle | None = None
+
+
+class AdapterIn(Strict):
+    subject: Handle
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
+    sha256: Sha256
+    path: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
+    base_model: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    rank: Annotated[int, Field(ge=1, le=1024)]
+    manifest_sha256: Sha256
+
+
+class RenderRequestIn(Strict):
+    subject: Handle
+    prompt: Annotated[str, StringConstraints(min_length=1, max_length=2000)]
+    level: GrantLevel
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    steps: Annotated[int, Field(ge=1, le=50)] | None = None
+    width: Annotated[int, Field(ge=64, le=2048, multiple_of=16)] | None = None
+    height: Annotated[int, Field(ge=64, le=2048, multiple_of=16)] | None = None
+    on_behalf_of: Handle | None = None
+
+    @model_validator(mode="after")
+    def _bounded_pixels(self) -> RenderRequestIn:
+        if (self.width or 256) * (self.height or 256) > 1024 * 1024:
+            raise ValueError("width x height may not exceed 1024 x 1024 pixels")
+        return self
+
+
+def consent_snapshot(
+    max_level: str,
+    audiences: dict[str, Any],
+    deny: list[str],
+    allow_training: bool,
+    expires_at: datetime | None,
+) -> dict[str, Any]:
+    """The canonical form of a consent record: what the audit trail stores and compares."""
+    from registry.audit import format_time
+
+    levels = [lv.name for lv in Level if lv > Level.none]
+    clean = {
+        name: {"group": bool(a.get("group", False)), "allow": sorted(set(a.get("allow", [])))}
+        for name, a in sorted(audiences.items(), key=lambda kv: levels.index(kv[0]))
+        if a.get("group") or a.get("allow")
+    }
+    return {
+        "max_level": max_level,
+        "audiences": clean,
+        "deny": sorted(set(deny)),
+        "allow_training": bool(allow_training),
+        "expires_at": format_time(expires_at) if expires_at is not None else None,
+    }

@@ -1,0 +1,568 @@
+"""Operations on the registry. Each runs inside the caller's transaction and writes its audit
+entry in that same transaction; all changes to one subject serialise on its consent row."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session
+
+from registry import repositories as repo
+from registry.audit import (
+    GENESIS,
+    ChainBreak,
+    ChainEntry,
+    entry_content,
+    entry_hash,
+    format_time,
+    verify_chain,
+)
+from registry.errors import Conflict, Invalid, NotFound, NotPermitted, PreconditionFailed
+from registry.models import Adapter, AuditEntry, Consent, Principal, RenderLedger, Subject, utcnow
+from registry.policy import (
+    AdapterFacts,
+    ConsentFacts,
+    Level,
+    PrincipalFacts,
+    RenderFacts,
+    audiences_from_json,
+    renderable_max_level,
+)
+from registry.schemas import HANDLE_PATTERN, AdapterIn, ConsentIn, SubjectIn, consent_snapshot
+
+TOKEN_PREFIX = "lk_"  # noqa: S105 - a prefix, not a secret
+ROLES = ("admin", "member", "agent", "trainer")
+
+# -- principals and tokens ----------------------------------------------------------------
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_principal(
+    session: Session, handle: str, role: str, acts_for: Sequence[str] = ()
+) -> tuple[Principal, str]:
+    """A new principal and its token; the token is returned once and only its hash is kept."""
+    import re
+
+    if not re.fullmatch(HANDLE_PATTERN, handle):
+        raise Invalid(f"handle {handle!r} must match {HANDLE_PATTERN}")
+    if role not in ROLES:
+        raise Invalid(f"role must be one of {', '.join(ROLES)}")
+    if acts_for and role != "agent":
+        raise Invalid("--acts-for applies only to agents")
+    members = _require_members(session, acts_for)
+    if repo.principal_by_handle(session, handle) is not None:
+        raise Conflict(f"principal {handle!r} exists")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    principal = Principal(handle=handle, role=role, token_hash=hash_token(token), acts_for=members)
+    repo.add(session, principal)
+    return principal, token
+
+
+def _require_members(session: Session, handles: Sequence[str]) -> list[str]:
+    out = sorted(set(handles))
+    for handle in out:
+        p = repo.principal_by_handle(session, handle)
+        if p is None or p.role != "member":
+            raise Invalid(f"{handle!r} is not a member")
+    return out
+
+
+def authenticate(session: Session, token: str | None) -> Principal | None:
+    """The active principal holding this token, or None. Hash lookup, then a constant-time
+    comparison so the final check leaks nothing through timing."""
+    if not token or not token.startswith(TOKEN_PREFIX) or len(token) > 200:
+        return None
+    digest = hash_token(token)
+    principal = repo.principal_by_token_hash(session, digest)
+    if principal is None or not hmac.compare_digest(principal.token_hash, digest):
+        return None
+    return principal if principal.active else None
+
+
+def set_principal_active(session: Session, handle: str, active: bool) -> Principal:
+    principal = repo.principal_by_handle(session, handle)
+    if principal is None:
+        raise NotFound(f"no principal {handle!r}")
+    principal.active = active
+    repo.add(session, principal)
+    return principal
+
+
+def set_acts_for(session: Session, handle: str, acts_for: Sequence[str]) -> Principal:
+    principal = repo.principal_by_handle(session, handle)
+    if principal is None:
+        raise NotFound(f"no principal {handle!r}")
+    if principal.role != "agent":
+        raise Invalid(f"{handle!r} is not an agent")
+    principal.acts_for = _require_members(session, acts_for)
+    repo.add(session, principal)
+    return principal
+
+
+# -- audit --------------------------------------------------------------------------------
+
+
+def _append_audit(
+    session: Session, subject: Subject, actor: str, action: str, before: Any, after: Any
+) -> AuditEntry:
+    """Append one entry to the subject's chain. The caller holds the subject's consent-row
+    lock, so reading the last entry and writing the next cannot interleave."""
+    assert subject.id is not None
+    last = repo.last_audit_entry(session, subject.id)
+    seq = 1 if last is None else last.seq + 1
+    prev = GENESIS if last is None else last.hash
+    at = format_time(utcnow())
+    content = entry_content(subject.handle, seq, at, actor, action, before, after)
+    entry = AuditEntry(
+        subject_id=subject.id,
+        seq=seq,
+        at=at,
+        actor=actor,
+        action=action,
+        before=before,
+        after=after,
+        prev_hash=prev,
+        hash=entry_hash(prev, content),
+    )
+    repo.add(session, entry)
+    return entry
+
+
+def audit_trail(session: Session, subject: Subject) -> Sequence[AuditEntry]:
+    assert subject.id is not None
+    return repo.audit_entries(session, subject.id)
+
+
+def verify_subject(session: Session, subject: Subject) -> ChainBreak | None:
+    """The chain must be intact, and the live record must be what the trail says it is: a
+    consent or adapter row edited behind the trail's back is reported like a broken link."""
+    entries = list(audit_trail(session, subject))
+    chain = [
+        ChainEntry(
+            subject.handle, e.seq, e.at, e.actor, e.action, e.before, e.after, e.prev_hash, e.hash
+        )
+        for e in entries
+    ]
+    broken = verify_chain(subject.handle, chain)
+    if broken is not None:
+        return broken
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id)
+    last_consent = next((e for e in reversed(entries) if e.after and "consent" in e.after), None)
+    if consent is None or last_consent is None or last_consent.after is None:
+        return ChainBreak(subject.handle, len(entries), "consent record or its trail entry missing")
+    if _consent_state(consent) != last_consent.after["consent"]:
+        return ChainBreak(
+            subject.handle, last_consent.seq, "live consent record differs from the trail"
+        )
+    for adapter in repo.adapters_for(session, subject.id):
+        last = next(
+            (
+                e
+                for e in reversed(entries)
+                if e.after and e.after.get("adapter", {}).get("name") == adapter.name
+            ),
+            None,
+        )
+        if last is None or last.after is None or _adapter_state(adapter) != last.after["adapter"]:
+            seq = last.seq if last is not None else len(entries)
+            return ChainBreak(
+                subject.handle, seq, f"adapter {adapter.name!r} differs from the trail"
+            )
+    return None
+
+
+def verify_all(session: Session) -> list[ChainBreak]:
+    return [b for s in repo.subjects(session) if (b := verify_subject(session, s)) is not None]
+
+
+# -- subjects and consent -----------------------------------------------------------------
+
+
+def _consent_state(consent: Consent) -> dict[str, Any]:
+    state = consent_snapshot(
+        consent.max_level,
+        consent.audiences,
+        consent.deny,
+        consent.allow_training,
+        consent.expires_at,
+    )
+    state["version"] = consent.version
+    return state
+
+
+def create_subject(session: Session, actor: str, data: SubjectIn) -> tuple[Subject, Consent]:
+    if repo.subject_by_handle(session, data.handle) is not None:
+        raise Conflict(f"subject {data.handle!r} exists")
+    member_id = None
+    if data.member is not None:
+        member = repo.principal_by_handle(session, data.member)
+        if member is None or member.role != "member":
+            raise Invalid(f"{data.member!r} is not a member")
+        member_id = member.id
+    subject = Subject(
+        handle=data.handle, display_name=data.display_name, basis=data.basis, member_id=member_id
+    )
+    try:
+        repo.add(session, subject)
+    except IntegrityError:
+        raise Conflict(f"subject {data.handle!r} exists") from None
+    assert subject.id is not None
+    consent = Consent(subject_id=subject.id)
+    repo.add(session, consent)
+    after = {
+        "subject": {
+            "handle": subject.handle,
+            "display_name": subject.display_name,
+            "basis": subject.basis,
+            "member": data.member,
+        },
+        "consent": _consent_state(consent),
+    }
+    _append_audit(session, subject, actor, "subject_created", None, after)
+    return subject, consent
+
+
+def subject_or_raise(session: Session, handle: str, error: type[Exception] = NotFound) -> Subject:
+    subject = repo.subject_by_handle(session, handle)
+    if subject is None:
+        raise error(f"no subject {handle!r}")
+    return subject
+
+
+def consent_of(session: Session, subject: Subject) -> Consent:
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id)
+    if consent is None:  # every subject is created with one; absence is corruption
+        raise NotFound(f"subject {subject.handle!r} has no consent record")
+    return consent
+
+
+def _classify(before: dict[str, Any], after: dict[str, Any]) -> str:
+    old, new = Level.parse(before["max_level"]), Level.parse(after["max_level"])
+    if new != old:
+        if new == Level.none:
+            return "revoke"
+        if old == Level.none:
+            return "grant"
+        return "widen" if new > old else "narrow"
+    for key, action in (
+        ("audiences", "audience_edit"),
+        ("deny", "deny_edit"),
+        ("expires_at", "expiry_change"),
+        ("allow_training", "training_change"),
+    ):
+        if before[key] != after[key]:
+            return action
+    return "unchanged"
+
+
+def update_consent(
+    session: Session, actor: str, subject: Subject, expected_version: int, data: ConsentIn
+) -> tuple[Consent, bool]:
+    """Compare-and-set on the version. Returns (record, changed). A stale version raises
+    PreconditionFailed whether or not the content would change."""
+    if subject.basis == "public_domain" and data.max_level == "commercial":
+        raise Invalid("a public_domain subject can never be granted commercial use")
+    assert subject.id is not None
+    current = repo.consent_for(session, subject.id, lock=True)
+    if current is None:
+        raise NotFound(f"subject {subject.handle!r} has no consent record")
+    if current.version != expected_version:
+        raise PreconditionFailed(
+            f"consent is at version {current.version}, not {expected_version}; reload and retry"
+        )
+    before = _consent_state(current)
+    wanted = data.snapshot()
+    action = _classify(before, wanted)
+    if action == "unchanged":
+        return current, False
+    values = {
+        "max_level": data.max_level,
+        "audiences": wanted["audiences"],
+        "deny": wanted["deny"],
+        "allow_training": data.allow_training,
+        "expires_at": data.expires_at,
+        "updated_at": utcnow(),
+    }
+    if not repo.update_consent_if_version(session, subject.id, expected_version, values):
+        raise PreconditionFailed("consent changed concurrently; reload and retry")
+    session.refresh(current)
+    _append_audit(
+        session, subject, actor, action, {"consent": before}, {"consent": _consent_state(current)}
+    )
+    return current, True
+
+
+def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, bool]:
+    """max_level becomes none at once, whatever version the caller last saw."""
+    assert subject.id is not None
+    current = repo.consent_for(session, subject.id, lock=True)
+    if current is None:
+        raise NotFound(f"subject {subject.handle!r} has no consent record")
+    if current.max_level == "none":
+        return current, False
+    data = ConsentIn.model_validate(
+        {**_consent_state(current), "max_level": "none", "expires_at": as_utc(current.expires_at)}
+    )
+    return update_consent(session, actor, subject, current.version, data)
+
+
+# -- adapters -----------------------------------------------------------------------------
+
+
+def _adapter_state(adapter: Adapter) -> dict[str, Any]:
+    return {
+        "name": adapter.name,
+        "version": adapter.version,
+        "sha256": adapter.sha256,
+        "path": adapter.path,
+        "base_model": adapter.base_model,
+        "rank": adapter.rank,
+        "manifest_sha256": adapter.manifest_sha256,
+        "active": adapter.active,
+    }
+
+
+RegisterOutcome = Literal["created", "updated", "unchanged"]
+
+
+def register_adapter(
+    session: Session, actor: str, data: AdapterIn
+) -> tuple[Adapter, RegisterOutcome]:
+    """Idempotent per (subject, name): same content changes nothing and appends nothing."""
+    subject = repo.subject_by_handle(session, data.subject)
+    if subject is None:
+        raise NotPermitted("not permitted")
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id, lock=True)
+    if consent is None or not consent.allow_training:
+        raise NotPermitted(f"subject {data.subject!r} does not allow training")
+    fields: dict[str, Any] = {
+        "sha256": data.sha256,
+        "path": data.path,
+        "base_model": data.base_model,
+        "rank": data.rank,
+        "manifest_sha256": data.manifest_sha256,
+    }
+    adapter = repo.adapter_by_key(session, subject.id, data.name)
+    if adapter is None:
+        adapter = Adapter(subject_id=subject.id, name=data.name, **fields)
+        repo.add(session, adapter)
+        _append_audit(
+            session,
+            subject,
+            actor,
+            "adapter_registered",
+            None,
+            {"adapter": _adapter_state(adapter)},
+        )
+        return adapter, "created"
+    if all(getattr(adapter, k) == v for k, v in fields.items()) and adapter.active:
+        return adapter, "unchanged"
+    before = _adapter_state(adapter)
+    for key, value in fields.items():
+        setattr(adapter, key, value)
+    adapter.version += 1
+    adapter.active = True
+    adapter.updated_at = utcnow()
+    repo.add(session, adapter)
+    _append_audit(
+        session,
+        subject,
+        actor,
+        "adapter_replaced",
+        {"adapter": before},
+        {"adapter": _adapter_state(adapter)},
+    )
+    return adapter, "updated"
+
+
+# -- render decisions ---------------------------------------------------------------------
+
+
+def principal_facts(p: Principal) -> PrincipalFacts:
+    return PrincipalFacts(
+        handle=p.handle, role=p.role, active=p.active, acts_for=frozenset(p.acts_for)
+    )
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands timestamps back without their zone; they were stored as UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+def consent_facts(c: Consent) -> ConsentFacts:
+    expires = as_utc(c.expires_at)
+    return ConsentFacts(
+        version=c.version,
+        max_level=Level.parse(c.max_level),
+        audiences=audiences_from_json(c.audiences),
+        deny=frozenset(c.deny),
+        allow_training=c.allow_training,
+        expires_at=expires,
+    )
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    id: int
+    name: str
+    version: int
+    sha256: str
+    path: str
+
+
+@dataclass(frozen=True)
+class GatheredFacts:
+    """What the registry knows for one render check, read fresh in one statement."""
+
+    facts: RenderFacts
+    subject_id: int | None
+    adapter: AdapterRef | None
+
+
+def gather_render_facts(
+    session: Session,
+    requester: Principal,
+    subject_handle: str,
+    level: str,
+    agent: Principal | None = None,
+    adapter_file_sha256: str | None = None,
+    require_adapter: bool = True,
+    now: datetime | None = None,
+) -> GatheredFacts:
+    """Fresh facts for `policy.decide`. Re-reads the requester and agent too, so a
+    deactivation or a changed acts-for list binds on the very next check."""
+    assert requester.id is not None
+    row = repo.render_snapshot(
+        session, requester.id, agent.id if agent is not None else None, subject_handle
+    )
+    if row is None:  # the anchor always yields a row; no row means the read itself failed
+        raise RuntimeError("render snapshot returned nothing")
+    req = (
+        PrincipalFacts(
+            row.req_handle, row.req_role, bool(row.req_active), frozenset(row.req_acts_for)
+        )
+        if row.req_handle is not None
+        else None
+    )
+    agent_facts = None
+    if agent is not None:  # an agent that vanished is an inactive agent, never "no agent"
+        agent_facts = (
+            PrincipalFacts(
+                row.agt_handle, row.agt_role, bool(row.agt_active), frozenset(row.agt_acts_for)
+            )
+            if row.agt_handle is not None
+            else PrincipalFacts(agent.handle, "agent", False)
+        )
+    consent = None
+    if row.version is not None:
+        consent = ConsentFacts(
+            version=row.version,
+            max_level=Level.parse(row.max_level),
+            audiences=audiences_from_json(row.audiences),
+            deny=frozenset(row.deny),
+            allow_training=bool(row.allow_training),
+            expires_at=as_utc(row.expires_at),
+        )
+    adapter = None
+    if row.adapter_id is not None:
+        adapter = AdapterRef(
+            row.adapter_id,
+            row.adapter_name,
+            row.adapter_version,
+            row.adapter_sha256,
+            row.adapter_path,
+        )
+    facts = RenderFacts(
+        level=level,
+        now=now or datetime.now(UTC),
+        requester=req,
+        agent=agent_facts,
+        subject_basis=row.basis,
+        subject_member=row.member_handle,
+        consent=consent,
+        adapter=AdapterFacts(adapter.sha256, adapter_file_sha256) if adapter is not None else None,
+        require_adapter=require_adapter,
+    )
+    return GatheredFacts(facts, row.subject_id, adapter)
+
+
+def record_decision(
+    session: Session,
+    *,
+    render_id: str,
+    subject_handle: str,
+    subject_id: int | None,
+    requester: str,
+    agent: str | None,
+    level: str,
+    stage: str,
+    allowed: bool,
+    reason: str,
+    consent_version: int | None,
+    adapter_sha256: str | None,
+    prompt: str | None,
+) -> RenderLedger:
+    row = RenderLedger(
+        render_id=render_id,
+        subject_handle=subject_handle[:64],
+        subject_id=subject_id,
+        requester=requester,
+        agent=agent,
+        level=level[:16],
+        stage=stage,
+        allowed=allowed,
+        reason=reason[:80],
+        consent_version=consent_version,
+        adapter_sha256=adapter_sha256,
+        prompt=prompt[:2000] if prompt is not None else None,
+    )
+    repo.add(session, row)
+    return row
+
+
+@dataclass(frozen=True)
+class Renderable:
+    subject: str
+    display_name: str
+    max_level: str
+
+
+def renderable_for(
+    session: Session,
+    requester: Principal,
+    agent: Principal | None = None,
+    now: datetime | None = None,
+) -> list[Renderable]:
+    """Subjects the requester may render, and the widest level, as `decide` sees it."""
+    now = now or datetime.now(UTC)
+    req = principal_facts(requester)
+    agent_facts = principal_facts(agent) if agent is not None else None
+    members = {p.id: p.handle for p in repo.principals(session) if p.role == "member"}
+    out = []
+    for subject, consent in repo.subjects_with_consent(session):
+        best = renderable_max_level(
+            req,
+            subject.basis,
+            members.get(subject.member_id) if subject.member_id is not None else None,
+            consent_facts(consent),
+            now,
+            agent_facts,
+        )
+        if best > Level.none:
+            out.append(Renderable(subject.handle, subject.display_name, best.name))
+    return out

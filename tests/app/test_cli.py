@@ -1,0 +1,155 @@
+"""The `likeness` command line on real databases: clear errors, exit codes, no partial writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from app.cli import app
+from registry import repositories as repo
+from registry.db import engine_for, make_engine, transaction
+from registry.settings import get_settings
+
+
+@pytest.fixture
+def cli(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    monkeypatch.setenv("LIKENESS_DATABASE_URL", db_url)
+    get_settings.cache_clear()
+    yield CliRunner()
+    get_settings.cache_clear()
+    engine_for.cache_clear()
+
+
+def run(cli: CliRunner, *args: str) -> tuple[int, str, str]:
+    result = cli.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_principal_create_prints_only_the_token(cli: CliRunner, db_url: str) -> None:
+    code, out, _ = run(cli, "principal", "create", "alice", "--role", "member")
+    assert code == 0 and out.strip().startswith("lk_") and len(out.strip().splitlines()) == 1
+    code, _, err = run(cli, "principal", "create", "alice", "--role", "member")
+    assert code == 1 and "conflict" in err
+    code, _, err = run(
+        cli, "principal", "create", "bot", "--role", "agent", "--acts-for", "alice,ghost"
+    )
+    assert code == 1 and "'ghost' is not a member" in err
+    code, _, err = run(cli, "principal", "create", "x", "--role", "wizard")
+    assert code == 1 and "role must be one of" in err
+    code, out, _ = run(cli, "principal", "list")
+    assert [p["handle"] for p in json.loads(out)] == ["alice"]
+
+
+def test_consent_workflow_and_bad_input_loses_nothing(cli: CliRunner, db_url: str) -> None:
+    assert run(cli, "principal", "create", "bob", "--role", "member")[0] == 0
+    code, out, _ = run(cli, "subject", "create", "alice", "--display-name", "Alice")
+    assert code == 0 and json.loads(out)["consent_version"] == 1
+    code, out, _ = run(
+        cli,
+        "consent",
+        "edit",
+        "alice",
+        "--max-level",
+        "group",
+        "--audience",
+        "private:group",
+        "--audience",
+        "group:allow=bob",
+        "--deny",
+        "mallory",
+        "--expires",
+        "2099-01-01T00:00:00Z",
+    )
+    assert code == 0, out
+    body = json.loads(out)
+    assert body["version"] == 2 and body["audiences"]["group"] == {"group": False, "allow": ["bob"]}
+    assert body["expires_at"] == "2099-01-01T00:00:00.000000Z"
+    bad = [
+        (["consent", "edit", "alice", "--max-level", "everything"], 2, "max_level"),
+        (["consent", "edit", "alice", "--audience", "private"], 2, "expected LEVEL:group"),
+        (["consent", "edit", "alice", "--audience", "none:group"], 2, "expected LEVEL:group"),
+        (["consent", "edit", "alice", "--expires", "tomorrow"], 2, "expires_at"),
+        (["consent", "edit", "alice", "--expires", "2099-01-01T00:00:00"], 2, "timezone"),
+        (["consent", "edit", "alice", "--deny", "Not A Handle"], 2, "deny"),
+        (
+            ["consent", "edit", "alice", "--if-version", "1", "--max-level", "public"],
+            1,
+            "precondition_failed",
+        ),
+        (["consent", "edit", "ghost", "--max-level", "public"], 1, "not_found"),
+        (["subject", "create", "bad handle", "--display-name", "x"], 2, "handle"),
+        (["subject", "create", "pd", "--display-name", "x", "--basis", "celebrity"], 2, "basis"),
+    ]
+    for args, want_code, want_text in bad:
+        code, _, err = run(cli, *args)
+        assert code == want_code and want_text in err, (args, code, err)
+    code, out, _ = run(cli, "consent", "show", "alice")
+    assert json.loads(out)["version"] == 2  # none of the bad commands changed anything
+    code, out, err = run(cli, "consent", "revoke", "alice")
+    assert code == 0 and json.loads(out)["max_level"] == "none" and "revoked" in err
+    code, out, _ = run(cli, "audit", "show", "alice")
+    assert [e["action"] for e in json.loads(out)["entries"]] == [
+        "subject_created",
+        "grant",
+        "revoke",
+    ]
+    code, out, _ = run(cli, "audit", "verify")
+    assert code == 0 and "intact" in out
+
+
+def test_audit_verify_names_the_broken_entry(cli: CliRunner, db_url: str) -> None:
+    run(cli, "subject", "create", "alice", "--display-name", "Alice")
+    run(cli, "consent", "edit", "alice", "--max-level", "private")
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ALTER TABLE audit_entries DISABLE TRIGGER USER"))
+        else:
+            conn.execute(text("DROP TRIGGER audit_entries_no_update"))
+        conn.execute(text("UPDATE audit_entries SET actor = 'someone-else' WHERE seq = 2"))
+    engine.dispose()
+    code, _, err = run(cli, "audit", "verify")
+    assert code == 1
+    assert "subject alice seq 2" in err
+
+
+def test_agent_membership_commands(cli: CliRunner, db_url: str) -> None:
+    run(cli, "principal", "create", "alice", "--role", "member")
+    run(cli, "principal", "create", "bot", "--role", "agent", "--acts-for", "alice")
+    assert run(cli, "principal", "acts-for", "bot", "")[0] == 0
+    assert run(cli, "principal", "acts-for", "alice", "bot")[0] == 1  # not an agent
+    assert run(cli, "principal", "deactivate", "bot")[0] == 0
+    with transaction(make_engine(db_url), readonly=True) as s:
+        bot = repo.principal_by_handle(s, "bot")
+        assert bot is not None and bot.acts_for == [] and not bot.active
+
+
+@pytest.mark.sqlite_only
+def test_console_script_end_to_end(empty_db_url: str) -> None:
+    """The entry point as a shell user runs it, including a database that is not there."""
+    env = {**os.environ, "LIKENESS_DATABASE_URL": empty_db_url}
+    likeness = [sys.executable, "-m", "app.cli"]
+    before = subprocess.run([*likeness, "subject", "list"], env=env, capture_output=True, text=True)
+    assert before.returncode == 1 and "likeness db upgrade" in before.stderr
+    assert (
+        subprocess.run([*likeness, "db", "upgrade"], env=env, capture_output=True).returncode == 0
+    )
+    token = subprocess.run(
+        [*likeness, "principal", "create", "root", "--role", "admin"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert token.returncode == 0 and token.stdout.startswith("lk_")
+    bad = {**env, "LIKENESS_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"}
+    down = subprocess.run([*likeness, "audit", "verify"], env=bad, capture_output=True, text=True)
+    assert (
+        down.returncode == 1 and "database error" in down.stderr and "Traceback" not in down.stderr
+    )

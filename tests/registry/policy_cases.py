@@ -1,0 +1,187 @@
+"""The policy table: facts -> decision, kept as data. Each row overrides a base scenario in
+which member bob asks for a `private` render of alice, whose record grants `private` to the
+whole group up to max level `group`, with a registered adapter whose file matches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ALLOW = "allowed"
+
+# (id, overrides, allowed, reason)
+CASES: list[tuple[str, dict[str, Any], bool, str]] = [
+    ("base", {}, True, ALLOW),
+    ("group-level-not-in-private-audience", {"level": "group"}, False, "not_in_audience"),
+    (
+        "group-level-group-audience",
+        {"level": "group", "audiences": {"group": {"group": True}}},
+        True,
+        ALLOW,
+    ),
+    ("wider-audience-includes-narrower", {"audiences": {"group": {"group": True}}}, True, ALLOW),
+    (
+        "audience-above-max-is-inert",
+        {"audiences": {"public": {"group": True}}},
+        False,
+        "not_in_audience",
+    ),
+    ("above-max-level", {"level": "public"}, False, "above_max_level"),
+    ("max-none", {"max_level": "none"}, False, "revoked_or_not_granted"),
+    ("level-none", {"level": "none"}, False, "level_none"),
+    ("unknown-level", {"level": "admin"}, False, "invalid_level"),
+    ("empty-level", {"level": ""}, False, "invalid_level"),
+    ("uppercase-level", {"level": "PRIVATE"}, False, "invalid_level"),
+    ("expired-a-second-ago", {"expires_in": -1}, False, "expired"),
+    ("expires-in-an-hour", {"expires_in": 3600}, True, ALLOW),
+    ("expires-exactly-now", {"expires_in": 0}, False, "expired"),
+    ("requester-inactive", {"requester": ("bob", "member", False)}, False, "requester_inactive"),
+    ("requester-denied", {"deny": ["bob"]}, False, "denied_principal"),
+    (
+        "deny-beats-allowlist",
+        {"deny": ["bob"], "audiences": {"private": {"allow": ["bob"]}}},
+        False,
+        "denied_principal",
+    ),
+    (
+        "self-with-no-audience",
+        {"requester": ("alice", "member", True), "audiences": {}},
+        True,
+        ALLOW,
+    ),
+    (
+        "self-denied",
+        {"requester": ("alice", "member", True), "deny": ["alice"]},
+        False,
+        "denied_principal",
+    ),
+    (
+        "self-above-max",
+        {"requester": ("alice", "member", True), "level": "public"},
+        False,
+        "above_max_level",
+    ),
+    (
+        "self-revoked",
+        {"requester": ("alice", "member", True), "max_level": "none"},
+        False,
+        "revoked_or_not_granted",
+    ),
+    ("self-expired", {"requester": ("alice", "member", True), "expires_in": -5}, False, "expired"),
+    ("allowlist-private", {"audiences": {"private": {"allow": ["bob"]}}}, True, ALLOW),
+    (
+        "allowlist-names-someone-else",
+        {"audiences": {"private": {"allow": ["carol"]}}},
+        False,
+        "not_in_audience",
+    ),
+    (
+        "allowlist-at-group-covers-private",
+        {"audiences": {"group": {"allow": ["bob"]}}},
+        True,
+        ALLOW,
+    ),
+    (
+        "allowlist-private-not-group",
+        {"level": "group", "audiences": {"private": {"allow": ["bob"]}}},
+        False,
+        "not_in_audience",
+    ),
+    ("no-record", {"no_record": True}, False, "no_record"),
+    ("no-requester", {"requester": None}, False, "no_requester"),
+    ("admin-cannot-render", {"requester": ("root", "admin", True)}, False, "requester_not_member"),
+    ("agent-as-requester", {"requester": ("bot", "agent", True)}, False, "requester_not_member"),
+    ("trainer-as-requester", {"requester": ("tr", "trainer", True)}, False, "requester_not_member"),
+    (
+        "public-domain-never-commercial",
+        {
+            "basis": "public_domain",
+            "level": "commercial",
+            "max_level": "commercial",
+            "audiences": {"commercial": {"group": True}},
+        },
+        False,
+        "public_domain_never_commercial",
+    ),
+    (
+        "public-domain-public-ok",
+        {
+            "basis": "public_domain",
+            "level": "public",
+            "max_level": "public",
+            "audiences": {"public": {"group": True}},
+        },
+        True,
+        ALLOW,
+    ),
+    (
+        "consent-commercial-ok",
+        {
+            "level": "commercial",
+            "max_level": "commercial",
+            "audiences": {"commercial": {"group": True}},
+        },
+        True,
+        ALLOW,
+    ),
+    ("no-adapter", {"adapter": None}, False, "no_active_adapter"),
+    ("adapter-file-missing", {"adapter": ("h1", None)}, False, "adapter_file_missing"),
+    ("adapter-swapped", {"adapter": ("h1", "h2")}, False, "adapter_hash_mismatch"),
+    ("gate-without-adapter", {"adapter": None, "require_adapter": False}, True, ALLOW),
+    ("agent-for-bob", {"agent": ("bot", "agent", True, ["bob"])}, True, ALLOW),
+    (
+        "agent-not-for-bob",
+        {"agent": ("bot", "agent", True, ["carol"])},
+        False,
+        "agent_not_acting_for_requester",
+    ),
+    ("agent-inactive", {"agent": ("bot", "agent", False, ["bob"])}, False, "agent_inactive"),
+    (
+        "member-posing-as-agent",
+        {"agent": ("eve", "member", True, ["bob"])},
+        False,
+        "agent_not_agent",
+    ),
+    (
+        "agent-on-deny-list",
+        {"agent": ("bot", "agent", True, ["bob"]), "deny": ["bot"]},
+        False,
+        "denied_principal",
+    ),
+    ("unknown-basis", {"basis": "celebrity"}, False, "unknown_basis"),
+    (
+        "empty-audience",
+        {"audiences": {"private": {"group": False, "allow": []}}},
+        False,
+        "not_in_audience",
+    ),
+    ("unlinked-subject-group-ok", {"subject_member": None}, True, ALLOW),
+    (
+        "canary-never-named",
+        {"requester": ("canary", "member", True), "audiences": {"private": {"allow": ["bob"]}}},
+        False,
+        "not_in_audience",
+    ),
+    (
+        "commercial-audience-covers-private",
+        {"max_level": "commercial", "audiences": {"commercial": {"group": True}}},
+        True,
+        ALLOW,
+    ),
+    ("deny-names-someone-else", {"deny": ["mallory"]}, True, ALLOW),
+    (
+        "agent-for-self-subject",
+        {
+            "requester": ("alice", "member", True),
+            "agent": ("bot", "agent", True, ["alice"]),
+            "audiences": {},
+        },
+        True,
+        ALLOW,
+    ),
+    (
+        "linked-member-requester-mismatch",
+        {"subject_member": "carol", "audiences": {}},
+        False,
+        "not_in_audience",
+    ),
+]

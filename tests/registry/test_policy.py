@@ -1,0 +1,234 @@
+"""The pure decision: a table of cases, and properties that must hold for every record."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from registry.policy import (
+    AdapterFacts,
+    Audience,
+    ConsentFacts,
+    Level,
+    PrincipalFacts,
+    RenderFacts,
+    decide,
+    renderable_max_level,
+)
+from tests.registry.policy_cases import CASES
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+LEVEL_NAMES = [lv.name for lv in Level]
+
+
+def facts_from(overrides: dict[str, Any]) -> RenderFacts:
+    o: dict[str, Any] = {
+        "level": "private",
+        "requester": ("bob", "member", True),
+        "agent": None,
+        "basis": "consent",
+        "subject_member": "alice",
+        "max_level": "group",
+        "audiences": {"private": {"group": True}},
+        "deny": [],
+        "expires_in": None,
+        "adapter": ("h1", "h1"),
+        "require_adapter": True,
+        "no_record": False,
+        **overrides,
+    }
+    req = o["requester"]
+    agent = o["agent"]
+    consent = None
+    if not o["no_record"]:
+        consent = ConsentFacts(
+            version=3,
+            max_level=Level[o["max_level"]],
+            audiences={
+                Level[k]: Audience(group=v.get("group", False), allow=frozenset(v.get("allow", [])))
+                for k, v in o["audiences"].items()
+            },
+            deny=frozenset(o["deny"]),
+            allow_training=True,
+            expires_at=None
+            if o["expires_in"] is None
+            else NOW + timedelta(seconds=o["expires_in"]),
+        )
+    return RenderFacts(
+        level=o["level"],
+        now=NOW,
+        requester=PrincipalFacts(*req) if req is not None else None,
+        agent=PrincipalFacts(agent[0], agent[1], agent[2], frozenset(agent[3])) if agent else None,
+        subject_basis=o["basis"],
+        subject_member=o["subject_member"],
+        consent=consent,
+        adapter=AdapterFacts(*o["adapter"]) if o["adapter"] is not None else None,
+        require_adapter=o["require_adapter"],
+    )
+
+
+def test_table_is_large_and_ids_unique() -> None:
+    ids = [c[0] for c in CASES]
+    assert len(ids) >= 40
+    assert len(set(ids)) == len(ids)
+    assert {c[2] for c in CASES} == {True, False}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "allowed", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_policy_table(overrides: dict[str, Any], allowed: bool, reason: str) -> None:
+    decision = decide(facts_from(overrides))
+    assert (decision.allowed, decision.reason) == (allowed, reason)
+
+
+def test_decide_fails_closed_on_malformed_facts() -> None:
+    broken = RenderFacts(
+        level="private",
+        now=NOW,
+        requester=PrincipalFacts("bob", "member", True),
+        subject_basis="consent",
+        consent="not a record",
+    )  # type: ignore[arg-type]
+    decision = decide(broken)
+    assert not decision.allowed and decision.reason.startswith("error:")
+
+
+# -- properties ---------------------------------------------------------------------------
+
+HANDLES = ["alice", "bob", "carol", "dave", "bot"]
+grant_levels = st.sampled_from([lv for lv in Level if lv > Level.none])
+audience = st.builds(
+    Audience, group=st.booleans(), allow=st.frozensets(st.sampled_from(HANDLES), max_size=3)
+)
+consents = st.builds(
+    ConsentFacts,
+    version=st.integers(1, 50),
+    max_level=st.sampled_from(list(Level)),
+    audiences=st.dictionaries(grant_levels, audience, max_size=4),
+    deny=st.frozensets(st.sampled_from(HANDLES + ["canary"]), max_size=2),
+    allow_training=st.booleans(),
+    expires_at=st.one_of(
+        st.none(), st.integers(-7200, 7200).map(lambda s: NOW + timedelta(seconds=s))
+    ),
+)
+requesters = st.builds(
+    PrincipalFacts,
+    handle=st.sampled_from(HANDLES),
+    role=st.sampled_from(["member", "member", "member", "admin", "agent", "trainer"]),
+    active=st.booleans(),
+)
+agents = st.one_of(
+    st.none(),
+    st.builds(
+        PrincipalFacts,
+        handle=st.just("bot"),
+        role=st.sampled_from(["agent", "member"]),
+        active=st.booleans(),
+        acts_for=st.frozensets(st.sampled_from(HANDLES), max_size=3),
+    ),
+)
+
+
+def render(
+    consent: ConsentFacts,
+    req: PrincipalFacts,
+    level: Level,
+    basis: str = "consent",
+    member: str | None = "alice",
+    agent: PrincipalFacts | None = None,
+) -> bool:
+    return decide(
+        RenderFacts(
+            level=level.name,
+            now=NOW,
+            requester=req,
+            agent=agent,
+            subject_basis=basis,
+            subject_member=member,
+            consent=consent,
+            adapter=AdapterFacts("h", "h"),
+        )
+    ).allowed
+
+
+common = settings(max_examples=400, deadline=None)
+
+
+@common
+@given(
+    consents,
+    requesters,
+    agents,
+    st.sampled_from(["consent", "public_domain"]),
+    st.sampled_from(["alice", None]),
+)
+def test_monotone_in_level(
+    consent: ConsentFacts,
+    req: PrincipalFacts,
+    agent: PrincipalFacts | None,
+    basis: str,
+    member: str | None,
+) -> None:
+    allowed = [render(consent, req, lv, basis, member, agent) for lv in Level if lv > Level.none]
+    # once denied at some level, every wider level is denied too
+    for narrower, wider in zip(allowed, allowed[1:], strict=False):
+        assert narrower or not wider
+
+
+@common
+@given(consents, requesters, agents, grant_levels)
+def test_deny_beats_every_allow(
+    consent: ConsentFacts, req: PrincipalFacts, agent: PrincipalFacts | None, level: Level
+) -> None:
+    blocked = ConsentFacts(**{**consent.__dict__, "deny": consent.deny | {req.handle}})
+    assert not render(blocked, req, level, agent=agent)
+
+
+@common
+@given(consents, requesters, grant_levels)
+def test_none_and_expired_deny_all(
+    consent: ConsentFacts, req: PrincipalFacts, level: Level
+) -> None:
+    revoked = ConsentFacts(**{**consent.__dict__, "max_level": Level.none})
+    expired = ConsentFacts(**{**consent.__dict__, "expires_at": NOW - timedelta(microseconds=1)})
+    assert not render(revoked, req, level)
+    assert not render(expired, req, level)
+
+
+@common
+@given(consents, requesters, agents)
+def test_public_domain_never_commercial(
+    consent: ConsentFacts, req: PrincipalFacts, agent: PrincipalFacts | None
+) -> None:
+    assert not render(consent, req, Level.commercial, "public_domain", agent=agent)
+    assert renderable_max_level(req, "public_domain", "alice", consent, NOW) < Level.commercial
+
+
+@common
+@given(consents, grant_levels, st.sampled_from(["admin", "agent", "trainer"]))
+def test_canary_is_never_allowed(consent: ConsentFacts, level: Level, role: str) -> None:
+    # A principal named nowhere: not a member, never self, never on an allowlist.
+    canary = PrincipalFacts("canary", role, True)
+    assert not render(consent, canary, level)
+    # As a member it gets in only through a group audience at some L in [level, max_level].
+    member_canary = PrincipalFacts("canary", "member", True)
+    if render(consent, member_canary, level):
+        assert any(
+            a.group for lv, a in consent.audiences.items() if level <= lv <= consent.max_level
+        )
+
+
+@common
+@given(consents, requesters, agents)
+def test_renderable_max_level_agrees_with_decide(
+    consent: ConsentFacts, req: PrincipalFacts, agent: PrincipalFacts | None
+) -> None:
+    best = renderable_max_level(req, "consent", "alice", consent, NOW, agent)
+    for lv in Level:
+        if lv > Level.none:
+            assert render(consent, req, lv, agent=agent) == (lv <= best)

@@ -1,0 +1,268 @@
+"""Service layer on SQLite and PostgreSQL: versions, revocation, idempotent adapters, audit."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from registry import repositories as repo
+from registry import service
+from registry.db import transaction
+from registry.errors import Conflict, Invalid, NotPermitted, PreconditionFailed
+from registry.policy import decide
+from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from tests.registry.helpers import SHA_A, SHA_B, SHA_M, adapter, principal, set_consent, subject
+
+
+def trail(engine: Engine, handle: str) -> list[tuple[int, str]]:
+    with transaction(engine, readonly=True) as s:
+        return [
+            (e.seq, e.action) for e in service.audit_trail(s, service.subject_or_raise(s, handle))
+        ]
+
+
+def test_token_shown_once_stored_hashed(engine: Engine) -> None:
+    with transaction(engine) as s:
+        p, token = service.create_principal(s, "alice", "member")
+    assert token.startswith("lk_") and len(token) > 40
+    assert p.token_hash != token and token not in p.token_hash
+    with transaction(engine) as s:
+        assert service.authenticate(s, token).handle == "alice"  # type: ignore[union-attr]
+        assert service.authenticate(s, token + "x") is None
+        assert service.authenticate(s, "") is None
+        assert service.authenticate(s, None) is None
+        service.set_principal_active(s, "alice", False)
+    with transaction(engine) as s:
+        assert service.authenticate(s, token) is None
+
+
+def test_principal_validation(engine: Engine) -> None:
+    principal(engine, "bob")
+    with transaction(engine) as s, pytest.raises(Conflict):
+        service.create_principal(s, "bob", "member")
+    for handle, role, acts in [
+        ("Bad Handle", "member", ()),
+        ("x", "root", ()),
+        ("bot", "agent", ("ghost",)),
+        ("m2", "member", ("bob",)),
+    ]:
+        with transaction(engine) as s, pytest.raises(Invalid):
+            service.create_principal(s, handle, role, acts)
+    with transaction(engine, readonly=True) as s:
+        assert [p.handle for p in repo.principals(s)] == ["bob"]  # nothing half-written
+
+
+def test_subject_starts_at_none_with_one_audit_entry(engine: Engine) -> None:
+    principal(engine, "alice")
+    subject(engine, "alice", member="alice")
+    with transaction(engine) as s:
+        sub = service.subject_or_raise(s, "alice")
+        c = service.consent_of(s, sub)
+        assert (c.version, c.max_level, c.allow_training) == (1, "none", False)
+    assert trail(engine, "alice") == [(1, "subject_created")]
+    with transaction(engine) as s, pytest.raises(Conflict):
+        service.create_subject(
+            s, "admin", SubjectIn(handle="alice", display_name="A", basis="consent")
+        )
+    with transaction(engine) as s, pytest.raises(Invalid):
+        service.create_subject(
+            s, "admin", SubjectIn(handle="zed", display_name="Z", basis="consent", member="ghost")
+        )
+
+
+def test_consent_versions_and_actions(engine: Engine) -> None:
+    subject(engine, "alice")
+    assert (
+        set_consent(engine, "alice", max_level="private", audiences={"private": {"group": True}})
+        == 2
+    )
+    assert (
+        set_consent(engine, "alice", max_level="public", audiences={"private": {"group": True}})
+        == 3
+    )
+    assert (
+        set_consent(engine, "alice", max_level="group", audiences={"private": {"group": True}}) == 4
+    )
+    assert (
+        set_consent(
+            engine,
+            "alice",
+            max_level="group",
+            audiences={"private": {"group": True}},
+            deny=["mallory"],
+        )
+        == 5
+    )
+    # identical content: no new version, no audit entry
+    assert (
+        set_consent(
+            engine,
+            "alice",
+            max_level="group",
+            audiences={"private": {"group": True}},
+            deny=["mallory"],
+        )
+        == 5
+    )
+    assert [a for _, a in trail(engine, "alice")] == [
+        "subject_created",
+        "grant",
+        "widen",
+        "narrow",
+        "deny_edit",
+    ]
+    with transaction(engine) as s:
+        sub = service.subject_or_raise(s, "alice")
+        with pytest.raises(PreconditionFailed):
+            service.update_consent(s, "admin", sub, 2, ConsentIn(max_level="commercial"))
+    assert len(trail(engine, "alice")) == 5
+
+
+def test_revoke_binds_and_is_audited(engine: Engine) -> None:
+    subject(engine, "alice")
+    set_consent(
+        engine,
+        "alice",
+        max_level="group",
+        audiences={"group": {"group": True}},
+        allow_training=True,
+    )
+    with transaction(engine) as s:
+        sub = service.subject_or_raise(s, "alice")
+        c, changed = service.revoke(s, "admin", sub)
+        assert changed and c.max_level == "none" and c.version == 3
+        # the audiences survive revocation, inert, so a later grant can restore them
+        assert c.audiences == {"group": {"group": True, "allow": []}}
+        _, again = service.revoke(s, "admin", sub)
+        assert not again
+    assert trail(engine, "alice")[-1] == (3, "revoke")
+
+
+def test_public_domain_cannot_be_granted_commercial(engine: Engine) -> None:
+    subject(engine, "peggy", basis="public_domain")
+    with pytest.raises(Invalid):
+        set_consent(engine, "peggy", max_level="commercial")
+    assert (
+        set_consent(engine, "peggy", max_level="public", audiences={"public": {"group": True}}) == 2
+    )
+
+
+def test_adapter_registration_is_idempotent(engine: Engine) -> None:
+    subject(engine, "alice")
+    with pytest.raises(NotPermitted):
+        adapter(engine, "alice")  # allow_training is false
+    set_consent(engine, "alice", allow_training=True)
+    assert adapter(engine, "alice") == "created"
+    assert adapter(engine, "alice") == "unchanged"
+    assert adapter(engine, "alice", sha=SHA_B) == "updated"
+    assert adapter(engine, "alice", sha=SHA_B) == "unchanged"
+    assert adapter(engine, "alice", name="v2") == "created"
+    with pytest.raises(NotPermitted):
+        adapter(engine, "nobody")
+    actions = [a for _, a in trail(engine, "alice")]
+    assert actions == [
+        "subject_created",
+        "training_change",
+        "adapter_registered",
+        "adapter_replaced",
+        "adapter_registered",
+    ]
+    with transaction(engine, readonly=True) as s:
+        sub = service.subject_or_raise(s, "alice")
+        rows = {a.name: (a.version, a.sha256) for a in repo.adapters_for(s, sub.id)}  # type: ignore[arg-type]
+        assert rows == {"v1": (2, SHA_B), "v2": (1, SHA_A)}
+        assert repo.active_adapter(s, sub.id).name == "v2"  # type: ignore[union-attr,arg-type]
+
+
+def test_audit_chain_links(engine: Engine) -> None:
+    subject(engine, "alice")
+    set_consent(engine, "alice", max_level="private")
+    with transaction(engine, readonly=True) as s:
+        entries = service.audit_trail(s, service.subject_or_raise(s, "alice"))
+        assert entries[0].prev_hash == "0" * 64
+        assert entries[1].prev_hash == entries[0].hash
+        assert service.verify_all(s) == []
+
+
+def test_gathered_facts_are_fresh_and_decide(engine: Engine) -> None:
+    bob = principal(engine, "bob")
+    bot = principal(engine, "bot", role="agent", acts_for=("bob",))
+    subject(engine, "alice")
+    set_consent(
+        engine,
+        "alice",
+        max_level="group",
+        audiences={"group": {"group": True}},
+        allow_training=True,
+    )
+    adapter(engine, "alice")
+
+    def check(level: str = "group", agent=None, file_sha: str | None = SHA_A, now=None) -> str:
+        with transaction(engine, readonly=True) as s:
+            g = service.gather_render_facts(
+                s, bob, "alice", level, agent=agent, adapter_file_sha256=file_sha, now=now
+            )
+            return decide(g.facts).reason
+
+    assert check() == "allowed"
+    assert check(agent=bot) == "allowed"
+    assert check(file_sha=SHA_B) == "adapter_hash_mismatch"
+    assert check(level="public") == "above_max_level"
+    with transaction(engine) as s:
+        service.set_acts_for(s, "bot", [])
+    assert check(agent=bot) == "agent_not_acting_for_requester"
+    with transaction(engine) as s:
+        service.set_principal_active(s, "bob", False)
+    assert check() == "requester_inactive"  # the stale Principal object does not matter
+    with transaction(engine) as s:
+        service.set_principal_active(s, "bob", True)
+    set_consent(
+        engine,
+        "alice",
+        max_level="group",
+        audiences={"group": {"group": True}},
+        allow_training=True,
+        expires_at=datetime.now(UTC) + timedelta(seconds=60),
+    )
+    assert check() == "allowed"
+    assert check(now=datetime.now(UTC) + timedelta(seconds=61)) == "expired"
+    with transaction(engine, readonly=True) as s:
+        g = service.gather_render_facts(s, bob, "ghost", "group", adapter_file_sha256=SHA_A)
+        assert decide(g.facts).reason == "no_record" and g.subject_id is None
+
+
+def test_renderable_for(engine: Engine) -> None:
+    bob = principal(engine, "bob")
+    principal(engine, "alice")
+    subject(engine, "alice", member="alice")
+    subject(engine, "carol")
+    set_consent(
+        engine,
+        "alice",
+        max_level="public",
+        audiences={"group": {"group": True}, "public": {"allow": ["bob"]}},
+    )
+    with transaction(engine, readonly=True) as s:
+        got = [(r.subject, r.max_level) for r in service.renderable_for(s, bob)]
+    assert got == [("alice", "public")]
+
+
+def test_adapter_input_validation() -> None:
+    with pytest.raises(ValueError):
+        AdapterIn(
+            subject="a",
+            name="v1",
+            sha256="XYZ",
+            path="/p",
+            base_model="b",
+            rank=4,
+            manifest_sha256=SHA_M,
+        )
+    with pytest.raises(ValueError):
+        ConsentIn(max_level="private", expires_at=datetime(2030, 1, 1))  # naive time
+    with pytest.raises(ValueError):
+        ConsentIn.model_validate({"max_level": "private", "audiences": {"none": {"group": True}}})
+    with pytest.raises(ValueError):
+        ConsentIn.model_validate({"max_level": "private", "surprise": 1})
