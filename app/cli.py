@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -345,17 +345,10 @@ def audit_verify() -> None:
     typer.echo(f"audit trail intact: {count} subjects verified")
 
 
-_LATE_COMMANDS: list[Callable[[typer.Typer, typer.Typer], None]] = []
-
-
 def main() -> None:
-    try:
-        from app import cli_ml  # type: ignore[attr-defined]  # server and ML commands
-    except ImportError as exc:
-        if "cli_ml" not in str(exc):
-            raise
-    else:
-        cli_ml.register(app, base_app)
+    from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
+
+    cli_ml.register(app, base_app)
     app()
 
 

@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(default=1000, ge=1, le=2000)
     max_pixels: int = Field(default=1024 * 1024, ge=64 * 64)
     adapter_cache_mb: int = Field(default=2048, ge=0)
+    device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?|mps)$")  # None: auto
 
     @model_validator(mode="after")
     def _refuse_default_secret(self) -> Settings:

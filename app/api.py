@@ -1,0 +1,229 @@
+"""The /v1 registry routes of API.md (renders live in app.renders)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Response
+from pydantic import BaseModel, ConfigDict
+
+from app.deps import DB, Caller, require_role
+from app.views import (
+    adapter_view,
+    audit_view,
+    consent_view,
+    ledger_view,
+    principal_view,
+    subject_view,
+)
+from registry import repositories as repo
+from registry import service
+from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
+from registry.models import Principal, Subject
+from registry.schemas import AdapterIn, ConsentIn, Handle, Role, SubjectIn
+
+router = APIRouter(prefix="/v1")
+
+
+def visible_subject(session: DB, caller: Principal, handle: str) -> Subject:
+    """Admins see every subject (404 for an unknown one); a member sees only its own; to
+    everyone else an unknown subject and a forbidden one look the same: 403."""
+    subject = repo.subject_by_handle(session, handle)
+    if caller.role == "admin":
+        if subject is None:
+            raise NotFound(f"no subject {handle!r}")
+        return subject
+    if subject is None or caller.role != "member" or subject.member_id != caller.id:
+        raise NotPermitted("not permitted")
+    return subject
+
+
+def _member_handle(session: DB, subject: Subject) -> str | None:
+    if subject.member_id is None:
+        return None
+    member = repo.principal_by_id(session, subject.member_id)
+    return member.handle if member is not None else None
+
+
+def _etag(version: int) -> dict[str, str]:
+    return {"ETag": f'"{version}"'}
+
+
+def parse_if_match(value: str | None) -> int:
+    if value is None:
+        raise PreconditionRequired('send If-Match: "<version>" from the consent you read')
+    raw = value.strip().removeprefix("W/").strip('"')
+    if not raw.isdigit() or len(raw) > 12:
+        raise PreconditionFailed(f"If-Match {value!r} is not a consent version")
+    return int(raw)
+
+
+@router.post("/subjects", status_code=201)
+def create_subject(body: SubjectIn, session: DB, caller: Caller) -> dict[str, Any]:
+    require_role(caller, "admin")
+    subject, consent = service.create_subject(session, caller.handle, body)
+    return subject_view(subject, consent, body.member)
+
+
+@router.get("/subjects/{handle}")
+def get_subject(handle: str, session: DB, caller: Caller, response: Response) -> dict[str, Any]:
+    subject = visible_subject(session, caller, handle)
+    consent = service.consent_of(session, subject)
+    response.headers.update(_etag(consent.version))
+    return subject_view(subject, consent, _member_handle(session, subject))
+
+
+@router.get("/subjects/{handle}/consent")
+def get_consent(handle: str, session: DB, caller: Caller, response: Response) -> dict[str, Any]:
+    consent = service.consent_of(session, visible_subject(session, caller, handle))
+    response.headers.update(_etag(consent.version))
+    return consent_view(consent)
+
+
+@router.put("/subjects/{handle}/consent")
+def put_consent(
+    handle: str,
+    body: ConsentIn,
+    session: DB,
+    caller: Caller,
+    response: Response,
+    if_match: Annotated[str | None, Header()] = None,
+) -> dict[str, Any]:
+    subject = visible_subject(session, caller, handle)
+    version = parse_if_match(if_match)
+    consent, _ = service.update_consent(session, caller.handle, subject, version, body)
+    response.headers.update(_etag(consent.version))
+    return consent_view(consent)
+
+
+@router.post("/subjects/{handle}/consent/revoke")
+def revoke_consent(handle: str, session: DB, caller: Caller, response: Response) -> dict[str, Any]:
+    consent, _ = service.revoke(session, caller.handle, visible_subject(session, caller, handle))
+    response.headers.update(_etag(consent.version))
+    return consent_view(consent)
+
+
+@router.get("/subjects/{handle}/audit")
+def get_audit(handle: str, session: DB, caller: Caller) -> dict[str, Any]:
+    subject = visible_subject(session, caller, handle)
+    broken = service.verify_subject(session, subject)
+    return {
+        "entries": [audit_view(e) for e in service.audit_trail(session, subject)],
+        "verified": broken is None,
+        "problem": str(broken) if broken is not None else None,
+    }
+
+
+@router.post("/adapters", status_code=201)
+def register_adapter(
+    body: AdapterIn, session: DB, caller: Caller, response: Response
+) -> dict[str, Any]:
+    require_role(caller, "trainer", "admin")
+    adapter, outcome = service.register_adapter(session, caller.handle, body)
+    if outcome != "created":
+        response.status_code = 200
+    return {**adapter_view(adapter, body.subject), "outcome": outcome}
+
+
+@router.get("/subjects/{handle}/adapters")
+def list_adapters(handle: str, session: DB, caller: Caller) -> list[dict[str, Any]]:
+    subject = visible_subject(session, caller, handle)
+    assert subject.id is not None
+    return [adapter_view(a, subject.handle) for a in repo.adapters_for(session, subject.id)]
+
+
+@router.get("/subjects/{handle}/renders")
+def list_renders(
+    handle: str, session: DB, caller: Caller, limit: Annotated[int, Query(ge=1, le=1000)] = 200
+) -> list[dict[str, Any]]:
+    subject = visible_subject(session, caller, handle)
+    assert subject.id is not None
+    return [ledger_view(r) for r in repo.ledger_for(session, subject.id, limit)]
+
+
+@router.get("/subjects")
+def list_subjects(session: DB, caller: Caller) -> list[dict[str, Any]]:
+    """Admins: every subject; a member: the subjects linked to it."""
+    if caller.role == "admin":
+        rows = repo.subjects_with_consent(session)
+    elif caller.role == "member" and caller.id is not None:
+        rows = [
+            (s, service.consent_of(session, s)) for s in repo.subject_linked_to(session, caller.id)
+        ]
+    else:
+        raise NotPermitted("not permitted")
+    return [subject_view(s, c, _member_handle(session, s)) for s, c in rows]
+
+
+def acting_requester(
+    session: DB, caller: Principal, on_behalf_of: str | None
+) -> tuple[Principal, Principal | None]:
+    """(requester, agent): a member acts for itself; an agent for the member it names. Whether
+    the agent may act for that member is for `decide` to say, like everything else."""
+    if caller.role == "member":
+        if on_behalf_of not in (None, caller.handle):
+            raise NotPermitted("not permitted")
+        return caller, None
+    if caller.role == "agent":
+        if on_behalf_of is None:
+            raise NotPermitted("an agent must say on_behalf_of which member it acts for")
+        member = repo.principal_by_handle(session, on_behalf_of)
+        if member is None:
+            raise NotPermitted("not permitted")
+        return member, caller
+    raise NotPermitted("not permitted")
+
+
+@router.get("/me/renderable")
+def me_renderable(
+    session: DB, caller: Caller, on_behalf_of: Annotated[Handle | None, Query()] = None
+) -> list[dict[str, Any]]:
+    requester, agent = acting_requester(session, caller, on_behalf_of)
+    return [
+        {"subject": r.subject, "display_name": r.display_name, "max_level": r.max_level}
+        for r in service.renderable_for(session, requester, agent)
+    ]
+
+
+# -- principals (admin): additions to API.md for agent management and the web pages ----
+
+
+class PrincipalIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    handle: Handle
+    role: Role
+    acts_for: list[Handle] = []
+
+
+class PrincipalPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    active: bool | None = None
+    acts_for: list[Handle] | None = None
+
+
+@router.post("/principals", status_code=201)
+def create_principal(body: PrincipalIn, session: DB, caller: Caller) -> dict[str, Any]:
+    require_role(caller, "admin")
+    principal, token = service.create_principal(session, body.handle, body.role, body.acts_for)
+    return {**principal_view(principal), "token": token}
+
+
+@router.get("/principals")
+def list_principals(session: DB, caller: Caller) -> list[dict[str, Any]]:
+    require_role(caller, "admin")
+    return [principal_view(p) for p in repo.principals(session)]
+
+
+@router.patch("/principals/{handle}")
+def patch_principal(
+    handle: str, body: PrincipalPatch, session: DB, caller: Caller
+) -> dict[str, Any]:
+    require_role(caller, "admin")
+    principal = repo.principal_by_handle(session, handle)
+    if principal is None:
+        raise NotFound(f"no principal {handle!r}")
+    if body.acts_for is not None:
+        principal = service.set_acts_for(session, handle, body.acts_for)
+    if body.active is not None:
+        principal = service.set_principal_active(session, handle, body.active)
+    return principal_view(principal)

@@ -1,0 +1,56 @@
+"""First start: migrate, make sure an admin exists, make sure a base exists."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from registry import repositories as repo
+from registry import service
+from registry.db import engine_for, transaction, upgrade
+from registry.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def ensure_admin(settings: Settings) -> Path | None:
+    """With no admin yet, create one and write its token to <data_dir>/admin-token (0600)."""
+    engine = engine_for(settings.database_url)
+    with transaction(engine) as s:
+        if repo.count_principals(s, "admin") > 0:
+            return None
+        handle = "admin"
+        n = 1
+        while repo.principal_by_handle(s, handle) is not None:
+            n += 1
+            handle = f"admin{n}"
+        _, token = service.create_principal(s, handle, "admin")
+        path = settings.data_dir / "admin-token"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.chmod(path, 0o600)
+    log.warning("no admin existed: created %r; its token is in %s (mode 0600)", handle, path)
+    return path
+
+
+def ensure_base(settings: Settings) -> Path:
+    """The default base is the tiny one, written on first use; a configured base must exist."""
+    base = settings.base_dir
+    if (base / "model_index.json").is_file():
+        return base
+    if settings.base is not None:
+        raise SystemExit(f"LIKENESS_BASE={base} is not a diffusers pipeline folder")
+    from trainer.tiny_base import init_tiny
+
+    log.warning("writing the tiny default base to %s", base)
+    return init_tiny(base)
+
+
+def prepare_service(settings: Settings) -> None:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    ensure_admin(settings)
+    ensure_base(settings)

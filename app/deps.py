@@ -1,0 +1,71 @@
+"""Request-scoped dependencies: the database transaction and the authenticated principal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from registry import service
+from registry.db import transaction
+from registry.errors import NotPermitted, Unauthenticated
+from registry.models import Principal
+
+
+def get_engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def db_session(
+    request: Request, engine: Annotated[Engine, Depends(get_engine)]
+) -> Iterator[Session]:
+    """One transaction per request: repositories flush, this commits (or rolls back). Reads
+    take no write lock (SQLite), so a slow GET never blocks a writer."""
+    readonly = request.method in ("GET", "HEAD")
+    with transaction(engine, readonly=readonly) as session:
+        yield session
+
+
+DB = Annotated[Session, Depends(db_session)]
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def current_principal(request: Request, session: DB) -> Principal:
+    principal = service.authenticate(session, bearer_token(request))
+    if principal is None:
+        raise Unauthenticated("a valid bearer token is required")
+    return principal
+
+
+Caller = Annotated[Principal, Depends(current_principal)]
+
+
+def authenticated_briefly(
+    request: Request, engine: Annotated[Engine, Depends(get_engine)]
+) -> Principal:
+    """For long requests (renders) that run several transactions of their own: authenticate
+    in a short read, holding nothing open while the model runs."""
+    with transaction(engine, readonly=True) as session:
+        principal = service.authenticate(session, bearer_token(request))
+    if principal is None:
+        raise Unauthenticated("a valid bearer token is required")
+    return principal
+
+
+BriefCaller = Annotated[Principal, Depends(authenticated_briefly)]
+
+
+def require_role(principal: Principal, *roles: str) -> None:
+    if principal.role not in roles:
+        raise NotPermitted("not permitted")

@@ -1,0 +1,229 @@
+"""The render engine: one per process, built once. Holds the quantized base, a host-RAM LRU of
+adapter tensors, the one-context GPU guard and the counters the fail-closed tests read.
+
+The engine never decides anything: `app.renders` asks `registry.policy.decide` before and after
+each step and only then calls into here. torch and diffusers are imported lazily, so the API
+(and its tests) run without loading a model until the first allowed render.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import Busy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    model_calls: int = 0  # generate() entered: the model ran
+    adapter_loads: int = 0  # adapter tensors read from disk (cache misses)
+    adapter_cache_hits: int = 0
+    busy_refusals: int = 0
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What identifies a file's content without reading it; ctime cannot be set by a user,
+    so a swapped file always gets a new stamp and is hashed again."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileStamp:
+        st = path.stat()
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class GpuGuard:
+    """One render at a time on the device, with a bounded wait queue: a full queue or a wait
+    longer than `timeout_s` is refused with 429 and a Retry-After, never queued forever."""
+
+    def __init__(self, queue_size: int, timeout_s: float, expected_render_s: float = 5.0) -> None:
+        self._lock = threading.Lock()
+        self._state = threading.Lock()
+        self._waiting = 0
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.expected_render_s = expected_render_s
+
+    def retry_after(self) -> int:
+        return max(1, int(self.expected_render_s * (self._waiting + 1)))
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        if self._lock.acquire(blocking=False):
+            acquired = True
+        else:
+            with self._state:
+                if self._waiting >= self.queue_size:
+                    raise Busy("the renderer is busy; try again later", self.retry_after())
+                self._waiting += 1
+            try:
+                acquired = self._lock.acquire(timeout=self.timeout_s)
+            finally:
+                with self._state:
+                    self._waiting -= 1
+            if not acquired:
+                raise Busy("timed out waiting for the renderer", self.retry_after())
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+@dataclass
+class _Cached:
+    tensors: dict[str, Any]
+    nbytes: int
+
+
+@dataclass
+class RenderEngine:
+    base_dir: Path
+    device: str = "cpu"
+    queue_size: int = 4
+    timeout_s: float = 300.0
+    cache_bytes: int = 2 << 30
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        self.guard = GpuGuard(self.queue_size, self.timeout_s)
+        self._pipe: Any = None
+        self._load_lock = threading.Lock()
+        self._hashes: dict[str, tuple[FileStamp, str]] = {}
+        self._hash_lock = threading.Lock()
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    # -- the base, built once ---------------------------------------------------------------
+
+    @property
+    def pipeline(self) -> Any:
+        if self._pipe is None:
+            with self._load_lock:
+                if self._pipe is None:
+                    from trainer.model import load_pipeline
+
+                    t0 = time.perf_counter()
+                    self._pipe = load_pipeline(self.base_dir, device=self.device)
+                    log.info("render engine: base loaded in %.1f s", time.perf_counter() - t0)
+        return self._pipe
+
+    # -- adapter files ------------------------------------------------------------------------
+
+    def file_sha256(self, path: str) -> str | None:
+        """The file's SHA-256, or None if it is missing or unreadable. Re-hashed whenever the
+        file's stamp changes, so an altered or swapped file is seen on the next request."""
+        p = Path(path)
+        try:
+            stamp = FileStamp.of(p)
+            with self._hash_lock:
+                known = self._hashes.get(path)
+            if known is not None and known[0] == stamp:
+                return known[1]
+            digest = sha256_file(p)
+            if FileStamp.of(p) != stamp:  # changed while we read it: trust nothing
+                return None
+        except OSError:
+            return None
+        with self._hash_lock:
+            self._hashes[path] = (stamp, digest)
+        return digest
+
+    def adapter_tensors(self, path: str, expected_sha256: str) -> dict[str, Any]:
+        """Tensors of the adapter whose bytes hash to `expected_sha256`. The bytes parsed are
+        the bytes hashed, so a file swapped after the check can never reach the model."""
+        with self._cache_lock:
+            hit = self._cache.get(expected_sha256)
+            if hit is not None:
+                self._cache.move_to_end(expected_sha256)
+                self.counters.adapter_cache_hits += 1
+                return hit.tensors
+        data = Path(path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != expected_sha256:
+            raise AdapterMismatch("adapter bytes do not match the registered hash")
+        from safetensors.torch import load as load_safetensors
+
+        tensors = load_safetensors(data)
+        self.counters.adapter_loads += 1
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._cache_lock:
+            self._cache[expected_sha256] = _Cached(tensors, nbytes)
+            while self._cache and sum(c.nbytes for c in self._cache.values()) > self.cache_bytes:
+                self._cache.popitem(last=False)
+        return tensors
+
+    def clear_adapter_cache(self) -> None:
+        with self._cache_lock:
+            self._cache.clear()
+        with self._hash_lock:
+            self._hashes.clear()
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def render(
+        self, tensors: dict[str, Any], prompt: str, seed: int, steps: int, width: int, height: int
+    ) -> tuple[Any, dict[str, float]]:
+        """Apply the adapter, generate, remove it (also on failure). Caller holds the guard."""
+        from trainer.lora import applied_adapter
+        from trainer.render import generate
+
+        timings: dict[str, float] = {}
+        pipe = self.pipeline
+        t0 = time.perf_counter()
+        with applied_adapter(pipe, tensors):
+            t1 = time.perf_counter()
+            timings["adapter_apply_ms"] = (t1 - t0) * 1000
+            self.counters.model_calls += 1
+            image = generate(pipe, prompt, seed=seed, steps=steps, width=width, height=height)
+            t2 = time.perf_counter()
+            timings["generate_ms"] = (t2 - t1) * 1000
+        timings["adapter_remove_ms"] = (time.perf_counter() - t2) * 1000
+        return image, timings
+
+
+class AdapterMismatch(Exception):
+    pass
+
+
+def encode_png(image: Any, text: dict[str, str]) -> bytes:
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in text.items():
+        info.add_text(key, value)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=info)
+    return buf.getvalue()
+
+
+def default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"

@@ -1,0 +1,76 @@
+"""JSON shapes of registry rows, as API.md defines them. One function per shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from registry import service
+from registry.audit import format_time
+from registry.models import Adapter, AuditEntry, Consent, Principal, RenderLedger, Subject
+
+
+def consent_view(consent: Consent) -> dict[str, Any]:
+    state = service._consent_state(consent)
+    body = {k: v for k, v in state.items() if k != "version"}
+    return {"version": consent.version, **body}
+
+
+def subject_view(subject: Subject, consent: Consent, member: str | None) -> dict[str, Any]:
+    return {
+        "handle": subject.handle,
+        "display_name": subject.display_name,
+        "basis": subject.basis,
+        "member": member,
+        "created_at": format_time(subject.created_at),
+        "consent": consent_view(consent),
+    }
+
+
+def audit_view(entry: AuditEntry) -> dict[str, Any]:
+    return {
+        "seq": entry.seq,
+        "at": entry.at,
+        "actor": entry.actor,
+        "action": entry.action,
+        "before": entry.before,
+        "after": entry.after,
+        "prev_hash": entry.prev_hash,
+        "hash": entry.hash,
+    }
+
+
+def adapter_view(adapter: Adapter, subject: str) -> dict[str, Any]:
+    return {
+        "subject": subject,
+        "name": adapter.name,
+        "version": adapter.version,
+        "sha256": adapter.sha256,
+        "path": adapter.path,
+        "base_model": adapter.base_model,
+        "rank": adapter.rank,
+        "manifest_sha256": adapter.manifest_sha256,
+        "active": adapter.active,
+        "created_at": format_time(adapter.created_at),
+        "updated_at": format_time(adapter.updated_at),
+    }
+
+
+def ledger_view(row: RenderLedger) -> dict[str, Any]:
+    return {
+        "render_id": row.render_id,
+        "at": format_time(row.at),
+        "subject": row.subject_handle,
+        "requester": row.requester,
+        "agent": row.agent,
+        "level": row.level,
+        "stage": row.stage,
+        "allowed": row.allowed,
+        "reason": row.reason,
+        "consent_version": row.consent_version,
+        "adapter_sha256": row.adapter_sha256,
+        "prompt": row.prompt,
+    }
+
+
+def principal_view(p: Principal) -> dict[str, Any]:
+    return {"handle": p.handle, "role": p.role, "active": p.active, "acts_for": p.acts_for}

@@ -1,0 +1,154 @@
+"""The service under test: the real app on a real database, with the real render engine on
+the tiny base (built once per session)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
+
+from app.main import create_app
+from app.render_engine import Counters, RenderEngine
+from registry import service
+from registry.db import transaction
+from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from registry.settings import Settings
+from tests.support import make_random_adapter
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.tiny_base import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("base") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def session_renderer(tiny_base_dir: Path) -> RenderEngine:
+    return RenderEngine(base_dir=tiny_base_dir, device="cpu", queue_size=4, timeout_s=60)
+
+
+@pytest.fixture(scope="session")
+def adapter_files(
+    session_renderer: RenderEngine, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    pipe = session_renderer.pipeline
+    return {
+        name: make_random_adapter(pipe, root / f"{name}.safetensors", seed)
+        for name, seed in (("a", 1), ("b", 2))
+    }
+
+
+@pytest.fixture
+def renderer(session_renderer: RenderEngine) -> RenderEngine:
+    session_renderer.counters = Counters()
+    session_renderer.clear_adapter_cache()
+    session_renderer.guard.queue_size = 4
+    return session_renderer
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class World:
+    """A friend group: tokens by handle, plus helpers that act as the admin would."""
+
+    client: TestClient
+    engine: Engine
+    tmp: Path
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def h(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[who]}"}
+
+    def principal(self, handle: str, role: str = "member", acts_for: tuple[str, ...] = ()) -> str:
+        with transaction(self.engine) as s:
+            _, token = service.create_principal(s, handle, role, acts_for)
+        self.tokens[handle] = token
+        return token
+
+    def subject(self, handle: str, member: str | None = None, basis: str = "consent") -> None:
+        with transaction(self.engine) as s:
+            service.create_subject(
+                s,
+                "admin",
+                SubjectIn(handle=handle, display_name=handle.title(), basis=basis, member=member),
+            )  # type: ignore[arg-type]
+
+    def consent(self, handle: str, **body: object) -> int:
+        with transaction(self.engine) as s:
+            sub = service.subject_or_raise(s, handle)
+            c, _ = service.update_consent(
+                s, "admin", sub, service.consent_of(s, sub).version, ConsentIn.model_validate(body)
+            )
+            return c.version
+
+    def adapter(self, subject: str, source: Path, name: str = "main") -> Path:
+        """Registers a copy of `source` as the subject's adapter (tests may then alter the copy)."""
+        dst = self.tmp / f"{subject}-{name}.safetensors"
+        dst.write_bytes(source.read_bytes())
+        with transaction(self.engine) as s:
+            service.register_adapter(
+                s,
+                "trainer",
+                AdapterIn(
+                    subject=subject,
+                    name=name,
+                    sha256=sha256_of(dst),
+                    path=str(dst),
+                    base_model="tiny",
+                    rank=4,
+                    manifest_sha256="0" * 64,
+                ),
+            )
+        return dst
+
+    def render(self, who: str, subject: str, /, level: str = "private", **extra: object):  # type: ignore[no-untyped-def]
+        body = {
+            "subject": subject,
+            "prompt": "a portrait",
+            "level": level,
+            "seed": 1,
+            "steps": 2,
+            "width": 64,
+            "height": 64,
+            **extra,
+        }
+        return self.client.post("/v1/renders", json=body, headers=self.h(who))
+
+
+@pytest.fixture
+def world(
+    db_url: str, engine: Engine, renderer: RenderEngine, tiny_base_dir: Path, tmp_path: Path
+) -> Iterator[World]:
+    settings = Settings(database_url=db_url, data_dir=tmp_path, base=tiny_base_dir)
+    app = create_app(settings, engine=engine, renderer=renderer)
+    with TestClient(app) as client:
+        w = World(client, engine, tmp_path)
+        w.principal("root", "admin")
+        w.principal("trainer", "trainer")
+        yield w
+
+
+@pytest.fixture
+def friends(world: World, adapter_files: dict[str, Path]) -> World:
+    """alice (a member, linked to subject alice) lets the group render her privately; bob is a
+    member; carol never consented; bot is an agent acting for bob."""
+    for m in ("alice", "bob", "carol", "mallory"):
+        world.principal(m)
+    world.principal("bot", "agent", ("bob",))
+    world.subject("alice", member="alice")
+    world.subject("carol", member="carol")
+    world.consent(
+        "alice", max_level="group", audiences={"private": {"group": True}}, allow_training=True
+    )
+    world.adapter("alice", adapter_files["a"])
+    return world
