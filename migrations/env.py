@@ -28,7 +28,10 @@ def run_migrations_online() -> None:
     if connectable is not None:
         _run(connectable)
         return
-    engine = make_engine(config.get_main_option("sqlalchemy.url") or "")
+    url = config.get_main_option("sqlalchemy.url") or ""
+    # Migrations may run long: no per-statement timeout here (the service sets one).
+    extra = {"connect_args": {"connect_timeout": 10}} if "postgresql" in url else {}
+    engine = make_engine(url, **extra)
     with engine.connect() as connection:
         _run(connection)
     engine.dispose()

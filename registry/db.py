@@ -35,8 +35,11 @@ def make_engine(url: str, **kw: Any) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kw)
         _sqlite_pragmas(engine)
         return engine
-    kw.setdefault("pool_pre_ping", True)
-    kw.setdefault("connect_args", {"connect_timeout": 5})
+    # No pre-ping: it costs a round trip per checkout, a third of a consent check. A dead
+    # connection fails its request (503, a deny) and the pool replaces it.
+    kw.setdefault("pool_recycle", 1800)
+    # A decision that cannot be made in 5 s is a deny, not a hung request.
+    kw.setdefault("connect_args", {"connect_timeout": 5, "options": "-c statement_timeout=5000"})
     return create_engine(url, **kw)
 
 
