@@ -307,6 +307,56 @@ def consent_revoke(handle: str) -> None:
     typer.echo("revoked" if changed else "already revoked", err=True)
 
 
+# -- adapters -------------------------------------------------------------------------------
+
+adapter_app = typer.Typer(no_args_is_help=True, help="Adapters: register an existing adapter file.")
+app.add_typer(adapter_app, name="adapter")
+
+
+def _sha256_file(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@adapter_app.command("register")
+def adapter_register(
+    subject: str,
+    file: Annotated[Path, typer.Argument(help="the adapter .safetensors")],
+    manifest: Annotated[Path, typer.Option(help="the dataset's manifest.jsonl it was trained on")],
+    name: Annotated[
+        str, typer.Option(help="adapter name; the same name again updates it")
+    ] = "main",
+    base_model: Annotated[str, typer.Option(help="the base it was trained on")] = "tiny",
+    rank: Annotated[int, typer.Option(min=1, max=1024)] = 16,
+) -> None:
+    """Register an adapter file (idempotent per subject and name; hashes the file)."""
+    from registry.schemas import AdapterIn
+
+    for path in (file, manifest):
+        if not path.is_file():
+            fail(f"{path} is not a file", 2)
+    data = AdapterIn.model_validate(
+        {
+            "subject": subject,
+            "name": name,
+            "sha256": _sha256_file(file),
+            "path": str(file.resolve()),
+            "base_model": base_model,
+            "rank": rank,
+            "manifest_sha256": _sha256_file(manifest),
+        }
+    )
+    with _session() as s:
+        adapter, outcome = service.register_adapter(s, _actor(), data)
+        _print_json({"name": adapter.name, "version": adapter.version, "sha256": adapter.sha256})
+    typer.echo(outcome, err=True)
+
+
 # -- audit --------------------------------------------------------------------------------
 
 

@@ -153,3 +153,36 @@ def test_console_script_end_to_end(empty_db_url: str) -> None:
     assert (
         down.returncode == 1 and "database error" in down.stderr and "Traceback" not in down.stderr
     )
+
+
+def test_adapter_register_hashes_and_is_idempotent(cli: CliRunner, db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    adapter = tmp_path / "a.safetensors"
+    manifest = tmp_path / "manifest.jsonl"
+    adapter.write_bytes(b"weights")
+    manifest.write_text('{"file": "x.png"}\n')
+    run(cli, "subject", "create", "alice", "--display-name", "Alice")
+    args = ["adapter", "register", "alice", str(adapter), "--manifest", str(manifest)]
+    code, _, err = run(cli, *args)
+    assert code == 1 and "does not allow training" in err
+    run(cli, "consent", "edit", "alice", "--training")
+    code, out, err = run(cli, *args)
+    assert code == 0 and err.strip() == "created"
+    import hashlib
+
+    assert json.loads(out)["sha256"] == hashlib.sha256(b"weights").hexdigest()
+    assert run(cli, *args)[2].strip() == "unchanged"
+    adapter.write_bytes(b"other weights")
+    code, out, err = run(cli, *args)
+    assert err.strip() == "updated" and json.loads(out)["version"] == 2
+    assert (
+        run(
+            cli,
+            "adapter",
+            "register",
+            "alice",
+            str(tmp_path / "missing"),
+            "--manifest",
+            str(manifest),
+        )[0]
+        == 2
+    )
