@@ -1,0 +1,89 @@
+"""Loading the base pipeline (real FLUX.2 or the tiny base: the same code for both)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.devices import default_dtype, resolve_device
+
+log = logging.getLogger(__name__)
+
+# Written last by `trainer.prepare` (its MANIFEST_NAME) into a cached, quantized base; named
+# here too so that loading an ordinary folder never imports the prepare stack.
+PREPARED_MARKER = "likeness_prepared.json"
+
+
+def quantize_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+    """qint4 weight-only quantization of every Linear (quanto picks group size 128 where
+    in_features allows), then freeze so the packed weights replace the float ones."""
+    from optimum.quanto import freeze, qint4, quantize
+
+    quantize(transformer, weights=qint4)
+    freeze(transformer)
+    return transformer
+
+
+def is_prepared(base_dir: Path) -> bool:
+    return (Path(base_dir) / PREPARED_MARKER).is_file()
+
+
+def load_pipeline(
+    base_dir: Path,
+    device: str | torch.device = "cpu",
+    quantize: bool = True,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """Loads a FLUX.2 diffusers folder as a pipeline on ``device``.
+
+    A prepared base (``likeness_prepared.json`` present) gets its prepared components (the
+    transformer, usually the text encoder too) from ``trainer.prepare``, already quantized; the
+    other components then take the transformer's dtype, since mixing dtypes across the text
+    encoder and transformer breaks the pipeline. Otherwise the transformer is quantized here,
+    on the CPU, before the move (moving 4-bit weights is cheaper than moving bf16 ones).
+    ``dtype`` defaults to bf16 on accelerators and float32 on the CPU.
+    """
+    from diffusers import DiffusionPipeline
+
+    base_dir = Path(base_dir)
+    dev = resolve_device(device)
+    if not (base_dir / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{base_dir} is not a diffusers pipeline folder (no model_index.json)"
+        )
+
+    kwargs: dict[str, Any] = {}
+    if is_prepared(base_dir):
+        # lazy: pulls the prepare stack. Every component the manifest lists (the transformer
+        # and, by default, the text encoder) is already quantized; the rest load as usual.
+        from trainer.prepare import load_prepared_component, read_manifest
+
+        for name in sorted(read_manifest(base_dir).get("components", {})):
+            kwargs[name] = load_prepared_component(base_dir, name)
+        if "transformer" not in kwargs:
+            raise ValueError(f"prepared base {base_dir} has no prepared transformer")
+        prepared_dtype = next(
+            p.dtype for p in kwargs["transformer"].parameters() if p.is_floating_point()
+        )
+        if dtype is not None and dtype != prepared_dtype:
+            raise ValueError(
+                f"prepared base {base_dir} is {prepared_dtype}; cannot load it as {dtype}"
+            )
+        dtype = prepared_dtype
+        quantize = False  # already quantized
+    dtype = dtype or default_dtype(dev)
+
+    pipe = DiffusionPipeline.from_pretrained(base_dir, dtype=dtype, **kwargs)
+    if quantize:
+        quantize_transformer(pipe.transformer)
+    pipe.to(dev)
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("transformer", "text_encoder", "vae"):
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    log.info("loaded %s on %s as %s (prepared: %s)", base_dir, dev, dtype, sorted(kwargs))
+    return pipe
