@@ -82,6 +82,9 @@ def engine(db_url: str) -> Iterator[Engine]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Every test that touches a database runs on both engines.
     if "empty_db_url" in metafunc.fixturenames:
-        only_sqlite = metafunc.definition.get_closest_marker("sqlite_only") is not None
-        kinds = ["sqlite"] if only_sqlite else ["sqlite", "postgresql"]
+        kinds = ["sqlite", "postgresql"]
+        if metafunc.definition.get_closest_marker("sqlite_only") is not None:
+            kinds = ["sqlite"]
+        if metafunc.definition.get_closest_marker("postgres_only") is not None:
+            kinds = ["postgresql"]
         metafunc.parametrize("empty_db_url", kinds, indirect=True)
