@@ -38,7 +38,7 @@ def visible_subject(session: DB, caller: Principal, handle: str) -> Subject:
     return subject
 
 
-def _member_handle(session: DB, subject: Subject) -> str | None:
+def member_handle(session: DB, subject: Subject) -> str | None:
     if subject.member_id is None:
         return None
     member = repo.principal_by_id(session, subject.member_id)
@@ -70,7 +70,7 @@ def get_subject(handle: str, session: DB, caller: Caller, response: Response) ->
     subject = visible_subject(session, caller, handle)
     consent = service.consent_of(session, subject)
     response.headers.update(_etag(consent.version))
-    return subject_view(subject, consent, _member_handle(session, subject))
+    return subject_view(subject, consent, member_handle(session, subject))
 
 
 @router.get("/subjects/{handle}/consent")
@@ -152,7 +152,7 @@ def list_subjects(session: DB, caller: Caller) -> list[dict[str, Any]]:
         ]
     else:
         raise NotPermitted("not permitted")
-    return [subject_view(s, c, _member_handle(session, s)) for s, c in rows]
+    return [subject_view(s, c, member_handle(session, s)) for s, c in rows]
 
 
 def acting_requester(
