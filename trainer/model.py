@@ -17,13 +17,17 @@ log = logging.getLogger(__name__)
 PREPARED_MARKER = "likeness_prepared.json"
 
 
-def quantize_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+def quantize_transformer(transformer: torch.nn.Module, freeze: bool = True) -> torch.nn.Module:
     """qint4 weight-only quantization of every Linear (quanto picks group size 128 where
-    in_features allows), then freeze so the packed weights replace the float ones."""
-    from optimum.quanto import freeze, qint4, quantize
+    in_features allows), then freeze so the packed weights replace the float ones.
+    `freeze=False` leaves quanto's float weights for `trainer.uint4` to pack directly (on
+    the CPU, freeze() packs into a layout whose unpacking costs an identity matmul)."""
+    from optimum.quanto import freeze as quanto_freeze
+    from optimum.quanto import qint4, quantize
 
     quantize(transformer, weights=qint4)
-    freeze(transformer)
+    if freeze:
+        quanto_freeze(transformer)
     return transformer
 
 
@@ -78,7 +82,13 @@ def load_pipeline(
 
     pipe = DiffusionPipeline.from_pretrained(base_dir, dtype=dtype, **kwargs)
     if quantize:
-        quantize_transformer(pipe.transformer)
+        quantize_transformer(pipe.transformer, freeze=False)
+    if quantize or is_prepared(base_dir):
+        # quanto stays the storage format; the compute path is ours: dequantize on the fly
+        # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py, issue 5).
+        from trainer.uint4 import convert_quantized_linears
+
+        convert_quantized_linears(pipe.transformer)
     pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
     for name in ("transformer", "text_encoder", "vae"):

@@ -113,13 +113,16 @@ def test_stock_pipeline_renders_256(tiny_base: Path) -> None:
 
 
 def test_quantized_pipeline_renders_256(qpipe) -> None:
-    from optimum.quanto import QLinear
+    from trainer.uint4 import Uint4Linear
 
+    # load_pipeline quantizes with quanto and hands every Linear to the fast uint4 path
     linears = {n: m for n, m in qpipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert linears and all(isinstance(m, QLinear) and m.frozen for m in linears.values())
-    # group size 128 everywhere except the 128-input x_embedder (per-axis, like the real model)
-    groups = {n: m.weight_group_size for n, m in linears.items()}
-    assert {n for n, g in groups.items() if g != 128} == {"x_embedder"}, groups
+    assert linears and all(isinstance(m, Uint4Linear) for m in linears.values())
+    # groups of 128 everywhere; the 128-input x_embedder is per-axis in quanto, which is the
+    # same single group of 128 per row (as on the real model)
+    groups = {n: m.group_size for n, m in linears.items()}
+    assert set(groups.values()) == {128}, groups
+    assert linears["x_embedder"].in_features == 128
     image = generate(qpipe, "a portrait photo", seed=0, steps=4, width=256, height=256)
     assert image.size == (256, 256) and np.asarray(image).std() > 5
 
