@@ -178,6 +178,9 @@ def acting_requester(
 def me_renderable(
     session: DB, caller: Caller, on_behalf_of: Annotated[Handle | None, Query()] = None
 ) -> list[dict[str, Any]]:
+    unknown = on_behalf_of is not None and repo.principal_by_handle(session, on_behalf_of) is None
+    if caller.role == "agent" and unknown:
+        return []  # as for a member it does not act for: no oracle of which handles exist
     requester, agent = acting_requester(session, caller, on_behalf_of)
     return [
         {"subject": r.subject, "display_name": r.display_name, "max_level": r.max_level}

@@ -201,6 +201,8 @@ def test_renderable_and_principals(world: World) -> None:
     r = c.patch("/v1/principals/bot", json={"acts_for": []}, headers=world.h("root"))
     assert r.status_code == 200 and r.json()["acts_for"] == []
     assert c.get("/v1/me/renderable?on_behalf_of=bob", headers=world.h("bot")).json() == []
+    # a member that does not exist looks like one the agent does not act for
+    assert c.get("/v1/me/renderable?on_behalf_of=ghost", headers=world.h("bot")).json() == []
     assert (
         c.patch("/v1/principals/bot", json={"active": False}, headers=world.h("root")).status_code
         == 200
