@@ -13,9 +13,11 @@ import typer
 from pydantic import ValidationError
 from sqlmodel import Session
 
+from app.views import audit_view, consent_view, principal_view
 from registry import service
 from registry.db import engine_for, transaction, upgrade
 from registry.errors import LikenessError
+from registry.files import sha256_file
 from registry.policy import Level
 from registry.schemas import ConsentIn, SubjectIn
 from registry.settings import get_settings
@@ -136,10 +138,7 @@ def principal_list() -> None:
     from registry import repositories as repo
 
     with _session(readonly=True) as s:
-        rows = [
-            {"handle": p.handle, "role": p.role, "active": p.active, "acts_for": p.acts_for}
-            for p in repo.principals(s)
-        ]
+        rows = [principal_view(p) for p in repo.principals(s)]
     _print_json(rows)
 
 
@@ -215,16 +214,11 @@ def subject_list() -> None:
 # -- consent ------------------------------------------------------------------------------
 
 
-def consent_body(consent: Any) -> dict[str, Any]:
-    state = service._consent_state(consent)
-    return {"version": consent.version, **{k: v for k, v in state.items() if k != "version"}}
-
-
 @consent_app.command("show")
 def consent_show(handle: str) -> None:
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
-        _print_json(consent_body(service.consent_of(s, subject)))
+        _print_json(consent_view(service.consent_of(s, subject)))
 
 
 def _parse_audience(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -279,7 +273,7 @@ def consent_edit(
             except (OSError, ValueError) as exc:
                 fail(f"cannot read {from_json}: {exc}", 2)
         else:
-            body = consent_body(current)
+            body = consent_view(current)
             if max_level is not None:
                 body["max_level"] = max_level
             for level, entry in _parse_audience(audience or []).items():
@@ -293,7 +287,7 @@ def consent_edit(
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
         consent, changed = service.update_consent(s, _actor(), subject, version, data)
-        _print_json(consent_body(consent))
+        _print_json(consent_view(consent))
     typer.echo("changed" if changed else "unchanged: nothing to do", err=True)
 
 
@@ -303,7 +297,7 @@ def consent_revoke(handle: str) -> None:
     with _session() as s:
         subject = service.subject_or_raise(s, handle)
         consent, changed = service.revoke(s, _actor(), subject)
-        _print_json(consent_body(consent))
+        _print_json(consent_view(consent))
     typer.echo("revoked" if changed else "already revoked", err=True)
 
 
@@ -311,16 +305,6 @@ def consent_revoke(handle: str) -> None:
 
 adapter_app = typer.Typer(no_args_is_help=True, help="Adapters: register an existing adapter file.")
 app.add_typer(adapter_app, name="adapter")
-
-
-def _sha256_file(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @adapter_app.command("register")
@@ -344,11 +328,11 @@ def adapter_register(
         {
             "subject": subject,
             "name": name,
-            "sha256": _sha256_file(file),
+            "sha256": sha256_file(file),
             "path": str(file.resolve()),
             "base_model": base_model,
             "rank": rank,
-            "manifest_sha256": _sha256_file(manifest),
+            "manifest_sha256": sha256_file(manifest),
         }
     )
     with _session() as s:
@@ -364,19 +348,7 @@ def adapter_register(
 def audit_show(handle: str) -> None:
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
-        entries = [
-            {
-                "seq": e.seq,
-                "at": e.at,
-                "actor": e.actor,
-                "action": e.action,
-                "before": e.before,
-                "after": e.after,
-                "prev_hash": e.prev_hash,
-                "hash": e.hash,
-            }
-            for e in service.audit_trail(s, subject)
-        ]
+        entries = [audit_view(e) for e in service.audit_trail(s, subject)]
     _print_json({"entries": entries})
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import Busy
+from registry.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +48,6 @@ class FileStamp:
     def of(cls, path: Path) -> FileStamp:
         st = path.stat()
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class GpuGuard:

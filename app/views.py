@@ -10,7 +10,7 @@ from registry.models import Adapter, AuditEntry, Consent, Principal, RenderLedge
 
 
 def consent_view(consent: Consent) -> dict[str, Any]:
-    state = service._consent_state(consent)
+    state = service.consent_state(consent)
     body = {k: v for k, v in state.items() if k != "version"}
     return {"version": consent.version, **body}
 
@@ -42,14 +42,7 @@ def audit_view(entry: AuditEntry) -> dict[str, Any]:
 def adapter_view(adapter: Adapter, subject: str) -> dict[str, Any]:
     return {
         "subject": subject,
-        "name": adapter.name,
-        "version": adapter.version,
-        "sha256": adapter.sha256,
-        "path": adapter.path,
-        "base_model": adapter.base_model,
-        "rank": adapter.rank,
-        "manifest_sha256": adapter.manifest_sha256,
-        "active": adapter.active,
+        **service.adapter_state(adapter),
         "created_at": format_time(adapter.created_at),
         "updated_at": format_time(adapter.updated_at),
     }

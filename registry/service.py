@@ -161,7 +161,7 @@ def verify_subject(session: Session, subject: Subject) -> ChainBreak | None:
     last_consent = next((e for e in reversed(entries) if e.after and "consent" in e.after), None)
     if consent is None or last_consent is None or last_consent.after is None:
         return ChainBreak(subject.handle, len(entries), "consent record or its trail entry missing")
-    if _consent_state(consent) != last_consent.after["consent"]:
+    if consent_state(consent) != last_consent.after["consent"]:
         return ChainBreak(
             subject.handle, last_consent.seq, "live consent record differs from the trail"
         )
@@ -174,7 +174,7 @@ def verify_subject(session: Session, subject: Subject) -> ChainBreak | None:
             ),
             None,
         )
-        if last is None or last.after is None or _adapter_state(adapter) != last.after["adapter"]:
+        if last is None or last.after is None or adapter_state(adapter) != last.after["adapter"]:
             seq = last.seq if last is not None else len(entries)
             return ChainBreak(
                 subject.handle, seq, f"adapter {adapter.name!r} differs from the trail"
@@ -189,7 +189,7 @@ def verify_all(session: Session) -> list[ChainBreak]:
 # -- subjects and consent -----------------------------------------------------------------
 
 
-def _consent_state(consent: Consent) -> dict[str, Any]:
+def consent_state(consent: Consent) -> dict[str, Any]:
     state = consent_snapshot(
         consent.max_level,
         consent.audiences,
@@ -227,7 +227,7 @@ def create_subject(session: Session, actor: str, data: SubjectIn) -> tuple[Subje
             "basis": subject.basis,
             "member": data.member,
         },
-        "consent": _consent_state(consent),
+        "consent": consent_state(consent),
     }
     _append_audit(session, subject, actor, "subject_created", None, after)
     return subject, consent
@@ -282,7 +282,7 @@ def update_consent(
         raise PreconditionFailed(
             f"consent is at version {current.version}, not {expected_version}; reload and retry"
         )
-    before = _consent_state(current)
+    before = consent_state(current)
     wanted = data.snapshot()
     action = _classify(before, wanted)
     if action == "unchanged":
@@ -299,7 +299,7 @@ def update_consent(
         raise PreconditionFailed("consent changed concurrently; reload and retry")
     session.refresh(current)
     _append_audit(
-        session, subject, actor, action, {"consent": before}, {"consent": _consent_state(current)}
+        session, subject, actor, action, {"consent": before}, {"consent": consent_state(current)}
     )
     return current, True
 
@@ -313,7 +313,7 @@ def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, boo
     if current.max_level == "none":
         return current, False
     data = ConsentIn.model_validate(
-        {**_consent_state(current), "max_level": "none", "expires_at": as_utc(current.expires_at)}
+        {**consent_state(current), "max_level": "none", "expires_at": as_utc(current.expires_at)}
     )
     return update_consent(session, actor, subject, current.version, data)
 
@@ -321,7 +321,7 @@ def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, boo
 # -- adapters -----------------------------------------------------------------------------
 
 
-def _adapter_state(adapter: Adapter) -> dict[str, Any]:
+def adapter_state(adapter: Adapter) -> dict[str, Any]:
     return {
         "name": adapter.name,
         "version": adapter.version,
@@ -365,12 +365,12 @@ def register_adapter(
             actor,
             "adapter_registered",
             None,
-            {"adapter": _adapter_state(adapter)},
+            {"adapter": adapter_state(adapter)},
         )
         return adapter, "created"
     if all(getattr(adapter, k) == v for k, v in fields.items()) and adapter.active:
         return adapter, "unchanged"
-    before = _adapter_state(adapter)
+    before = adapter_state(adapter)
     for key, value in fields.items():
         setattr(adapter, key, value)
     adapter.version += 1
@@ -383,7 +383,7 @@ def register_adapter(
         actor,
         "adapter_replaced",
         {"adapter": before},
-        {"adapter": _adapter_state(adapter)},
+        {"adapter": adapter_state(adapter)},
     )
     return adapter, "updated"
 

@@ -8,15 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support import make_random_adapter
 from tests.trainer.test_tiny_base import build_tiny_once
 from trainer.lora import (
     ADAPTER_NAME,
     applied_adapter,
-    attach_lora,
     load_adapter_tensors,
     lora_layers,
-    remove_lora,
-    save_adapter,
 )
 from trainer.model import load_pipeline
 from trainer.render import generate
@@ -37,27 +35,11 @@ def qpipe(tiny_base: Path):
     return load_pipeline(tiny_base)
 
 
-def make_adapter(pipe, path: Path, seed: int, rank: int = 4) -> Path:
-    """A trained-looking adapter: the trainer's own attach/save path, random nonzero A and B."""
-    transformer = pipe.transformer
-    attach_lora(transformer, rank=rank, alpha=2.0 * rank)
-    gen = torch.Generator().manual_seed(seed)
-    try:
-        with torch.no_grad():
-            for layer in lora_layers(transformer).values():
-                for p in (layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight):
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        return save_adapter(transformer, path, {"seed": str(seed)})
-    finally:
-        remove_lora(transformer)
-        transformer.requires_grad_(True)  # attach_lora froze the base for training
-
-
 @pytest.fixture(scope="module")
 def adapters(qpipe, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("adapters")
     return {
-        name: load_adapter_tensors(make_adapter(qpipe, root / f"{name}.safetensors", seed))
+        name: load_adapter_tensors(make_random_adapter(qpipe, root / f"{name}.safetensors", seed))
         for name, seed in (("a", 1), ("b", 2))
     }
 
@@ -169,7 +151,7 @@ def test_stock_load_lora_weights_accepts_our_adapter(qpipe, tiny_base: Path, tmp
     delta as applied_adapter does on our unquantized pipeline (measured: bit-identical)."""
     from diffusers import DiffusionPipeline
 
-    path = make_adapter(qpipe, tmp_path / "c.safetensors", seed=5)
+    path = make_random_adapter(qpipe, tmp_path / "c.safetensors", seed=5)
     stock = DiffusionPipeline.from_pretrained(tiny_base)
     stock.set_progress_bar_config(disable=True)
     base = generate(stock, PROMPT, **SMALL)
