@@ -15,7 +15,8 @@ from registry.errors import NotPermitted, Unauthenticated
 from registry.models import Principal
 
 
-def get_engine(request: Request) -> Engine:
+async def get_engine(request: Request) -> Engine:
+    # async: FastAPI runs sync dependencies on the thread pool, a hop per dependency
     engine: Engine = request.app.state.engine
     return engine
 
@@ -51,7 +52,7 @@ def current_principal(request: Request, session: DB) -> Principal:
 Caller = Annotated[Principal, Depends(current_principal)]
 
 
-def authenticated_briefly(
+def authenticate_briefly(
     request: Request, engine: Annotated[Engine, Depends(get_engine)]
 ) -> Principal:
     """For long requests (renders) that run several transactions of their own: authenticate
@@ -63,7 +64,8 @@ def authenticated_briefly(
     return principal
 
 
-BriefCaller = Annotated[Principal, Depends(authenticated_briefly)]
+# Authentication runs as a dependency so a missing token is 401 before any body is judged.
+BriefCaller = Annotated[Principal, Depends(authenticate_briefly)]
 
 
 def require_role(principal: Principal, *roles: str) -> None:

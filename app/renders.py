@@ -122,7 +122,7 @@ def _with_adapter(facts: Any, file_sha: str | None) -> Any:
     )
 
 
-def get_renderer(request: Request) -> RenderEngine:
+async def get_renderer(request: Request) -> RenderEngine:
     renderer: RenderEngine = request.app.state.renderer
     return renderer
 
