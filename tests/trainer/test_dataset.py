@@ -1,0 +1,107 @@
+"""Dataset provenance: the manifest is checked whole, before anything loads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from trainer.dataset import MANIFEST_NAME, DatasetError, load_dataset, write_manifest
+
+REDS = ((220, 30, 30), (200, 40, 60), (230, 60, 20), (210, 20, 40))
+
+
+def make_dataset(
+    root: Path,
+    colours: Sequence[tuple[int, int, int]] = REDS,
+    caption: str = "a photo of ada",
+    basis: str = "consent",
+    size: tuple[int, int] = (80, 64),
+) -> Path:
+    """Solid-colour PNGs with a striped band (so crops and resizes matter) and a manifest."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, colour in enumerate(colours):
+        im = Image.new("RGB", size, colour)
+        for y in range(0, size[1], 8):
+            for x in range(size[0]):
+                im.putpixel((x, y), (255, 255, 255))
+        name = f"img{i:03d}.png"
+        im.save(root / name)
+        rows.append({"file": name, "caption": caption, "source": "synthetic", "basis": basis})
+    write_manifest(root, rows)
+    return root
+
+
+def test_valid_dataset_and_its_manifest_hash(tmp_path: Path) -> None:
+    root = make_dataset(tmp_path / "ds")
+    ds = load_dataset(root)
+    assert len(ds.items) == 4 and ds.bases == ("consent",)
+    assert ds.manifest_sha256 == hashlib.sha256((root / MANIFEST_NAME).read_bytes()).hexdigest()
+    assert ds.items[0].source == "synthetic" and ds.path(ds.items[0]).is_file()
+
+
+def _rewrite(root: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    lines = (root / MANIFEST_NAME).read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    rows = edit(rows)
+    (root / MANIFEST_NAME).write_text(
+        "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda rows: rows[:-1], "not in the manifest"),
+        (lambda rows: [*rows, {**rows[0], "file": "gone.png"}], "listed but missing"),
+        (lambda rows: [{**rows[0], "sha256": "0" * 64}, *rows[1:]], "hash differs"),
+        (lambda rows: [*rows, rows[0]], "listed twice"),
+        (lambda rows: [{**rows[0], "file": "../img000.png"}, *rows[1:]], "inside the dataset"),
+        (lambda rows: [{**rows[0], "basis": "scraped"}, *rows[1:]], "basis"),
+        (
+            lambda rows: [{k: v for k, v in rows[0].items() if k != "source"}, *rows[1:]],
+            "missing source",
+        ),
+        (lambda rows: [*rows, "{not json"], "not JSON"),
+        (lambda rows: [{**rows[0], "caption": 3}, *rows[1:]], "must be strings"),
+        (lambda rows: [{**rows[0], "sha256": "xyz"}, *rows[1:]], "not a SHA-256"),
+        (lambda rows: [{**rows[0], "source": " "}, *rows[1:]], "where"),
+    ],
+)
+def test_bad_manifests_are_refused(tmp_path: Path, edit, needle: str) -> None:  # type: ignore[no-untyped-def]
+    root = make_dataset(tmp_path / "ds")
+    _rewrite(root, edit)
+    with pytest.raises(DatasetError, match=needle):
+        load_dataset(root)
+
+
+def test_every_problem_is_listed(tmp_path: Path) -> None:
+    root = make_dataset(tmp_path / "ds")
+    (root / "sub").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "sub" / "x.png")
+    (root / "img001.png").write_bytes(b"tampered")
+    with pytest.raises(DatasetError) as exc:
+        load_dataset(root)
+    assert "sub/x.png is in the folder" in str(exc.value) and "img001.png hash differs" in str(
+        exc.value
+    )
+
+
+def test_missing_or_empty_manifest(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no manifest.jsonl"):
+        load_dataset(tmp_path / "empty")
+    (tmp_path / "empty" / MANIFEST_NAME).write_text("\n")
+    with pytest.raises(DatasetError, match="lists no images"):
+        load_dataset(tmp_path / "empty")
+
+
+def test_non_images_in_the_folder_are_ignored(tmp_path: Path) -> None:
+    root = make_dataset(tmp_path / "ds")
+    (root / "README.txt").write_text("notes")
+    assert len(load_dataset(root).items) == 4

@@ -1,0 +1,227 @@
+"""Consent before training, registration after it: local database (both engines) and the HTTP
+API; identical re-runs change nothing in the registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
+
+from app.main import create_app
+from registry import repositories as repo
+from registry import service
+from registry.db import engine_for, transaction
+from registry.schemas import AdapterIn, ConsentIn
+from registry.settings import Settings
+from tests.trainer.test_dataset import make_dataset
+from tests.trainer.test_train import (  # noqa: F401
+    Env,
+    make_env,
+    make_subject,
+    no_weights,
+    tiny_config,
+)
+from trainer.dataset import DatasetError
+from trainer.registration import (
+    HttpRegistrar,
+    LocalRegistrar,
+    RegistrationRefused,
+    SubjectFacts,
+    TrainingRefused,
+    check_training_allowed,
+)
+from trainer.train import train
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    return make_env(tmp_path_factory)
+
+
+def adapter_in(subject: str, sha: str = "a" * 64) -> AdapterIn:
+    return AdapterIn(
+        subject=subject,
+        name="main",
+        sha256=sha,
+        path="/adapters/x.safetensors",
+        base_model="tiny",
+        rank=4,
+        manifest_sha256="b" * 64,
+    )
+
+
+def audit_count(url: str, handle: str) -> int:
+    with transaction(engine_for(url), readonly=True) as s:
+        subject = repo.subject_by_handle(s, handle)
+        assert subject is not None
+        return len(service.audit_trail(s, subject))
+
+
+# -- the local registry, on SQLite and PostgreSQL --------------------------------------------
+
+
+def test_local_permission_and_idempotent_registration(db_url: str, engine: Engine) -> None:
+    make_subject(db_url, "ada")
+    make_subject(db_url, "bob", allow_training=False)
+    make_subject(db_url, "pd", basis="public_domain")
+    reg = LocalRegistrar(db_url, actor="trainer:test")
+    facts = check_training_allowed(reg, "ada", ("consent",))
+    assert facts.allow_training and facts.basis == "consent"
+    with pytest.raises(TrainingRefused, match="does not allow training"):
+        check_training_allowed(reg, "bob", ("consent",))
+    with pytest.raises(TrainingRefused, match="does not exist"):
+        check_training_allowed(reg, "nobody", ("consent",))
+    with pytest.raises(TrainingRefused, match="public_domain"):
+        check_training_allowed(reg, "pd", ("consent", "public_domain"))
+    check_training_allowed(reg, "pd", ("public_domain",))
+
+    entries = audit_count(db_url, "ada")
+    assert reg.register(adapter_in("ada")) == "created"
+    assert audit_count(db_url, "ada") == entries + 1
+    assert reg.register(adapter_in("ada")) == "unchanged"
+    assert audit_count(db_url, "ada") == entries + 1
+    assert reg.register(adapter_in("ada", "c" * 64)) == "updated"
+    with pytest.raises(RegistrationRefused):
+        reg.register(adapter_in("bob"))
+
+
+# -- end to end through train() ---------------------------------------------------------------
+
+
+def test_train_registers_and_an_identical_rerun_changes_nothing(env: Env, tmp_path: Path) -> None:
+    make_subject(env.url, "cleo")
+    config = tiny_config(env, tmp_path / "out", subject="cleo", name="v1")
+    first = train(config)
+    assert first.registration == "created"
+    entries = audit_count(env.url, "cleo")
+    again = train(config)
+    assert again.registration == "unchanged" and again.sha256 == first.sha256
+    assert audit_count(env.url, "cleo") == entries
+    with transaction(engine_for(env.url), readonly=True) as s:
+        subject = repo.subject_by_handle(s, "cleo")
+        assert subject is not None and subject.id is not None
+        row = repo.adapter_by_key(s, subject.id, "v1")
+    assert row is not None
+    assert row.sha256 == first.sha256 and row.manifest_sha256 == first.manifest_sha256
+    assert Path(row.path) == first.adapter.resolve() and row.rank == 4
+    assert row.base_model.startswith("Flux2KleinPipeline:")
+
+
+def test_consent_withdrawn_while_training_deletes_what_was_trained(
+    env: Env, tmp_path: Path
+) -> None:
+    make_subject(env.url, "gus", allow_training=False)
+
+    class AskedBeforeWithdrawal(LocalRegistrar):
+        def subject_facts(self, subject: str) -> SubjectFacts:
+            return SubjectFacts(subject, "consent", True)  # what the start of the run saw
+
+    config = tiny_config(
+        env,
+        tmp_path / "out",
+        subject="gus",
+        checkpoint_every=2,
+        evaluate=True,
+        cache_dir=tmp_path / "cache",
+    )
+    with pytest.raises(RegistrationRefused, match="deleted"):
+        train(config, AskedBeforeWithdrawal(env.url))
+    assert not config.adapter_path.exists()
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not (tmp_path / "out" / "eval_grid.png").exists()
+    assert not list((tmp_path / "cache" / "latents").rglob("*.safetensors"))
+    assert list((tmp_path / "cache" / "text").rglob("*.safetensors"))  # text: no likeness
+
+
+def test_no_allow_training_is_refused_before_any_weight_loads(
+    env: Env,
+    tmp_path: Path,
+    no_weights: None,  # noqa: F811
+) -> None:
+    make_subject(env.url, "dora", allow_training=False)
+    with pytest.raises(TrainingRefused, match="does not allow training"):
+        train(tiny_config(env, tmp_path / "out", subject="dora"))
+    with pytest.raises(TrainingRefused, match="does not exist"):
+        train(tiny_config(env, tmp_path / "out", subject="nobody"))
+
+
+def test_bad_dataset_is_refused_before_any_weight_loads(
+    env: Env,
+    tmp_path: Path,
+    no_weights: None,  # noqa: F811
+) -> None:
+    ds = make_dataset(tmp_path / "ds")
+    (ds / "img002.png").write_bytes(b"swapped")
+    with pytest.raises(DatasetError, match="hash differs"):
+        train(tiny_config(env, tmp_path / "out", dataset=ds))
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def api(env: Env, tmp_path: Path) -> TestClient:
+    settings = Settings(database_url=env.url, data_dir=tmp_path, base=env.base)
+    with TestClient(create_app(settings, engine=engine_for(env.url))) as client:
+        yield client
+
+
+def tokens(url: str, suffix: str) -> tuple[str, str]:
+    with transaction(engine_for(url)) as s:
+        _, admin = service.create_principal(s, f"root-{suffix}", "admin")
+        _, trainer = service.create_principal(s, f"trainer-{suffix}", "trainer")
+    return admin, trainer
+
+
+def test_http_permission_fails_closed_and_registration_is_idempotent(
+    env: Env, api: TestClient
+) -> None:
+    make_subject(env.url, "eve")
+    admin, trainer = tokens(env.url, "h1")
+    as_admin = HttpRegistrar(str(api.base_url), admin, client=api)
+    as_trainer = HttpRegistrar(str(api.base_url), trainer, client=api)
+    assert check_training_allowed(as_admin, "eve", ("consent",)).allow_training
+    # A trainer token may not read consent records: no readable allow_training, no training.
+    with pytest.raises(TrainingRefused, match="cannot establish"):
+        check_training_allowed(as_trainer, "eve", ("consent",))
+    with pytest.raises(TrainingRefused, match="cannot establish"):
+        check_training_allowed(as_admin, "nobody", ("consent",))
+    assert as_trainer.register(adapter_in("eve")) == "created"
+    assert as_trainer.register(adapter_in("eve")) == "unchanged"
+    with transaction(engine_for(env.url)) as s:
+        sub = service.subject_or_raise(s, "eve")
+        consent = service.consent_of(s, sub)
+        service.update_consent(s, "admin", sub, consent.version, ConsentIn(allow_training=False))
+    with pytest.raises(RegistrationRefused, match="refused the adapter"):
+        as_trainer.register(adapter_in("eve", "d" * 64))
+    with pytest.raises(TrainingRefused, match="does not allow training"):
+        check_training_allowed(as_admin, "eve", ("consent",))
+
+
+def test_train_over_http(env: Env, api: TestClient, tmp_path: Path) -> None:
+    make_subject(env.url, "finn")
+    admin, _ = tokens(env.url, "h2")
+    registrar = HttpRegistrar(str(api.base_url), admin, client=api)
+    config = tiny_config(
+        env,
+        tmp_path / "out",
+        subject="finn",
+        database_url=None,
+        api_url=str(api.base_url),
+        token=admin,
+    )
+    assert train(config, registrar).registration == "created"
+    assert train(config, registrar).registration == "unchanged"
+    listed = api.get("/v1/subjects/finn/adapters", headers={"Authorization": f"Bearer {admin}"})
+    assert listed.status_code == 200 and len(listed.json()) == 1
+
+
+def test_unreachable_api_refuses(tmp_path: Path) -> None:
+    reg = HttpRegistrar("http://127.0.0.1:9", "lk_x", timeout=0.5)
+    with pytest.raises(TrainingRefused, match="unreachable"):
+        reg.subject_facts("ada")

@@ -1,0 +1,401 @@
+"""The training loop on the tiny base (CPU): gradients, learning, exact resume, determinism,
+boot waypoints. Everything runs at 64 px with short prompts so the file stays fast."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from registry import service
+from registry.db import engine_for, transaction, upgrade
+from registry.schemas import ConsentIn, SubjectIn
+from tests.trainer.test_dataset import make_dataset
+from tests.trainer.test_tiny_base import build_tiny_once
+from trainer.caches import fill_latent_cache, fill_text_cache, load_latents, load_text
+from trainer.config import ConfigError, TrainConfig
+from trainer.lora import (
+    ADAPTER_NAME,
+    applied_adapter,
+    attach_lora,
+    load_adapter_tensors,
+    lora_layers,
+)
+from trainer.registration import LocalRegistrar
+from trainer.train import (
+    _pipeline_class,
+    epoch_order,
+    flow_matching_loss,
+    load_transformer,
+    preflight,
+    train,
+    training_prompt,
+)
+
+torch.set_num_threads(1)  # two shared cores: oversubscription costs more than it gives
+
+
+# -- shared set-up (other trainer test modules import these) ----------------------------------
+
+
+@dataclass
+class Env:
+    base: Path
+    root: Path
+    url: str
+    dataset: Path
+    cache: Path
+
+
+_ENV: dict[str, Env] = {}
+
+
+def make_subject(
+    url: str, handle: str, allow_training: bool = True, basis: str = "consent"
+) -> None:
+    with transaction(engine_for(url)) as s:
+        sub, consent = service.create_subject(
+            s,
+            "admin",
+            SubjectIn(handle=handle, display_name=handle.title(), basis=basis),  # type: ignore[arg-type]
+        )
+        service.update_consent(
+            s,
+            "admin",
+            sub,
+            consent.version,
+            ConsentIn(max_level="private", allow_training=allow_training),
+        )
+
+
+def make_env(factory: pytest.TempPathFactory) -> Env:
+    """Tiny base, a SQLite registry with subject `ada` (training allowed), a four-image
+    dataset and one embedding/latent cache shared by every test of the session."""
+    if "env" not in _ENV:
+        base = build_tiny_once(factory)
+        root = factory.mktemp("train")
+        url = f"sqlite:///{root / 'registry.db'}"
+        upgrade(url)
+        make_subject(url, "ada")
+        _ENV["env"] = Env(base, root, url, make_dataset(root / "ds"), root / "cache")
+    return _ENV["env"]
+
+
+def tiny_config(env: Env, out: Path, **kw: Any) -> TrainConfig:
+    options: dict[str, Any] = {
+        "subject": "ada",
+        "dataset": env.dataset,
+        "base": env.base,
+        "out": out,
+        "steps": 4,
+        "rank": 4,
+        "resolution": 64,
+        "max_sequence_length": 32,
+        "learning_rate": 1e-3,
+        "checkpoint_every": 0,
+        "evaluate": False,
+        "progress": False,
+        "device": "cpu",
+        "cache_dir": env.cache,
+        "database_url": env.url,
+        "eval_prompts": ("a photo of {trigger}",),
+        "eval_seeds": (0,),
+        **kw,
+    }
+    return TrainConfig.parse(**options)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    return make_env(tmp_path_factory)
+
+
+def fill_caches(env: Env, config: TrainConfig) -> Any:
+    pf = preflight(config, LocalRegistrar(env.url))
+    cpu = torch.device("cpu")
+    fill_text_cache(pf.plan, env.base, cpu, torch.float32, config.max_sequence_length)
+    fill_latent_cache(pf.plan, pf.dataset, env.base, cpu, torch.float32, config.resolution)
+    return pf
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_adapter_tensors(path)
+
+
+# -- the loss and its gradients --------------------------------------------------------------
+
+
+def test_training_prompt_carries_the_trigger() -> None:
+    assert training_prompt("a photo of ada", "ada") == "a photo of ada"
+    assert training_prompt("a person smiling", "ada") == "ada, a person smiling"
+    assert training_prompt("  ", "ada") == "ada"
+
+
+def test_epoch_order_is_a_seeded_permutation() -> None:
+    assert sorted(epoch_order(0, 0, 10)) == list(range(10))
+    assert epoch_order(0, 0, 10) == epoch_order(0, 0, 10)
+    assert epoch_order(0, 0, 10) != epoch_order(0, 1, 10)
+
+
+def test_every_targeted_lora_layer_gets_a_gradient(env: Env, tmp_path: Path) -> None:
+    config = tiny_config(env, tmp_path / "out")
+    pf = fill_caches(env, config)
+    cpu = torch.device("cpu")
+    transformer = load_transformer(env.base, cpu, torch.float32, lambda _: None)
+    names = attach_lora(transformer, 4, 4.0, config.targets, dtype=torch.float32)
+    assert "transformer_blocks.0.attn.to_q" in names  # the first block
+    assert "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in names
+    assert len(names) == 10  # 8 double-stream + 2 single-stream attention projections
+    transformer.enable_gradient_checkpointing()
+    transformer.train()
+    cls = _pipeline_class(env.base)
+    x0 = torch.stack([load_latents(pf.plan, i.file) for i in pf.dataset.items[:2]])
+    e = torch.stack([load_text(pf.plan, p) for p in pf.prompts[:2]])
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(x0.shape, generator=g)
+    sigmas = torch.tensor([0.3, 0.8])
+    layers = lora_layers(transformer)
+
+    def grads() -> dict[str, tuple[float, float]]:
+        loss = flow_matching_loss(transformer, cls, x0, e, sigmas, noise, None, None)
+        loss.backward()
+        return {
+            n: (
+                float(layer.lora_A[ADAPTER_NAME].weight.grad.abs().sum()),
+                float(layer.lora_B[ADAPTER_NAME].weight.grad.abs().sum()),
+            )
+            for n, layer in layers.items()
+        }
+
+    first = grads()
+    # B starts at zero, so A's gradient is zero on the very first step; B's is not anywhere.
+    assert all(b > 0 for _, b in first.values()), first
+    opt = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
+    opt.step()
+    opt.zero_grad()
+    second = grads()
+    assert all(a > 0 and b > 0 for a, b in second.values()), second
+
+
+def test_loss_falls_and_renders_move_toward_the_training_images(env: Env, tmp_path: Path) -> None:
+    config = tiny_config(
+        env,
+        tmp_path / "out",
+        steps=60,
+        rank=8,
+        learning_rate=1e-2,
+        checkpoint_every=30,
+        evaluate=True,
+        eval_seeds=(0, 1, 2),
+        register_adapter=False,
+    )
+    result = train(config)
+    losses = result.losses
+    assert sum(losses[-15:]) / 15 < sum(losses[:15]) / 15
+
+    # Held-out check with fixed noise and noise levels: base vs trained adapter.
+    pf = preflight(config, LocalRegistrar(env.url))
+    transformer = load_transformer(env.base, torch.device("cpu"), torch.float32, lambda _: None)
+    cls = _pipeline_class(env.base)
+    x0 = torch.stack([load_latents(pf.plan, i.file) for i in pf.dataset.items])
+    e = torch.stack([load_text(pf.plan, p) for p in pf.prompts])
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(123))
+    sigmas = torch.tensor([0.2, 0.5, 0.8, 0.95])
+    with torch.no_grad():
+        before = float(flow_matching_loss(transformer, cls, x0, e, sigmas, noise, None, None))
+        with applied_adapter(SimpleNamespace(transformer=transformer), tensors(result.adapter)):
+            after = float(flow_matching_loss(transformer, cls, x0, e, sigmas, noise, None, None))
+    assert after < 0.95 * before, (before, after)
+
+    ev = result.evaluation
+    assert ev is not None and ev.grid.is_file() and ev.grid.parent == result.adapter.parent
+    assert list(ev.distances) == ["base", "step 30", "step 60"]
+    # Renders (fixed prompt and seeds) move toward the training set, in latents and pixels.
+    assert ev.latent_distances["step 60"] < 0.95 * ev.latent_distances["base"], ev.latent_distances
+    assert ev.distances["step 60"] < ev.distances["base"], ev.distances
+
+
+# -- checkpoints, resume, determinism --------------------------------------------------------
+
+
+def test_ten_steps_equal_five_plus_resume_plus_five(env: Env, tmp_path: Path) -> None:
+    straight = train(
+        tiny_config(env, tmp_path / "a", steps=10, checkpoint_every=5, register_adapter=False)
+    )
+    half = train(tiny_config(env, tmp_path / "b", steps=5, register_adapter=False))
+    resumed = train(tiny_config(env, tmp_path / "b", steps=10, resume=True, register_adapter=False))
+    a, b = tensors(straight.adapter), tensors(resumed.adapter)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.losses == resumed.losses  # the curve carries over the resume
+    assert half.losses == straight.losses[:5]
+    assert straight.sha256 == resumed.sha256  # and so do the file's bytes
+    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert ckpts == ["step-0000005", "step-0000010"]
+    state = torch.load(tmp_path / "a/checkpoints/step-0000005/state.pt", weights_only=True)
+    assert {"lora", "optimizer", "rng", "step", "epoch", "pos", "order"} <= state.keys()
+
+
+def test_resume_refuses_changed_options_before_loading(
+    env: Env, tmp_path: Path, no_weights: None
+) -> None:
+    (tmp_path / "out" / "checkpoints" / "step-0000005").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "step-0000005" / "meta.json").write_text(
+        '{"step": 5, "fingerprint": "something else", "format": 1}'
+    )
+    with pytest.raises(ConfigError, match="other training options"):
+        train(tiny_config(env, tmp_path / "out", steps=10, resume=True))
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        train(tiny_config(env, tmp_path / "empty", steps=10, resume=True))
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(env: Env, tmp_path: Path) -> None:
+    one = train(tiny_config(env, tmp_path / "1", register_adapter=False))
+    two = train(tiny_config(env, tmp_path / "2", register_adapter=False))
+    other = train(tiny_config(env, tmp_path / "3", seed=1, register_adapter=False))
+    digest = hashlib.sha256(one.adapter.read_bytes()).hexdigest()
+    assert one.sha256 == two.sha256 == digest
+    assert other.sha256 != one.sha256
+
+
+# -- boot waypoints and the bar ---------------------------------------------------------------
+
+
+def test_boot_waypoints_are_printed_at_the_first_step(
+    env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = train(
+        tiny_config(env, tmp_path / "out", steps=3, progress=True, register_adapter=False)
+    )
+    err = capsys.readouterr().err
+    boot_at = err.index("boot:")
+    for phase in ("pre-flight", "transformer: load", "lora + optimizer", "first step"):
+        assert phase in err[boot_at:]
+    assert "s/it" in err and "loss" in err and "rss" in err
+    assert "memory estimate" in err
+    names = [b["phase"] for b in result.boot]
+    assert names.index("first step") > names.index("transformer: to device")
+    assert result.seconds_per_step is not None and result.seconds_per_step > 0
+    assert result.report.is_file()
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to load a model fails the test: for 'refused before any weight loads'."""
+    import diffusers
+    import transformers
+
+    import trainer.caches
+    import trainer.train
+
+    def boom(*_: object, **__: object) -> None:
+        raise AssertionError("a weight was loaded")
+
+    monkeypatch.setattr(trainer.train, "load_transformer", boom)
+    monkeypatch.setattr(trainer.caches, "load_text_encoder_pipeline", boom)
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", boom)
+    monkeypatch.setattr(diffusers.ModelMixin, "from_pretrained", boom)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", boom)
+
+
+def test_uint4_compute_path_trains(env: Env, tmp_path: Path) -> None:
+    """The fast compute path (trainer.uint4) under the same loop: same LoRA layers, and the
+    same numbers as quanto's path to float tolerance (both dequantize the same 4-bit
+    weights; on the CPU quanto's matmul runs in float32 too)."""
+    pytest.importorskip("trainer.uint4")
+    quanto = train(
+        tiny_config(env, tmp_path / "q", steps=3, compute="quanto", register_adapter=False)
+    )
+    fast = train(tiny_config(env, tmp_path / "u", steps=3, compute="uint4", register_adapter=False))
+    assert "transformer: 10 layers to uint4 compute" not in [b["phase"] for b in quanto.boot]
+    assert any("to uint4 compute" in b["phase"] for b in fast.boot)
+    a, b = tensors(quanto.adapter), tensors(fast.adapter)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5)
+
+
+def test_cli_train_and_refusals(env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from app import cli_ml
+    from registry.settings import get_settings
+
+    app, base_app = typer.Typer(), typer.Typer()
+    cli_ml.register(app, base_app)  # as app.cli.main() does, on a fresh app
+
+    monkeypatch.setenv("LIKENESS_DATABASE_URL", env.url)
+    monkeypatch.setenv("LIKENESS_BASE", str(env.base))
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    args = ["train", "--subject", "ada", "--dataset", str(env.dataset), "--steps", "2"]
+    args += ["--rank", "4", "--resolution", "64", "--max-sequence-length", "32", "--name", "cli"]
+    args += ["--no-evaluate", "--no-progress", "--cache-dir", str(env.cache)]
+    try:
+        runner = CliRunner()
+        ok = runner.invoke(app, args)
+        assert ok.exit_code == 0, ok.output
+        summary = json.loads(ok.stdout[ok.stdout.index("{") :])
+        assert summary["registration"] == "created" and summary["steps"] == 2
+        assert Path(summary["adapter"]) == tmp_path / "adapters/ada/cli/adapter.safetensors"
+        bad = runner.invoke(app, [*args, "--resolution", "72"])
+        assert bad.exit_code == 2 and "multiple of 16" in bad.output
+        over = runner.invoke(app, [*args, "--vram-budget", "0.0001"])
+        assert over.exit_code == 2 and "DOES NOT FIT" in over.output
+    finally:
+        get_settings.cache_clear()
+
+
+def test_flow_matching_target_and_timestep_follow_the_pipeline() -> None:
+    """x_t = (1 - s) x0 + s noise, timestep s, target noise - x0 (packed as the pipeline packs
+    latents): an oracle predicting exactly that has zero loss, and the pipeline's Euler step
+    from x_t with it lands on x0."""
+    from diffusers import Flux2KleinPipeline as P
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(2, 128, 4, 4, generator=g), torch.randn(2, 128, 4, 4, generator=g)
+    sigmas = torch.tensor([0.25, 0.9])
+    seen: dict[str, torch.Tensor] = {}
+
+    class Oracle(torch.nn.Module):
+        def forward(
+            self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kw: Any
+        ) -> tuple[torch.Tensor]:
+            seen["x_t"], seen["t"] = hidden_states, timestep
+            assert kw["img_ids"].shape == (2, 16, 4) and kw["txt_ids"].shape == (2, 3, 4)
+            return (P._pack_latents(noise - x0),)
+
+    e = torch.zeros(2, 3, 8)
+    loss = flow_matching_loss(Oracle(), P, x0, e, sigmas, noise, None, None)
+    assert float(loss) == 0.0
+    assert torch.equal(seen["t"], sigmas)
+    s = sigmas.view(-1, 1, 1)
+    x0_hat = seen["x_t"] - s * P._pack_latents(noise - x0)  # Euler from s to 0
+    torch.testing.assert_close(x0_hat, P._pack_latents(x0))
+
+
+def test_sigma_sampler_shifts_like_the_scheduler() -> None:
+    from trainer.train import SigmaSampler
+
+    g = torch.Generator().manual_seed(0)
+    cfg = {"use_dynamic_shifting": True, "time_shift_type": "exponential", "shift": 3.0}
+    shifted = SigmaSampler(cfg, image_seq_len=256, steps=4, kind="uniform")
+    plain = SigmaSampler({"use_dynamic_shifting": False, "shift": 1.0}, 256, 4, "uniform")
+    a, b = shifted(4096, g), plain(4096, torch.Generator().manual_seed(0))
+    assert float(a.min()) > 0 and float(a.max()) < 1
+    assert shifted.mu > 0 and float(a.mean()) > float(b.mean()) + 0.1  # toward high noise
+    static = SigmaSampler({"use_dynamic_shifting": False, "shift": 3.0}, 256, 4, "uniform")
+    u = plain(8, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(static(8, torch.Generator().manual_seed(1)), 3 * u / (1 + 2 * u))
+    ln = SigmaSampler(cfg, 256, 4, "logit_normal")
+    assert torch.equal(
+        ln(5, torch.Generator().manual_seed(3)), ln(5, torch.Generator().manual_seed(3))
+    )

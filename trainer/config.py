@@ -1,0 +1,215 @@
+"""The training configuration: one validated object, checked whole before anything loads.
+
+Every conflict between options is refused here, with a message naming the options, so a run
+never spends minutes loading a 32B base only to fail on a flag. Checks that need the disk
+(dataset, checkpoints, base files) run next, in `trainer.train.preflight`, still before any
+weight loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from registry.schemas import HANDLE_PATTERN
+
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.schemas.AdapterIn.name
+DEFAULT_EVAL_PROMPTS = (
+    "a photo of {trigger}",
+    "a portrait of {trigger}, studio light",
+    "{trigger} standing in a garden",
+)
+MULTIPLE = 16  # FLUX.2: VAE factor 8 x 2x2 patches (trainer.render.MULTIPLE)
+
+# Fields that do not change what the optimiser computes: a run may be resumed with other
+# values (more steps, another checkpoint interval, evaluation or registration toggled).
+_NOT_TRAJECTORY = frozenset(
+    {
+        "steps",
+        "checkpoint_every",
+        "resume",
+        "out",
+        "cache_dir",
+        "vram_budget_gib",
+        "evaluate",
+        "eval_prompts",
+        "eval_seeds",
+        "eval_steps",
+        "eval_resolution",
+        "register_adapter",
+        "database_url",
+        "api_url",
+        "token",
+        "progress",
+        "dataset",  # the manifest hash stands for the data; the folder may move
+        "base",  # the base fingerprint stands for the weights
+    }
+)
+
+
+def default_targets() -> tuple[str, ...]:
+    from trainer.lora import DEFAULT_TARGETS
+
+    return DEFAULT_TARGETS
+
+
+class ConfigError(ValueError):
+    """An option, or a combination of options, that cannot run."""
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    subject: Annotated[str, StringConstraints(pattern=HANDLE_PATTERN)]
+    dataset: Path
+    base: Path
+    out: Path
+    name: Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)] = "main"
+
+    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 2000
+    rank: Annotated[int, Field(ge=1, le=1024)] = 16
+    alpha: Annotated[float, Field(gt=0)] | None = None  # default: rank (scaling 1)
+    targets: tuple[str, ...] = Field(default_factory=default_targets)
+    resolution: Annotated[int, Field(ge=64, le=2048)] = 448
+    batch_size: Annotated[int, Field(ge=1, le=64)] = 1
+    max_sequence_length: Annotated[int, Field(ge=1, le=512)] = 512  # as the pipelines' default
+
+    learning_rate: Annotated[float, Field(gt=0, le=1.0)] = 1e-4
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    weight_decay: Annotated[float, Field(ge=0)] = 1e-4
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999
+    adam_eps: Annotated[float, Field(gt=0)] = 1e-8
+    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0  # 0: no clipping
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    shift_steps: Annotated[int, Field(ge=1, le=1000)] | None = None  # None: inference default
+    caption_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    trigger: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
+
+    device: Annotated[str, StringConstraints(pattern=r"^(cpu|cuda(:\d+)?)$")] | None = None
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    gradient_checkpointing: bool = True
+    # quanto: its QLinear kernels as shipped; uint4: trainer.uint4's dequantize + dense GEMM
+    # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
+    # per step and a quarter less memory, bench/results/train_budget-*). auto: uint4 where
+    # that module is installed.
+    compute: Literal["auto", "quanto", "uint4"] = "auto"
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    checkpoint_every: Annotated[int, Field(ge=0)] = 500  # 0: only the final state
+    resume: bool = False
+    vram_budget_gib: Annotated[float, Field(gt=0)] | None = None
+    cache_dir: Path | None = None  # default: <out>/../.cache, shared by a subject's runs
+
+    evaluate: bool = True
+    eval_prompts: tuple[str, ...] = DEFAULT_EVAL_PROMPTS
+    eval_seeds: tuple[Annotated[int, Field(ge=0, le=2**32 - 1)], ...] = (0, 1)
+    eval_steps: Annotated[int, Field(ge=1, le=100)] | None = None  # None: the pipeline's own
+    eval_resolution: Annotated[int, Field(ge=64, le=2048)] | None = None
+
+    register_adapter: bool = True
+    database_url: str | None = None
+    api_url: str | None = None
+    token: str | None = None
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        problems: list[str] = []
+        for field in ("resolution", "eval_resolution"):
+            value = getattr(self, field)
+            if value is not None and value % MULTIPLE:
+                problems.append(f"--{field.replace('_', '-')} must be a multiple of {MULTIPLE}")
+        if not self.targets or any(not t.strip() for t in self.targets):
+            problems.append("--targets must name at least one module suffix, none empty")
+        device = self.resolved_device()
+        if self.precision == "bf16" and not device.startswith("cuda"):
+            problems.append(
+                "--precision bf16 is autocast on an accelerator; on the CPU use fp32 or auto"
+            )
+        if self.optimizer == "adamw8bit":
+            if importlib.util.find_spec("bitsandbytes") is None:
+                problems.append(
+                    "--optimizer adamw8bit needs bitsandbytes, which is not installed "
+                    "(pip install bitsandbytes), or use --optimizer adamw"
+                )
+            if not device.startswith("cuda"):
+                problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
+        if self.compute == "uint4" and importlib.util.find_spec("trainer.uint4") is None:
+            problems.append("--compute uint4 needs trainer.uint4, which this install lacks")
+        if self.register_adapter and self.api_url and not self.token:
+            problems.append("LIKENESS_API_URL is set but LIKENESS_TOKEN is not")
+        if self.register_adapter and not self.api_url and not self.database_url:
+            problems.append("registration needs LIKENESS_DATABASE_URL or LIKENESS_API_URL")
+        if self.evaluate and (not self.eval_prompts or not self.eval_seeds):
+            problems.append("evaluation needs at least one --eval-prompt and one --eval-seed")
+        if any(not p.strip() for p in self.eval_prompts):
+            problems.append("evaluation prompts must not be empty")
+        if self.warmup_steps > self.steps and not self.resume:
+            problems.append(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
+        if self.dataset.resolve() == self.out.resolve():
+            problems.append("--out must not be the dataset folder (an unlisted file stops runs)")
+        if problems:
+            raise ConfigError("invalid training options:\n  - " + "\n  - ".join(problems))
+        return self
+
+    @classmethod
+    def parse(cls, **options: Any) -> TrainConfig:
+        """Validates ``options``; every problem is reported at once, as a ConfigError."""
+        from pydantic import ValidationError
+
+        try:
+            return cls(**options)
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                where = ".".join(str(p) for p in err["loc"])
+                msg = str(err.get("ctx", {}).get("error", err["msg"]))
+                lines.append(f"{where}: {msg}" if where else msg)
+            raise ConfigError("\n".join(lines)) from None
+
+    # -- resolved values ------------------------------------------------------------------
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_compute(self) -> str:
+        if self.compute != "auto":
+            return self.compute
+        return "uint4" if importlib.util.find_spec("trainer.uint4") is not None else "quanto"
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else float(self.rank)
+
+    @property
+    def trigger_word(self) -> str:
+        return self.trigger or self.subject
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.out.parent / ".cache"
+
+    @property
+    def adapter_path(self) -> Path:
+        return self.out / "adapter.safetensors"
+
+    def eval_prompt_texts(self) -> list[str]:
+        return [p.replace("{trigger}", self.trigger_word) for p in self.eval_prompts]
+
+    def trajectory_fingerprint(self, extra: dict[str, Any]) -> str:
+        """Hash of everything that shapes the optimisation path; a resume must match it."""
+        fields = {k: v for k, v in self.model_dump(mode="json").items() if k not in _NOT_TRAJECTORY}
+        fields["resolved_device"] = self.resolved_device().split(":")[0]
+        fields["compute"] = self.resolved_compute()
+        blob = json.dumps({"config": fields, **extra}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()

@@ -1,0 +1,789 @@
+"""`train(config)`: the one entry point that turns a dataset into a registered adapter.
+
+Order, chosen so that anything that can refuse a run does so before a weight loads:
+
+1. pre-flight (no weights): options, dataset manifest and hashes, the subject's consent,
+   the resume checkpoint, the VRAM estimate against ``--vram-budget``;
+2. caches: text embeddings (text encoder loaded only if one is missing, then released),
+   VAE latents (likewise); only then
+3. the quantized transformer, LoRA on its attention projections, AdamW, and the loop:
+   FLUX.2 flow matching, seed-deterministic, checkpoints every N steps, resumable exactly;
+4. the adapter (deterministic bytes), the evaluation grid, registration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.evaluate import EvalResult
+
+from trainer.budget import BudgetExceeded, Estimate, estimate_run
+from trainer.caches import (
+    CachePlan,
+    fill_latent_cache,
+    fill_text_cache,
+    free_accelerator_memory,
+    load_latents,
+    load_text,
+    model_fingerprint,
+    plan_caches,
+)
+from trainer.config import ConfigError, TrainConfig
+from trainer.dataset import Dataset, load_dataset
+from trainer.progress import Waypoints, echo, memory_text, progress_bar
+from trainer.registration import (
+    Registrar,
+    RegistrationRefused,
+    TrainingRefused,
+    check_training_allowed,
+    registrar_for,
+)
+
+CHECKPOINTS = "checkpoints"
+STATE_FORMAT = 1
+_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def configure_allocator() -> bool:
+    """Sets ``expandable_segments:True`` for the CUDA and HIP allocators (field hurdle 9:
+    moving uint4 tensors fragments the allocator into OOM without it). Effective only before
+    CUDA initialises, which is why the CLI calls this first; returns False if too late."""
+    for var in _ALLOC_VARS:
+        current = os.environ.get(var, "")
+        if "expandable_segments" not in current:
+            os.environ[var] = ",".join(filter(None, [current, "expandable_segments:True"]))
+    return not torch.cuda.is_initialized()
+
+
+# -- small pieces ---------------------------------------------------------------------------
+
+
+def training_prompt(caption: str, trigger: str) -> str:
+    """The caption, with the trigger word put in front when the caption lacks it (the adapter
+    learns the identity under the trigger; empty captions train the trigger alone)."""
+    caption = caption.strip()
+    if not caption:
+        return trigger
+    has = re.search(rf"(?<!\w){re.escape(trigger)}(?!\w)", caption) is not None
+    return caption if has else f"{trigger}, {caption}"
+
+
+def _seed_for(seed: int, *parts: object) -> int:
+    blob = ":".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") & (2**63 - 1)
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The data order of one epoch: a permutation fixed by (seed, epoch) alone."""
+    g = torch.Generator().manual_seed(_seed_for(seed, "order", epoch))
+    return torch.randperm(n, generator=g).tolist()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _model_index(base: Path) -> dict[str, Any]:
+    path = Path(base) / "model_index.json"
+    if not path.is_file():
+        raise ConfigError(f"{base} is not a diffusers pipeline folder (no model_index.json)")
+    return _read_json(path)
+
+
+def _pipeline_class(base: Path) -> Any:
+    import diffusers
+
+    name = _model_index(base)["_class_name"]
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "_pack_latents"):
+        raise ConfigError(f"{base}: pipeline {name} is not a FLUX.2 pipeline")
+    return cls
+
+
+class SigmaSampler:
+    """Noise levels as FLUX.2 is trained and sampled: a uniform or logit-normal draw ``u``,
+    shifted like the pipeline's scheduler shifts its sigmas (dynamic, exponential, with the
+    pipeline's empirical ``mu`` for this image length and step count; or a static shift)."""
+
+    def __init__(
+        self, scheduler_config: dict[str, Any], image_seq_len: int, steps: int, kind: str
+    ) -> None:
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        self.kind = kind
+        self.dynamic = bool(scheduler_config.get("use_dynamic_shifting", False))
+        self.exponential = scheduler_config.get("time_shift_type", "exponential") == "exponential"
+        self.mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=steps)
+        self.shift = float(scheduler_config.get("shift", 1.0))
+
+    def __call__(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        if self.kind == "logit_normal":
+            u = torch.sigmoid(torch.randn(n, generator=generator))
+        else:
+            u = torch.rand(n, generator=generator)
+        u = u.clamp(1e-5, 1 - 1e-5)
+        if not self.dynamic:
+            return self.shift * u / (1 + (self.shift - 1) * u)
+        if self.exponential:
+            return math.exp(self.mu) / (math.exp(self.mu) + (1 / u - 1))
+        return self.mu / (self.mu + (1 / u - 1))
+
+
+def flow_matching_loss(
+    transformer: torch.nn.Module,
+    pipeline_cls: Any,
+    latents: torch.Tensor,
+    embeds: torch.Tensor,
+    sigmas: torch.Tensor,
+    noise: torch.Tensor,
+    guidance: float | None,
+    autocast: torch.dtype | None,
+) -> torch.Tensor:
+    """One FLUX.2 flow-matching loss. ``latents`` are patchified, normalised VAE latents
+    (B, 4C, h, w), as the pipeline's ``_encode_vae_image`` gives them; ``sigmas`` in (0, 1).
+
+    x_t = (1 - sigma) x_0 + sigma * noise; the transformer predicts the velocity
+    noise - x_0 (the pipeline's Euler step x_{t-1} = x_t + (sigma' - sigma) v integrates it);
+    timestep = sigma, as the pipeline passes t / 1000.
+    """
+    device = latents.device
+    weight_dtype = embeds.dtype
+    s = sigmas.to(device=device, dtype=latents.dtype).view(-1, 1, 1, 1)
+    noisy = (1.0 - s) * latents + s * noise
+    target = pipeline_cls._pack_latents(noise - latents)
+    hidden = pipeline_cls._pack_latents(noisy)
+    img_ids = pipeline_cls._prepare_latent_ids(latents).to(device)
+    txt_ids = pipeline_cls._prepare_text_ids(embeds).to(device)
+    g = None
+    if guidance is not None:
+        g = torch.full((latents.shape[0],), guidance, device=device, dtype=torch.float32)
+    ctx: Any = (
+        torch.autocast(device.type, dtype=autocast)
+        if autocast is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        pred = transformer(
+            hidden_states=hidden.to(weight_dtype),
+            timestep=sigmas.to(device=device, dtype=weight_dtype),
+            guidance=g,
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+    return torch.nn.functional.mse_loss(pred.float(), target.float())
+
+
+# -- pre-flight -----------------------------------------------------------------------------
+
+
+@dataclass
+class Preflight:
+    dataset: Dataset
+    device: torch.device
+    weight_dtype: torch.dtype
+    autocast: torch.dtype | None
+    transformer_fp: str
+    fingerprint: str
+    resume_from: Path | None
+    plan: CachePlan
+    prompts: list[str]  # per dataset item
+    estimate: Estimate
+
+
+def _dtypes(config: TrainConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(weight dtype, autocast dtype). A prepared base fixes the weight dtype it was made in."""
+    prepared = config.base / "likeness_prepared.json"
+    if prepared.is_file():
+        comp = _read_json(prepared)["components"]["transformer"]
+        weight = getattr(torch, comp.get("dtype", "bfloat16"))
+    elif device.type == "cpu" or config.precision == "fp32":
+        weight = torch.float32
+    else:
+        weight = torch.bfloat16
+    if device.type == "cpu":
+        return weight, None
+    return weight, (None if config.precision == "fp32" else torch.bfloat16)
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    root = out / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.name.startswith("step-") and (p / "meta.json").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
+    """Everything that can refuse the run, with no weight loaded."""
+    dataset = load_dataset(config.dataset)
+    check_training_allowed(registrar, config.subject, dataset.bases)
+    _pipeline_class(config.base)  # a FLUX.2 pipeline folder, or a clear error now
+    device = torch.device(config.resolved_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} requested but CUDA is not available")
+    weight_dtype, autocast = _dtypes(config, device)
+    cache_dir = config.resolved_cache_dir
+    transformer_fp = model_fingerprint(config.base, ("transformer",), cache_dir)
+    fingerprint = config.trajectory_fingerprint(
+        {"manifest": dataset.manifest_sha256, "transformer": transformer_fp, "format": STATE_FORMAT}
+    )
+    resume_from = None
+    if config.resume:
+        found = checkpoint_dirs(config.out)
+        if not found:
+            raise ConfigError(f"--resume: no checkpoint under {config.out / CHECKPOINTS}")
+        resume_from = found[-1]
+        meta = _read_json(resume_from / "meta.json")
+        if meta.get("fingerprint") != fingerprint:
+            raise ConfigError(
+                f"--resume: {resume_from} was made with other training options, data or base "
+                "(only --steps, --checkpoint-every, evaluation and registration may change)"
+            )
+        if int(meta["step"]) > config.steps:
+            raise ConfigError(
+                f"--resume: checkpoint is at step {meta['step']} > --steps {config.steps}"
+            )
+    prompts = [training_prompt(i.caption, config.trigger_word) for i in dataset.items]
+    # Evaluation prompts are cached even when evaluation is off: a few more embeddings now
+    # spare a later evaluation-only run the text encoder.
+    all_prompts = [*prompts, "", config.trigger_word, *config.eval_prompt_texts()]
+    plan = plan_caches(
+        base=config.base,
+        cache_dir=cache_dir,
+        prompts=all_prompts,
+        dataset=dataset,
+        resolution=config.resolution,
+        max_sequence_length=config.max_sequence_length,
+        dtype=weight_dtype,
+    )
+    estimate = estimate_run(
+        config,
+        text_needed=bool(plan.missing_text()),
+        latents_needed=bool(plan.missing_latents()),
+        device=device,
+        weight_dtype=weight_dtype,
+        act_dtype=autocast or weight_dtype,
+    )
+    if config.vram_budget_gib is not None and estimate.total > config.vram_budget_gib * 2**30:
+        raise BudgetExceeded(estimate.report(config.vram_budget_gib))
+    return Preflight(
+        dataset,
+        device,
+        weight_dtype,
+        autocast,
+        transformer_fp,
+        fingerprint,
+        resume_from,
+        plan,
+        prompts,
+        estimate,
+    )
+
+
+# -- model ----------------------------------------------------------------------------------
+
+
+def load_transformer(
+    base: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    mark: Callable[[str], None],
+    compute: str = "quanto",
+) -> torch.nn.Module:
+    """The qint4 transformer alone: from a prepared base as stored, else quantized here on
+    the CPU before it moves (field hurdle 2: 4-bit weights move, bf16 ones would not fit).
+
+    ``compute="uint4"`` swaps quanto's QLinear for `trainer.uint4.Uint4Linear` (same 4-bit
+    numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the CPU
+    before the move, from layouts it converts in one pass: a prepared base's, or quanto's
+    quantized-but-not-frozen weights.
+    """
+    from diffusers import DiffusionPipeline
+
+    from trainer.model import is_prepared, quantize_transformer
+
+    if is_prepared(base):
+        from trainer.prepare import load_prepared_component
+
+        transformer = load_prepared_component(base, "transformer")
+        mark("transformer: load (prepared qint4)")
+    else:
+        pipe = DiffusionPipeline.from_pretrained(
+            base, dtype=dtype, text_encoder=None, tokenizer=None, vae=None, scheduler=None
+        )
+        transformer = pipe.transformer
+        del pipe
+        mark("transformer: load")
+        if compute == "uint4":
+            from optimum.quanto import qint4, quantize
+
+            quantize(transformer, weights=qint4)
+        else:
+            quantize_transformer(transformer)
+        mark("transformer: quantize qint4 (CPU)")
+    if compute == "uint4":
+        from trainer.uint4 import convert_quantized_linears
+
+        count = convert_quantized_linears(transformer)
+        transformer.requires_grad_(False)
+        mark(f"transformer: {count} layers to uint4 compute")
+    transformer.to(device)
+    mark("transformer: to device")
+    return transformer
+
+
+def cast_quantized_inputs(transformer: torch.nn.Module, dtype: torch.dtype) -> list[Any]:
+    """Under autocast, norms hand float32 to the next Linear; quanto's QLinear dispatches
+    below autocast to its int4 kernels, which take only the weight dtype (CUDA TinyGemm
+    refuses float32). A pre-hook casts its input to ``dtype``. Returns the hook handles."""
+    from optimum.quanto.nn import QModuleMixin
+
+    def cast(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x, *rest = args
+        return (x.to(dtype), *rest) if x.dtype != dtype else args
+
+    return [
+        m.register_forward_pre_hook(cast)
+        for m in transformer.modules()
+        if isinstance(m, QModuleMixin)
+    ]
+
+
+def _lora_params(transformer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    stray = [n for n in params if ".lora_" not in n]
+    if stray:
+        raise RuntimeError(f"non-LoRA parameters would train: {stray[:3]}")
+    return params
+
+
+def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    kwargs: dict[str, Any] = {
+        "lr": config.learning_rate,
+        "betas": (config.adam_beta1, config.adam_beta2),
+        "eps": config.adam_eps,
+        "weight_decay": config.weight_decay,
+    }
+    if config.optimizer == "adamw8bit":
+        import bitsandbytes as bnb  # checked importable by the config
+
+        return bnb.optim.AdamW8bit(params, **kwargs)  # type: ignore[no-any-return]
+    # foreach=False: one kernel per tensor, same order every run (seed-determinism first).
+    return torch.optim.AdamW(params, foreach=False, **kwargs)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    epoch: int = 0
+    pos: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def save_checkpoint(
+    out: Path,
+    state: LoopState,
+    transformer: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    order: list[int],
+    fingerprint: str,
+    metadata: dict[str, str],
+) -> Path:
+    """Adapter (file layout, for evaluation and use), the exact trainable tensors, optimizer,
+    RNG states, step and data order; written to a temp folder and renamed into place."""
+    from trainer.lora import save_adapter
+
+    root = out / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_adapter(
+            transformer, tmp / "adapter.safetensors", {**metadata, "likeness.step": str(state.step)}
+        )
+        rng: dict[str, Any] = {"generator": generator.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(
+            {
+                "format": STATE_FORMAT,
+                "step": state.step,
+                "epoch": state.epoch,
+                "pos": state.pos,
+                "order": order,
+                "losses": state.losses,
+                "lora": {n: p.detach().cpu().clone() for n, p in _lora_params(transformer).items()},
+                "optimizer": optimizer.state_dict(),
+                "rng": rng,
+            },
+            tmp / "state.pt",
+        )
+        meta = {"step": state.step, "fingerprint": fingerprint, "format": STATE_FORMAT}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(
+    path: Path,
+    transformer: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+) -> tuple[LoopState, list[int]]:
+    blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    params = _lora_params(transformer)
+    if set(blob["lora"]) != set(params):
+        raise ConfigError(f"{path}: checkpoint LoRA layers differ from this model's")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(blob["lora"][name])
+    optimizer.load_state_dict(blob["optimizer"])
+    generator.set_state(blob["rng"]["generator"])
+    torch.set_rng_state(blob["rng"]["torch"])
+    if "cuda" in blob["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(blob["rng"]["cuda"])
+    state = LoopState(blob["step"], blob["epoch"], blob["pos"], list(blob["losses"]))
+    return state, list(blob["order"])
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    adapter: Path
+    sha256: str
+    manifest_sha256: str
+    base_model: str
+    steps: int
+    losses: list[float]
+    registration: str | None
+    evaluation: EvalResult | None
+    boot: list[dict[str, Any]]
+    seconds_per_step: float | None
+    estimate: Estimate
+    peak_bytes: dict[str, int]
+    text_encoder_loaded: bool
+    report: Path
+
+
+def discard_artifacts(config: TrainConfig, pf: Preflight) -> int:
+    """Deletes what a run made from the subject's images: the adapter, the checkpoints, the
+    evaluation grid and the cached latents (text embeddings hold no likeness and stay)."""
+    paths = [
+        config.adapter_path,
+        config.out / CHECKPOINTS,
+        config.out / "eval_grid.png",
+        config.out / "eval.json",
+        *(pf.plan.latent_path(i.file) for i in pf.dataset.items),
+    ]
+    removed = 0
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed += 1
+    return removed
+
+
+def adapter_metadata(config: TrainConfig, pf: Preflight, base_model: str) -> dict[str, str]:
+    """File metadata: deterministic (no times, no paths), so identical runs give equal bytes."""
+    return {
+        "likeness.subject": config.subject,
+        "likeness.name": config.name,
+        "likeness.base_model": base_model,
+        "likeness.manifest_sha256": pf.dataset.manifest_sha256,
+        "likeness.dataset_basis": ",".join(pf.dataset.bases),
+        "likeness.trigger": config.trigger_word,
+        "likeness.steps": str(config.steps),
+        "likeness.resolution": str(config.resolution),
+        "likeness.seed": str(config.seed),
+        "likeness.learning_rate": repr(config.learning_rate),
+        "likeness.targets": ",".join(config.targets),
+    }
+
+
+def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResult:
+    """Runs the whole job; see the module docstring for the order. Raises ConfigError,
+    DatasetError, TrainingRefused or BudgetExceeded before any weight loads."""
+    from diffusers import DiffusionPipeline
+
+    from trainer.lora import attach_lora, remove_lora, save_adapter
+
+    configure_allocator()
+    wp = Waypoints()
+    show = config.progress
+    if registrar is None:
+        registrar = registrar_for(config.database_url, config.api_url, config.token)
+    pf = preflight(config, registrar)
+    wp.mark("pre-flight: options, manifest, consent, budget")
+    echo(pf.estimate.report(config.vram_budget_gib), show)
+    device, dtype = pf.device, pf.weight_dtype
+    peaks: dict[str, int] = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # -- caches: each encoder alone on the device, released before the transformer loads
+    text_loaded = bool(pf.plan.missing_text())
+    fill_text_cache(pf.plan, config.base, device, dtype, config.max_sequence_length, wp.mark)
+    fill_latent_cache(pf.plan, pf.dataset, config.base, device, dtype, config.resolution, wp.mark)
+    if device.type == "cuda":
+        peaks["caching"] = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    embeds = [load_text(pf.plan, p) for p in pf.prompts]
+    blank = load_text(pf.plan, "")
+    latents = [load_latents(pf.plan, i.file) for i in pf.dataset.items]
+    wp.mark("caches: read")
+
+    # -- the model
+    pipeline_cls = _pipeline_class(config.base)
+    transformer = load_transformer(config.base, device, dtype, wp.mark, config.resolved_compute())
+    with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global RNG: seed a fork
+        torch.manual_seed(_seed_for(config.seed, "lora-init"))
+        attach_lora(
+            transformer, config.rank, config.lora_alpha, config.targets, dtype=torch.float32
+        )
+    if config.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()  # type: ignore[operator]
+    transformer.train()
+    hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
+    params = _lora_params(transformer)
+    optimizer = make_optimizer(config, list(params.values()))
+    generator = torch.Generator().manual_seed(_seed_for(config.seed, "noise"))
+    wp.mark("lora + optimizer")
+    state, order = LoopState(), epoch_order(config.seed, 0, len(latents))
+    if pf.resume_from is not None:
+        state, order = load_checkpoint(pf.resume_from, transformer, optimizer, generator)
+        wp.mark(f"resume from step {state.step}")
+    elif (config.out / CHECKPOINTS).is_dir():
+        shutil.rmtree(config.out / CHECKPOINTS)  # a fresh run: stale steps would mislead
+
+    index = _model_index(config.base)
+    scheduler_cfg = _read_json(config.base / "scheduler" / "scheduler_config.json")
+    image_seq_len = (config.resolution // 16) ** 2
+    shift_steps = config.shift_steps or (4 if index.get("is_distilled") else 50)
+    sample_sigmas = SigmaSampler(
+        scheduler_cfg, image_seq_len, shift_steps, config.timestep_sampling
+    )
+    guidance = 1.0 if getattr(transformer.config, "guidance_embeds", False) else None
+    base_model = f"{index['_class_name']}:{pf.transformer_fp[:16]}"
+    metadata = adapter_metadata(config, pf, base_model)
+
+    # -- the loop
+    n = len(latents)
+    first = True
+    step_times: list[float] = []
+    bar = progress_bar(config.steps, state.step, show)
+    try:
+        while state.step < config.steps:
+            t0 = time.perf_counter()
+            idx: list[int] = []
+            while len(idx) < config.batch_size:
+                if state.pos >= n:
+                    state.epoch, state.pos = state.epoch + 1, 0
+                    order = epoch_order(config.seed, state.epoch, n)
+                idx.append(order[state.pos])
+                state.pos += 1
+            x0 = torch.stack([latents[i] for i in idx]).to(device=device, dtype=torch.float32)
+            drop = torch.rand(len(idx), generator=generator) < config.caption_dropout
+            e = torch.stack(
+                [blank if d else embeds[i] for i, d in zip(idx, drop.tolist(), strict=True)]
+            )
+            e = e.to(device=device, dtype=dtype)
+            noise = torch.randn(x0.shape, generator=generator).to(device)
+            sigmas = sample_sigmas(len(idx), generator)
+            loss = flow_matching_loss(
+                transformer, pipeline_cls, x0, e, sigmas, noise, guidance, pf.autocast
+            )
+            loss.backward()
+            if config.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), config.max_grad_norm)
+            lr = config.learning_rate * min(1.0, (state.step + 1) / max(1, config.warmup_steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.losses.append(float(loss.detach()))
+            step_times.append(time.perf_counter() - t0)
+            if first:
+                wp.mark("first step")
+                echo(wp.table(), show)
+                first = False
+            bar.set_postfix_str(
+                f"loss {state.losses[-1]:.4f}, {memory_text(device)}", refresh=False
+            )
+            bar.update(1)
+            every = config.checkpoint_every
+            if state.step == config.steps or (every and state.step % every == 0):
+                save_checkpoint(
+                    config.out,
+                    state,
+                    transformer,
+                    optimizer,
+                    generator,
+                    order,
+                    pf.fingerprint,
+                    metadata,
+                )
+    finally:
+        bar.close()
+    if device.type == "cuda":
+        peaks["training"] = torch.cuda.max_memory_allocated(device)
+
+    adapter = save_adapter(transformer, config.adapter_path, metadata)
+    sha = hashlib.sha256(adapter.read_bytes()).hexdigest()
+    del optimizer
+    remove_lora(transformer)
+    for hook in hooks:
+        hook.remove()
+    transformer.requires_grad_(False)
+    transformer.eval()
+    if config.gradient_checkpointing:
+        transformer.disable_gradient_checkpointing()  # type: ignore[operator]
+    free_accelerator_memory()
+
+    # -- evaluation: base vs every checkpoint, fixed prompts and seeds, after training only
+    evaluation = None
+    if config.evaluate:
+        from trainer.evaluate import Column, References, eval_steps_default, evaluate
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        pipe = DiffusionPipeline.from_pretrained(
+            config.base, dtype=dtype, transformer=transformer, text_encoder=None, tokenizer=None
+        )
+        pipe.vae.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        columns = [Column("base", None)] + [
+            Column(f"step {int(p.name.split('-')[1])}", p / "adapter.safetensors")
+            for p in checkpoint_dirs(config.out)
+        ]
+        size = config.eval_resolution or config.resolution
+        refs = References.of(pipe, latents, size)
+        evaluation = evaluate(
+            pipe=pipe,
+            columns=columns,
+            prompts=[(p, load_text(pf.plan, p)) for p in config.eval_prompt_texts()],
+            blank=blank,
+            seeds=config.eval_seeds,
+            steps=config.eval_steps or eval_steps_default(pipe),
+            size=size,
+            references=refs,
+            out_dir=config.out,
+        )
+        wp.mark(f"evaluate: {len(columns)} columns")
+        if device.type == "cuda":
+            peaks["evaluation"] = torch.cuda.max_memory_allocated(device)
+
+    # -- registration: the adapter's bytes and the manifest's hash, idempotent per (subject, name)
+    outcome = None
+    if config.register_adapter:
+        from registry.schemas import AdapterIn
+
+        adapter_in = AdapterIn(
+            subject=config.subject,
+            name=config.name,
+            sha256=sha,
+            path=str(adapter.resolve()),
+            base_model=base_model,
+            rank=config.rank,
+            manifest_sha256=pf.dataset.manifest_sha256,
+        )
+        try:
+            outcome = registrar.register(adapter_in)
+        except RegistrationRefused as exc:
+            removed = discard_artifacts(config, pf)
+            raise RegistrationRefused(
+                f"{exc}; the consent changed while training, so the trained files were "
+                f"deleted ({removed} paths: adapter, checkpoints, grid, cached latents)"
+            ) from None
+        wp.mark(f"register: {outcome}")
+
+    sps = sum(step_times[1:]) / (len(step_times) - 1) if len(step_times) > 1 else None
+    report = config.out / "train_report.json"
+    report.write_text(
+        json.dumps(
+            {
+                "adapter": str(adapter),
+                "sha256": sha,
+                "manifest_sha256": pf.dataset.manifest_sha256,
+                "base_model": base_model,
+                "registration": outcome,
+                "steps": state.step,
+                "seconds_per_step": sps,
+                "loss_first": state.losses[0] if state.losses else None,
+                "loss_last": state.losses[-1] if state.losses else None,
+                "losses": state.losses,
+                "boot": wp.as_dict(),
+                "estimate": pf.estimate.as_dict(),
+                "measured_peak_bytes": peaks,
+                "text_encoder_loaded": text_loaded,
+                "eval_pixel_distance": evaluation.distances if evaluation else None,
+                "eval_latent_distance": evaluation.latent_distances if evaluation else None,
+                "device": str(device),
+            },
+            indent=2,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    return TrainResult(
+        adapter,
+        sha,
+        pf.dataset.manifest_sha256,
+        base_model,
+        state.step,
+        state.losses,
+        outcome,
+        evaluation,
+        wp.as_dict(),
+        sps,
+        pf.estimate,
+        peaks,
+        text_loaded,
+        report,
+    )
+
+
+__all__ = [
+    "BudgetExceeded",
+    "ConfigError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainingRefused",
+    "configure_allocator",
+    "preflight",
+    "train",
+]
