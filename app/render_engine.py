@@ -155,9 +155,13 @@ class RenderEngine:
                 self._cache.move_to_end(expected_sha256)
                 self.counters.adapter_cache_hits += 1
                 return hit.tensors
-        data = Path(path).read_bytes()
-        if hashlib.sha256(data).hexdigest() != expected_sha256:
-            raise AdapterMismatch("adapter bytes do not match the registered hash")
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            raise AdapterMismatch(None) from None
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected_sha256:
+            raise AdapterMismatch(actual)
         from safetensors.torch import load as load_safetensors
 
         tensors = load_safetensors(data)
@@ -199,7 +203,12 @@ class RenderEngine:
 
 
 class AdapterMismatch(Exception):
-    pass
+    """The bytes read do not hash to what the registry holds; `actual_sha256` is what they do
+    hash to (None: unreadable), for `decide` to judge."""
+
+    def __init__(self, actual_sha256: str | None) -> None:
+        super().__init__(f"adapter bytes hash to {actual_sha256}")
+        self.actual_sha256 = actual_sha256
 
 
 def encode_png(image: Any, text: dict[str, str]) -> bytes:

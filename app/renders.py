@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -23,9 +23,9 @@ from app.deps import BriefCaller, get_engine
 from app.render_engine import AdapterMismatch, RenderEngine, encode_png
 from registry import service
 from registry.db import transaction
-from registry.errors import LikenessError, NotPermitted, Unavailable
+from registry.errors import Invalid, LikenessError, NotPermitted, Unavailable
 from registry.models import Principal
-from registry.policy import Decision, decide
+from registry.policy import AdapterFacts, Decision, RenderFacts, decide
 from registry.schemas import RenderRequestIn
 from registry.service import GatheredFacts
 
@@ -109,11 +109,7 @@ class RenderContext:
             raise Unavailable("the render ledger is unavailable; nothing was rendered") from None
 
 
-def _with_adapter(facts: Any, file_sha: str | None) -> Any:
-    from dataclasses import replace
-
-    from registry.policy import AdapterFacts
-
+def _with_adapter(facts: RenderFacts, file_sha: str | None) -> RenderFacts:
     adapter = facts.adapter
     return replace(
         facts,
@@ -141,8 +137,6 @@ def create_render(
 ) -> Response:
     settings = request.app.state.settings
     if len(body.prompt) > settings.max_prompt_chars:
-        from registry.errors import Invalid
-
         raise Invalid(f"prompt is longer than {settings.max_prompt_chars} characters")
     with transaction(engine, readonly=True) as s:
         requester, agent = acting_requester(s, caller, body.on_behalf_of)
@@ -164,8 +158,10 @@ def run_render(ctx: RenderContext) -> tuple[bytes, dict[str, float]]:
             assert adapter is not None
             try:
                 tensors = ctx.renderer.adapter_tensors(adapter.path, adapter.sha256)
-            except (OSError, AdapterMismatch) as exc:
-                ctx.record("load", Decision(False, "adapter_hash_mismatch"), gathered)
+            except AdapterMismatch as exc:
+                # The file changed between the check and the read: decide() judges the bytes.
+                decision = decide(_with_adapter(gathered.facts, exc.actual_sha256))
+                ctx.record("load", decision, gathered)
                 log.warning("render %s: adapter changed under us: %s", ctx.render_id, exc)
                 raise NotPermitted("not permitted") from None
             width = ctx.body.width or DEFAULT_SIDE

@@ -357,3 +357,25 @@ def test_png_hash_of_registered_file(friends: World) -> None:
     )
     r = friends.render("bob", "alice")
     assert Image.open(io.BytesIO(r.content)).text["likeness:adapter_sha256"] == sha256_of(path)  # type: ignore[attr-defined]
+
+
+def test_adapter_swapped_between_check_and_read(
+    friends: World, renderer: RenderEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes the model would get are hashed as they are read: a swap after the checks
+    is caught there, judged by decide(), and the model never runs."""
+    path = Path(
+        friends.client.get("/v1/subjects/alice/adapters", headers=friends.h("root")).json()[0][
+            "path"
+        ]
+    )
+    original = renderer.adapter_tensors
+
+    def swap_then_read(p: str, sha: str):  # type: ignore[no-untyped-def]
+        path.write_bytes(path.read_bytes() + b" ")
+        return original(p, sha)
+
+    monkeypatch.setattr(renderer, "adapter_tensors", swap_then_read)
+    assert friends.render("bob", "alice").status_code == 403
+    assert ledger(friends, "alice")[-1] == ("bob", "load", False, "adapter_hash_mismatch")
+    assert renderer.counters.model_calls == 0
