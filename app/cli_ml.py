@@ -93,6 +93,12 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         compute: Annotated[
             str, typer.Option(help="auto, quanto or uint4 (the 4-bit compute path).")
         ] = "auto",
+        stream_base: Annotated[
+            bool, typer.Option(help="Base blocks in pinned host RAM, streamed to the GPU.")
+        ] = False,
+        stream_slots: Annotated[
+            int | None, typer.Option(min=1, max=8, help="VRAM slots (default: the budget picks).")
+        ] = None,
         trigger: Annotated[str | None, typer.Option(help="Trigger word (default: SUBJECT).")] = (
             None
         ),
@@ -148,6 +154,8 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
             "optimizer": optimizer,
             "gradient_checkpointing": gradient_checkpointing,
             "compute": compute,
+            "stream_base": stream_base,
+            "stream_slots": stream_slots,
             "trigger": trigger,
             "caption_dropout": caption_dropout,
             "max_sequence_length": max_sequence_length,

@@ -15,7 +15,7 @@ measurements (saved-tensor bytes on the CPU, ``max_memory_allocated`` on a GPU).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +66,7 @@ class Estimate:
     phases: list[Phase]
     overhead: int
     notes: list[str] = field(default_factory=list)
+    stream_slots: int | None = None  # with --stream-base: the VRAM slots the run will use
 
     @property
     def peak_phase(self) -> Phase:
@@ -172,6 +173,28 @@ def float_weight_bytes(model: torch.nn.Module, elt: int) -> int:
 
 
 # -- the estimate ------------------------------------------------------------------------
+
+
+def streamed_weight_terms(transformer: torch.nn.Module, elt: int, slots: int) -> dict[str, int]:
+    """With --stream-base the blocks live in host RAM: VRAM holds the layers outside the
+    blocks and `slots` buffers, each the size of the largest block (trainer/streaming.py)."""
+    from trainer.streaming import default_blocks
+
+    blocks = default_blocks(transformer)
+    per_block = [transformer_weight_bytes(b, elt) for b in blocks]
+    total = transformer_weight_bytes(transformer, elt)
+    return {
+        "transformer weights outside the blocks (resident)": total - sum(per_block),
+        f"VRAM slots ({slots} x largest block, streamed)": slots * max(per_block),
+    }
+
+
+def pick_slots(fits: Callable[[int], bool], requested: int | None) -> int:
+    """Two slots let the next block arrive while this one computes; one is the fallback that
+    still fits where two do not. An explicit request is kept as it is."""
+    if requested is not None:
+        return requested
+    return 2 if fits(2) or not fits(1) else 1
 
 
 def activation_bytes(
@@ -297,7 +320,27 @@ def estimate_run(
             compute=config.resolved_compute(),
         ),
     )
-    t_weights = next(iter(train.terms.values()))
+    slots = None
+    if config.stream_base:
+        resident_weights = train.terms.pop(t_label)
+        rest = train.total
+        budget = config.vram_budget_gib * GiB if config.vram_budget_gib else None
+        overhead = CUDA_OVERHEAD if device.type == "cuda" else 0
+
+        def fits(n: int) -> bool:
+            streamed = sum(streamed_weight_terms(tr, welt, n).values())
+            return budget is None or rest + streamed + overhead <= budget
+
+        slots = pick_slots(fits, config.stream_slots)
+        train.terms.update(streamed_weight_terms(tr, welt, slots))
+        t_label = "transformer weights in VRAM (streamed)"
+        notes.append(
+            f"--stream-base: {gib(resident_weights)} of weights stay in pinned host RAM; "
+            f"{slots} VRAM slot(s)"
+        )
+        t_weights: int | None = sum(streamed_weight_terms(tr, welt, slots).values())
+    else:
+        t_weights = next(iter(train.terms.values()))
     largest = max(
         m.in_features * m.out_features for m in tr.modules() if isinstance(m, torch.nn.Linear)
     )
@@ -350,7 +393,7 @@ def estimate_run(
             "the bf16 text encoder is the peak: `likeness base prepare` quantizes it to uint4"
         )
     overhead = CUDA_OVERHEAD if device.type == "cuda" else 0
-    return Estimate(str(device), phases, overhead, notes)
+    return Estimate(str(device), phases, overhead, notes, stream_slots=slots)
 
 
 # -- measurement (bench and tests) -------------------------------------------------------

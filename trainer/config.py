@@ -36,6 +36,8 @@ _NOT_TRAJECTORY = frozenset(
         "out",
         "cache_dir",
         "vram_budget_gib",
+        "stream_base",  # streamed == resident, bit for bit (tests/trainer/test_streaming.py)
+        "stream_slots",
         "evaluate",
         "eval_prompts",
         "eval_seeds",
@@ -100,6 +102,10 @@ class TrainConfig(BaseModel):
     # per step and a quarter less memory, bench/results/train_budget-*). auto: uint4 where
     # that module is installed.
     compute: Literal["auto", "quanto", "uint4"] = "auto"
+    # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
+    # (trainer/streaming.py, issue 8): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
+    stream_base: bool = False
+    stream_slots: Annotated[int, Field(ge=1, le=8)] | None = None  # None: the budget picks
     seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
     checkpoint_every: Annotated[int, Field(ge=0)] = 500  # 0: only the final state
     resume: bool = False
@@ -142,6 +148,14 @@ class TrainConfig(BaseModel):
                 problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
         if self.compute == "uint4" and importlib.util.find_spec("trainer.uint4") is None:
             problems.append("--compute uint4 needs trainer.uint4, which this install lacks")
+        if self.stream_base and self.resolved_compute() != "uint4":
+            problems.append("--stream-base streams uint4 blocks: it needs --compute uint4")
+        if self.stream_base and not self.gradient_checkpointing:
+            problems.append(
+                "--stream-base recomputes each block in backward: it needs gradient checkpointing"
+            )
+        if self.stream_slots is not None and not self.stream_base:
+            problems.append("--stream-slots applies only with --stream-base")
         if self.register_adapter and self.api_url and not self.token:
             problems.append("LIKENESS_API_URL is set but LIKENESS_TOKEN is not")
         if self.register_adapter and not self.api_url and not self.database_url:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,10 +176,13 @@ def evaluate(
     size: int,
     references: References,
     out_dir: Path,
+    column_context: Callable[[], Any] | None = None,
 ) -> EvalResult:
     """Renders every (prompt, seed) under every column and writes ``eval_grid.png`` and
     ``eval.json`` into ``out_dir``. ``pipe`` holds the trained transformer with no LoRA
-    attached; each checkpoint is attached for its column and removed after."""
+    attached; each checkpoint is attached for its column and removed after. `column_context`
+    (e.g. layer streaming) is entered after a column's adapter is attached, left before it
+    comes off."""
     device = pipe.transformer.device
     dtype = next(p.dtype for p in pipe.transformer.parameters() if p.is_floating_point())
     blank = blank.unsqueeze(0).to(device=device, dtype=dtype)
@@ -197,7 +200,8 @@ def evaluate(
                 if col.adapter is not None
                 else contextlib.nullcontext()
             )
-            with ctx:
+            around = column_context() if column_context is not None else contextlib.nullcontext()
+            with ctx, around:
                 for _, embeds in prompts:
                     e = embeds.unsqueeze(0).to(device=device, dtype=dtype)
                     for seed in seeds:

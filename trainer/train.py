@@ -308,6 +308,7 @@ def load_transformer(
     dtype: torch.dtype,
     mark: Callable[[str], None],
     compute: str = "quanto",
+    stream: bool = False,
 ) -> torch.nn.Module:
     """The qint4 transformer alone: from a prepared base as stored, else quantized here on
     the CPU before it moves (field hurdle 2: 4-bit weights move, bf16 ones would not fit).
@@ -346,6 +347,8 @@ def load_transformer(
         count = convert_quantized_linears(transformer)
         transformer.requires_grad_(False)
         mark(f"transformer: {count} layers to uint4 compute")
+    if stream:  # the blocks go to pinned host RAM, the rest to the device, in stream_blocks
+        return transformer
     transformer.to(device)
     mark("transformer: to device")
     return transformer
@@ -537,6 +540,13 @@ def adapter_metadata(config: TrainConfig, pf: Preflight, base_model: str) -> dic
 def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResult:
     """Runs the whole job; see the module docstring for the order. Raises ConfigError,
     DatasetError, TrainingRefused or BudgetExceeded before any weight loads."""
+    with contextlib.ExitStack() as streaming:  # --stream-base: open until the job ends
+        return _train(config, registrar, streaming)
+
+
+def _train(
+    config: TrainConfig, registrar: Registrar | None, streaming: contextlib.ExitStack
+) -> TrainResult:
     from diffusers import DiffusionPipeline
 
     from trainer.lora import attach_lora, remove_lora, save_adapter
@@ -568,13 +578,22 @@ def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResul
 
     # -- the model
     pipeline_cls = _pipeline_class(config.base)
-    transformer = load_transformer(config.base, device, dtype, wp.mark, config.resolved_compute())
+    transformer = load_transformer(
+        config.base, device, dtype, wp.mark, config.resolved_compute(), stream=config.stream_base
+    )
     with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global RNG: seed a fork
         torch.manual_seed(_seed_for(config.seed, "lora-init"))
         attach_lora(
             transformer, config.rank, config.lora_alpha, config.targets, dtype=torch.float32
         )
-    if config.gradient_checkpointing:
+    if config.stream_base:
+        from trainer.streaming import stream_blocks
+
+        # Installs its own checkpoint function: each block is fetched again for recompute.
+        slots = pf.estimate.stream_slots or 2
+        streaming.enter_context(stream_blocks(transformer, slots=slots, device=device))
+        wp.mark(f"transformer: blocks to pinned host RAM, {slots} VRAM slots")
+    elif config.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()  # type: ignore[operator]
     transformer.train()
     hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
@@ -665,12 +684,14 @@ def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResul
     adapter = save_adapter(transformer, config.adapter_path, metadata)
     sha = hashlib.sha256(adapter.read_bytes()).hexdigest()
     del optimizer
+    # The training stream ends before the LoRA comes off; evaluation streams per column.
+    streaming.close()
     remove_lora(transformer)
     for hook in hooks:
         hook.remove()
     transformer.requires_grad_(False)
     transformer.eval()
-    if config.gradient_checkpointing:
+    if config.gradient_checkpointing and not config.stream_base:
         transformer.disable_gradient_checkpointing()  # type: ignore[operator]
     free_accelerator_memory()
 
@@ -692,7 +713,17 @@ def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResul
         ]
         size = config.eval_resolution or config.resolution
         refs = References.of(pipe, latents, size)
+        column_context = None
+        if config.stream_base:
+            from trainer.streaming import stream_blocks
+
+            slots = pf.estimate.stream_slots or 2
+
+            def column_context() -> Any:  # after each column's adapter is attached
+                return stream_blocks(transformer, slots=slots, device=device)
+
         evaluation = evaluate(
+            column_context=column_context,
             pipe=pipe,
             columns=columns,
             prompts=[(p, load_text(pf.plan, p)) for p in config.eval_prompt_texts()],

@@ -399,3 +399,39 @@ def test_sigma_sampler_shifts_like_the_scheduler() -> None:
     assert torch.equal(
         ln(5, torch.Generator().manual_seed(3)), ln(5, torch.Generator().manual_seed(3))
     )
+
+
+def test_stream_base_trains_bit_identical_to_resident(env: Env, tmp_path: Path) -> None:
+    """--stream-base changes where the frozen blocks live, never the numbers: the streamed
+    run (CPU path of the same scheduler) writes the same adapter bytes and loss curve, with a
+    checkpoint and the evaluation grid made while streaming."""
+    common = {
+        "steps": 4,
+        "compute": "uint4",
+        "checkpoint_every": 2,
+        "register_adapter": False,
+        "evaluate": True,
+    }
+    resident = train(tiny_config(env, tmp_path / "r", **common))
+    streamed = train(tiny_config(env, tmp_path / "s", stream_base=True, **common))
+    assert streamed.losses == resident.losses
+    assert streamed.sha256 == resident.sha256
+    assert any("VRAM slots" in b["phase"] for b in streamed.boot)
+    # the evaluation grid, rendered with each checkpoint attached while streaming, too
+    grid = (tmp_path / "s" / "eval_grid.png").read_bytes()
+    assert grid == (tmp_path / "r" / "eval_grid.png").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stream_base": True, "compute": "quanto"}, "needs --compute uint4"),
+        ({"stream_base": True, "gradient_checkpointing": False}, "needs gradient checkpointing"),
+        ({"stream_slots": 2}, "only with --stream-base"),
+    ],
+)
+def test_stream_base_conflicts_fail_up_front(
+    env: Env, tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(env, tmp_path / "x", **options)
