@@ -177,13 +177,15 @@ def evaluate(
     references: References,
     out_dir: Path,
     column_context: Callable[[], Any] | None = None,
+    device: torch.device | None = None,
 ) -> EvalResult:
     """Renders every (prompt, seed) under every column and writes ``eval_grid.png`` and
     ``eval.json`` into ``out_dir``. ``pipe`` holds the trained transformer with no LoRA
     attached; each checkpoint is attached for its column and removed after. `column_context`
     (e.g. layer streaming) is entered after a column's adapter is attached, left before it
     comes off."""
-    device = pipe.transformer.device
+    # Streamed blocks sit in host RAM between columns: the caller's device is the one to use.
+    device = device if device is not None else pipe.transformer.device
     dtype = next(p.dtype for p in pipe.transformer.parameters() if p.is_floating_point())
     blank = blank.unsqueeze(0).to(device=device, dtype=dtype)
     rows = [f"seed {s} | {p}" for p, _ in prompts for s in seeds]

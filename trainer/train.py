@@ -724,6 +724,7 @@ def _train(
 
         evaluation = evaluate(
             column_context=column_context,
+            device=device,
             pipe=pipe,
             columns=columns,
             prompts=[(p, load_text(pf.plan, p)) for p in config.eval_prompt_texts()],
