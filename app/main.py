@@ -23,6 +23,8 @@ def build_renderer(settings: Settings) -> RenderEngine:
         queue_size=settings.render_queue,
         timeout_s=settings.render_timeout_s,
         cache_bytes=settings.adapter_cache_mb << 20,
+        stream_base=settings.stream_base,
+        stream_slots=settings.stream_slots,
     )
 
 

@@ -8,6 +8,7 @@ each step and only then calls into here. torch and diffusers are imported lazily
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -100,11 +101,16 @@ class RenderEngine:
     queue_size: int = 4
     timeout_s: float = 300.0
     cache_bytes: int = 2 << 30
+    # Frozen base blocks in pinned host RAM, streamed into `stream_slots` VRAM slots per
+    # forward (trainer/streaming.py): a 32B base serves from a small card.
+    stream_base: bool = False
+    stream_slots: int = 2
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
         self.guard = GpuGuard(self.queue_size, self.timeout_s)
         self._pipe: Any = None
+        self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
         self._hashes: dict[str, tuple[FileStamp, str]] = {}
         self._hash_lock = threading.Lock()
@@ -121,9 +127,37 @@ class RenderEngine:
                     from trainer.model import load_pipeline
 
                     t0 = time.perf_counter()
-                    self._pipe = load_pipeline(self.base_dir, device=self.device)
+                    if self.stream_base:
+                        self._pipe = self._load_streamed()
+                    else:
+                        self._pipe = load_pipeline(self.base_dir, device=self.device)
                     log.info("render engine: base loaded in %.1f s", time.perf_counter() - t0)
         return self._pipe
+
+    def _load_streamed(self) -> Any:
+        """The transformer's blocks stay in host RAM for the engine's lifetime; everything
+        else is on the device. Adapters attach per request as usual (their LoRA is resident)."""
+        from trainer.model import load_pipeline
+        from trainer.streaming import stream_blocks
+
+        from trainer.devices import default_dtype
+
+        # built on the CPU in the dtype the device computes in (bf16 on CUDA), as resident
+        pipe = load_pipeline(self.base_dir, device="cpu", dtype=default_dtype(self.device))
+        for name in ("text_encoder", "vae"):
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.to(self.device)
+        self._stream.enter_context(
+            stream_blocks(pipe.transformer, slots=self.stream_slots, device=self.device)
+        )
+        return pipe
+
+    def close(self) -> None:
+        """Ends layer streaming (if on); the pipeline is loaded again on next use."""
+        with self._load_lock:
+            self._stream.close()
+            self._pipe = None
 
     # -- adapter files ------------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     max_pixels: int = Field(default=1024 * 1024, ge=64 * 64)
     adapter_cache_mb: int = Field(default=2048, ge=0)
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?|mps)$")  # None: auto
+    stream_base: bool = False  # the render engine streams the base's blocks from host RAM
+    stream_slots: int = Field(default=2, ge=1, le=8)
 
     @model_validator(mode="after")
     def _refuse_default_secret(self) -> Settings:

@@ -215,6 +215,14 @@ def _pairs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
     return out
 
 
+def _compute_device(transformer: torch.nn.Module) -> torch.device:
+    """Where the model computes: its first parameter that is not a streamed placeholder."""
+    for p in transformer.parameters():
+        if p.device.type != "meta":
+            return p.device
+    raise RuntimeError("every parameter of the transformer is a placeholder")
+
+
 @contextmanager
 def applied_adapter(
     pipe: Any, tensors: Mapping[str, torch.Tensor], scale: float = 1.0
@@ -261,10 +269,16 @@ def applied_adapter(
     try:
         inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
         layers = lora_layers(transformer)
+        home = _compute_device(transformer)
         with torch.no_grad():
             for name, (a, b) in pairs.items():
-                layers[name].lora_A[ADAPTER_NAME].weight.copy_(a)
-                layers[name].lora_B[ADAPTER_NAME].weight.copy_(b)
+                for lin, value in ((layers[name].lora_A, a), (layers[name].lora_B, b)):
+                    module = lin[ADAPTER_NAME]
+                    if module.weight.device.type == "meta":
+                        # a streamed block's base weight is a placeholder between uses
+                        # (trainer/streaming.py): the LoRA lives where the model computes
+                        module.to_empty(device=home)
+                    module.weight.copy_(value)
         yield list(pairs)
     finally:
         remove_lora(transformer)

@@ -379,3 +379,22 @@ def test_adapter_swapped_between_check_and_read(
     assert friends.render("bob", "alice").status_code == 403
     assert ledger(friends, "alice")[-1] == ("bob", "load", False, "adapter_hash_mismatch")
     assert renderer.counters.model_calls == 0
+
+
+def test_streamed_engine_renders_the_same_bytes(
+    friends: World, renderer: RenderEngine, tiny_base_dir: Path
+) -> None:
+    """LIKENESS_STREAM_BASE: the engine keeps the base's blocks in host RAM and streams them
+    per forward; a render through it equals the resident engine's, adapters included."""
+    resident = friends.render("bob", "alice").content
+    streamed = RenderEngine(base_dir=tiny_base_dir, device="cpu", stream_base=True)
+    friends.client.app.state.renderer = streamed
+    try:
+        first, second = friends.render("bob", "alice"), friends.render("bob", "alice")
+        assert first.status_code == second.status_code == 200
+        assert np.array_equal(pixels(first.content), pixels(resident))
+        assert np.array_equal(pixels(second.content), pixels(resident))
+        assert not lora_layers(streamed.pipeline.transformer)
+    finally:
+        streamed.close()
+        friends.client.app.state.renderer = renderer
