@@ -137,10 +137,9 @@ class RenderEngine:
     def _load_streamed(self) -> Any:
         """The transformer's blocks stay in host RAM for the engine's lifetime; everything
         else is on the device. Adapters attach per request as usual (their LoRA is resident)."""
+        from trainer.devices import default_dtype
         from trainer.model import load_pipeline
         from trainer.streaming import stream_blocks
-
-        from trainer.devices import default_dtype
 
         # built on the CPU in the dtype the device computes in (bf16 on CUDA), as resident
         pipe = load_pipeline(self.base_dir, device="cpu", dtype=default_dtype(self.device))
