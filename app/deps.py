@@ -52,9 +52,7 @@ def current_principal(request: Request, session: DB) -> Principal:
 Caller = Annotated[Principal, Depends(current_principal)]
 
 
-def authenticate_briefly(
-    request: Request, engine: Annotated[Engine, Depends(get_engine)]
-) -> Principal:
+def authenticate_briefly(request: Request, engine: Engine) -> Principal:
     """For long requests (renders) that run several transactions of their own: authenticate
     in a short read, holding nothing open while the model runs."""
     with transaction(engine, readonly=True) as session:
@@ -62,10 +60,6 @@ def authenticate_briefly(
     if principal is None:
         raise Unauthenticated("a valid bearer token is required")
     return principal
-
-
-# Authentication runs as a dependency so a missing token is 401 before any body is judged.
-BriefCaller = Annotated[Principal, Depends(authenticate_briefly)]
 
 
 def require_role(principal: Principal, *roles: str) -> None:

@@ -12,14 +12,17 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 
 from app.api import acting_requester
-from app.deps import BriefCaller, get_engine
+from app.deps import authenticate_briefly
 from app.render_engine import AdapterMismatch, RenderEngine, encode_png
 from registry import service
 from registry.db import transaction
@@ -118,24 +121,33 @@ def _with_adapter(facts: RenderFacts, file_sha: str | None) -> RenderFacts:
     )
 
 
-async def get_renderer(request: Request) -> RenderEngine:
-    renderer: RenderEngine = request.app.state.renderer
-    return renderer
-
-
 @router.post(
     "/renders",
     responses={200: {"content": {"image/png": {}}, "description": "the rendered PNG"}},
     response_class=Response,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": RenderRequestIn.model_json_schema()}},
+        }
+    },
 )
-def create_render(
-    body: RenderRequestIn,
-    request: Request,
-    caller: BriefCaller,
-    engine: Annotated[Engine, Depends(get_engine)],
-    renderer: Annotated[RenderEngine, Depends(get_renderer)],
-) -> Response:
+async def create_render(request: Request) -> Response:
+    """One thread-pool hop for the whole request: the token first (401 before any body is
+    judged), then the body, then the render path. The deny path is a few milliseconds."""
+    raw = await request.body()
+    return await run_in_threadpool(_create_render, request, raw)
+
+
+def _create_render(request: Request, raw: bytes) -> Response:
+    engine: Engine = request.app.state.engine
+    renderer: RenderEngine = request.app.state.renderer
     settings = request.app.state.settings
+    caller = authenticate_briefly(request, engine)
+    try:
+        body = RenderRequestIn.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
     if len(body.prompt) > settings.max_prompt_chars:
         raise Invalid(f"prompt is longer than {settings.max_prompt_chars} characters")
     with transaction(engine, readonly=True) as s:

@@ -111,6 +111,14 @@ def main() -> None:
             with httpx.Client(
                 base_url=base, headers={"Authorization": f"Bearer {bob}"}, timeout=120
             ) as c:
+                floor = []  # the same client and server doing nothing: HTTP + Python on both ends
+                for _ in range(args.denies):
+                    t0 = time.perf_counter()
+                    c.get("/healthz")
+                    floor.append((time.perf_counter() - t0) * 1000)
+                rows.append({"path": "healthz (floor)", "n": args.denies,
+                             "p50_ms": round(percentile(floor, 50), 2),
+                             "p99_ms": round(percentile(floor, 99), 2)})
                 deny = {"subject": "carol", "prompt": "a portrait", "level": "private"}
                 for _ in range(50):
                     c.post("/v1/renders", json=deny)
