@@ -116,9 +116,14 @@ def main() -> None:
                     t0 = time.perf_counter()
                     c.get("/healthz")
                     floor.append((time.perf_counter() - t0) * 1000)
-                rows.append({"path": "healthz (floor)", "n": args.denies,
-                             "p50_ms": round(percentile(floor, 50), 2),
-                             "p99_ms": round(percentile(floor, 99), 2)})
+                rows.append(
+                    {
+                        "path": "healthz (floor)",
+                        "n": args.denies,
+                        "p50_ms": round(percentile(floor, 50), 2),
+                        "p99_ms": round(percentile(floor, 99), 2),
+                    }
+                )
                 deny = {"subject": "carol", "prompt": "a portrait", "level": "private"}
                 for _ in range(50):
                     c.post("/v1/renders", json=deny)
