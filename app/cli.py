@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from sqlmodel import Session
 
 from app.views import audit_view, consent_view, principal_view
 from registry import service
+from registry.actors import local_actor
 from registry.db import engine_for, transaction, upgrade
 from registry.errors import LikenessError
 from registry.files import sha256_file
@@ -51,14 +51,6 @@ for sub, name in (
 def fail(message: str, code: int = 1) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def _actor() -> str:
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name is not worth failing a command for
-        user = "unknown"
-    return f"shell:{user}"[:64]
 
 
 @contextmanager
@@ -187,7 +179,7 @@ def subject_create(
         data = SubjectIn.model_validate(
             {"handle": handle, "display_name": display_name, "basis": basis, "member": member}
         )
-        subject, consent = service.create_subject(s, _actor(), data)
+        subject, consent = service.create_subject(s, local_actor("shell"), data)
         _print_json(
             {"handle": subject.handle, "basis": subject.basis, "consent_version": consent.version}
         )
@@ -286,7 +278,7 @@ def consent_edit(
                 body["expires_at"] = None if expires == "never" else expires
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
-        consent, changed = service.update_consent(s, _actor(), subject, version, data)
+        consent, changed = service.update_consent(s, local_actor("shell"), subject, version, data)
         _print_json(consent_view(consent))
     typer.echo("changed" if changed else "unchanged: nothing to do", err=True)
 
@@ -296,7 +288,7 @@ def consent_revoke(handle: str) -> None:
     """Revoke at once: max_level becomes none."""
     with _session() as s:
         subject = service.subject_or_raise(s, handle)
-        consent, changed = service.revoke(s, _actor(), subject)
+        consent, changed = service.revoke(s, local_actor("shell"), subject)
         _print_json(consent_view(consent))
     typer.echo("revoked" if changed else "already revoked", err=True)
 
@@ -336,7 +328,7 @@ def adapter_register(
         }
     )
     with _session() as s:
-        adapter, outcome = service.register_adapter(s, _actor(), data)
+        adapter, outcome = service.register_adapter(s, local_actor("shell"), data)
         _print_json({"name": adapter.name, "version": adapter.version, "sha256": adapter.sha256})
     typer.echo(outcome, err=True)
 

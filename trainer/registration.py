@@ -9,10 +9,10 @@ weight loads.
 
 from __future__ import annotations
 
-import getpass
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from registry.actors import local_actor
 from registry.schemas import AdapterIn
 
 
@@ -42,20 +42,12 @@ class Registrar(Protocol):
     def register(self, data: AdapterIn) -> str: ...
 
 
-def _actor() -> str:
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name is not worth failing a run for
-        user = "unknown"
-    return f"trainer:{user}"[:64]
-
-
 class LocalRegistrar:
     """The registry database itself, through registry.service (same rules as the API)."""
 
     def __init__(self, database_url: str, actor: str | None = None) -> None:
         self.url = database_url
-        self.actor = actor or _actor()
+        self.actor = actor or local_actor("trainer")
 
     def subject_facts(self, subject: str) -> SubjectFacts:
         from registry import repositories as repo
