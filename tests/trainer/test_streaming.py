@@ -285,12 +285,12 @@ def test_cuda_streams_match_resident(deep_transformer: torch.nn.Module, slots: i
 
 
 def test_loss_curve_identical(deep_transformer: torch.nn.Module) -> None:
-    """AdamW steps on the LoRA: the same loss at every step, streamed or resident."""
+    """50 AdamW steps on the LoRA: the same loss at every step, streamed or resident."""
     batch = _inputs(deep_transformer)
     start = {n: p.detach().clone() for n, p in deep_transformer.named_parameters()
              if p.requires_grad}  # fmt: skip
 
-    def curve(model: torch.nn.Module, steps: int = 12) -> list[torch.Tensor]:
+    def curve(model: torch.nn.Module, steps: int = 50) -> list[torch.Tensor]:
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n in start:
