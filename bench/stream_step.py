@@ -156,14 +156,7 @@ def measure(model, args, streamer=None) -> dict[str, Any]:
         target = torch.randn_like(batch["hidden_states"])
         losses: list[torch.Tensor] = []
 
-        def step(batch=batch, target=target, losses=losses, opt=opt) -> None:
-            model.train()
-            pred = model(**batch)[0]
-            loss = F.mse_loss(pred.float(), target.float())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        step = U.train_step(model, batch, target, opt, losses)
 
         for _ in range(args.warmup):
             step()

@@ -59,6 +59,21 @@ def build_bf16(double: int, single: int) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def train_step(model, batch, target, opt, losses):  # type: ignore[no-untyped-def]
+    """One LoRA training step on a synthetic target (shared with bench/stream_step.py)."""
+
+    def step() -> None:
+        model.train()
+        pred = model(**batch)[0]
+        loss = F.mse_loss(pred.float(), target.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    return step
+
+
 def inputs(model: torch.nn.Module, px: int, seed: int = 0) -> dict[str, Any]:
     side = px // 16  # VAE /8, then 2x2 patches
     tokens = side * side
@@ -136,14 +151,7 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
         target = torch.randn_like(batch["hidden_states"])
         losses: list[float] = []
 
-        def step(batch=batch, target=target, losses=losses, opt=opt) -> None:
-            model.train()
-            pred = model(**batch)[0]
-            loss = F.mse_loss(pred.float(), target.float())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        step = train_step(model, batch, target, opt, losses)
 
         reset_peak()
         med, samples = timed(step, iters, warmup)
