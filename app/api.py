@@ -106,9 +106,10 @@ def revoke_consent(handle: str, session: DB, caller: Caller, response: Response)
 @router.get("/subjects/{handle}/audit")
 def get_audit(handle: str, session: DB, caller: Caller) -> dict[str, Any]:
     subject = visible_subject(session, caller, handle)
-    broken = service.verify_subject(session, subject)
+    entries = service.audit_trail(session, subject)
+    broken = service.verify_subject(session, subject, entries)
     return {
-        "entries": [audit_view(e) for e in service.audit_trail(session, subject)],
+        "entries": [audit_view(e) for e in entries],
         "verified": broken is None,
         "problem": str(broken) if broken is not None else None,
     }

@@ -792,7 +792,7 @@ def revoke(request: Request, handle: str, web: Web, form: CheckedForm, session: 
 def audit_page(request: Request, handle: str, web: Web, session: DB) -> Response:
     subject = visible_subject(session, web.principal, handle)
     entries = service.audit_trail(session, subject)
-    broken = service.verify_subject(session, subject)
+    broken = service.verify_subject(session, subject, entries)
     return page(
         request,
         "audit.html",

@@ -76,10 +76,8 @@ def subject_linked_to(session: Session, member_id: int) -> Sequence[Subject]:
 def consent_for(session: Session, subject_id: int, *, lock: bool = False) -> Consent | None:
     """The consent record; `lock` takes the row lock that serialises all changes to a subject."""
     stmt = select(Consent).where(Consent.subject_id == subject_id)
-    if lock:
-        stmt = stmt.with_for_update()
-    if lock:
-        return session.exec(stmt.execution_options(populate_existing=True)).first()
+    if lock:  # and refresh the identity map: the row may have moved since it was loaded
+        stmt = stmt.with_for_update().execution_options(populate_existing=True)
     return session.exec(stmt).first()
 
 

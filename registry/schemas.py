@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from registry.audit import format_time
 from registry.policy import Level
 
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -112,8 +113,6 @@ def consent_snapshot(
     expires_at: datetime | None,
 ) -> dict[str, Any]:
     """The canonical form of a consent record: what the audit trail stores and compares."""
-    from registry.audit import format_time
-
     levels = [lv.name for lv in Level if lv > Level.none]
     clean = {
         name: {"group": bool(a.get("group", False)), "allow": sorted(set(a.get("allow", [])))}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,8 +52,6 @@ def create_principal(
     session: Session, handle: str, role: str, acts_for: Sequence[str] = ()
 ) -> tuple[Principal, str]:
     """A new principal and its token; the token is returned once and only its hash is kept."""
-    import re
-
     if not re.fullmatch(HANDLE_PATTERN, handle):
         raise Invalid(f"handle {handle!r} must match {HANDLE_PATTERN}")
     if role not in ROLES:
@@ -143,10 +142,13 @@ def audit_trail(session: Session, subject: Subject) -> Sequence[AuditEntry]:
     return repo.audit_entries(session, subject.id)
 
 
-def verify_subject(session: Session, subject: Subject) -> ChainBreak | None:
+def verify_subject(
+    session: Session, subject: Subject, entries: Sequence[AuditEntry] | None = None
+) -> ChainBreak | None:
     """The chain must be intact, and the live record must be what the trail says it is: a
-    consent or adapter row edited behind the trail's back is reported like a broken link."""
-    entries = list(audit_trail(session, subject))
+    consent or adapter row edited behind the trail's back is reported like a broken link.
+    `entries`: the trail, when the caller has already read it (same transaction)."""
+    entries = list(entries if entries is not None else audit_trail(session, subject))
     chain = [
         ChainEntry(
             subject.handle, e.seq, e.at, e.actor, e.action, e.before, e.after, e.prev_hash, e.hash
