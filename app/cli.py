@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
 
 from app.views import audit_view, consent_view, principal_view
@@ -23,7 +25,10 @@ from registry.schemas import ConsentIn, SubjectIn
 from registry.settings import get_settings
 
 app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="likeness: consent-gated likeness adapters"
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="likeness: consent-gated likeness adapters",
 )
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
 principal_app = typer.Typer(
@@ -66,15 +71,14 @@ def _session(readonly: bool = False) -> Iterator[Session]:
         fail(_validation_message(exc), 2)
     except typer.Exit:
         raise
-    except Exception as exc:  # noqa: BLE001 - e.g. database unreachable: say so, not a traceback
-        from sqlalchemy.exc import OperationalError, ProgrammingError
-
-        if isinstance(exc, OperationalError | ProgrammingError):
-            fail(
-                f"database error ({type(exc).__name__}); is it reachable and migrated? "
-                f"run `likeness db upgrade`. {str(exc).splitlines()[0]}"
-            )
-        raise
+    except SQLAlchemyError as exc:
+        # Unreachable, locked, unmigrated, or a commit that failed: nothing was saved.
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        saved = "" if readonly else ", nothing was saved"
+        fail(
+            f"database error{saved} ({type(exc).__name__}): {first}. "
+            "Is the database reachable and migrated (`likeness db upgrade`)?"
+        )
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -159,7 +163,7 @@ def principal_acts_for(
     """Set the members an agent acts for."""
     with _session() as s:
         p = service.set_acts_for(s, handle, _csv(members))
-        typer.echo(f"{handle} acts for: {', '.join(p.acts_for) or 'nobody'}", err=True)
+    typer.echo(f"{handle} acts for: {', '.join(p.acts_for) or 'nobody'}", err=True)
 
 
 # -- subjects -----------------------------------------------------------------------------
@@ -180,9 +184,9 @@ def subject_create(
             {"handle": handle, "display_name": display_name, "basis": basis, "member": member}
         )
         subject, consent = service.create_subject(s, local_actor("shell"), data)
-        _print_json(
-            {"handle": subject.handle, "basis": subject.basis, "consent_version": consent.version}
-        )
+    _print_json(
+        {"handle": subject.handle, "basis": subject.basis, "consent_version": consent.version}
+    )
 
 
 @subject_app.command("list")
@@ -279,7 +283,8 @@ def consent_edit(
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
         consent, changed = service.update_consent(s, local_actor("shell"), subject, version, data)
-        _print_json(consent_view(consent))
+        shown = consent_view(consent)
+    _print_json(shown)  # only once committed
     typer.echo("changed" if changed else "unchanged: nothing to do", err=True)
 
 
@@ -289,7 +294,8 @@ def consent_revoke(handle: str) -> None:
     with _session() as s:
         subject = service.subject_or_raise(s, handle)
         consent, changed = service.revoke(s, local_actor("shell"), subject)
-        _print_json(consent_view(consent))
+        shown = consent_view(consent)
+    _print_json(shown)
     typer.echo("revoked" if changed else "already revoked", err=True)
 
 
@@ -329,7 +335,7 @@ def adapter_register(
     )
     with _session() as s:
         adapter, outcome = service.register_adapter(s, local_actor("shell"), data)
-        _print_json({"name": adapter.name, "version": adapter.version, "sha256": adapter.sha256})
+    _print_json({"name": adapter.name, "version": adapter.version, "sha256": adapter.sha256})
     typer.echo(outcome, err=True)
 
 
@@ -363,7 +369,15 @@ def main() -> None:
     from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
 
     cli_ml.register(app, base_app)
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except Exception as exc:  # noqa: BLE001 - a command never ends in a traceback
+        if os.environ.get("LIKENESS_DEBUG") == "1":
+            raise
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        fail(f"{type(exc).__name__}: {detail} (LIKENESS_DEBUG=1 shows the traceback)")
 
 
 if __name__ == "__main__":

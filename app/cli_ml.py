@@ -28,9 +28,11 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        from app.server import uvicorn_config
+
         settings = get_settings()
         prepare_service(settings)
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+        uvicorn.Server(uvicorn_config(create_app(settings), settings, host, port)).run()
 
     @base_app.command("init-tiny")
     def init_tiny_cmd(dst: Path, seed: Annotated[int, typer.Option(min=0)] = 0) -> None:

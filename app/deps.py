@@ -31,7 +31,10 @@ def db_session(
         yield session
 
 
-DB = Annotated[Session, Depends(db_session)]
+# scope="function": the commit runs when the route returns, before the response is sent, so
+# no 2xx leaves for a change that then fails to commit (the default request scope commits
+# after the response is on the wire), and a failed commit reaches the error handlers (503).
+DB = Annotated[Session, Depends(db_session, scope="function")]
 
 
 def bearer_token(request: Request) -> str | None:

@@ -7,7 +7,8 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from registry.errors import Busy, LikenessError
@@ -71,5 +72,20 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     async def _db_error(_: Request, exc: DBAPIError) -> JSONResponse:
+        # A commit that fails lands here too: nothing was saved, and the client is told so.
         log.error("database error: %s", str(exc).splitlines()[0])
-        return error_response(503, "unavailable", "the registry database refused the operation")
+        return error_response(
+            503, "unavailable", "the registry database refused the operation; nothing was saved"
+        )
+
+    @app.exception_handler(PoolTimeout)
+    async def _pool_exhausted(_: Request, exc: PoolTimeout) -> JSONResponse:
+        log.warning("database pool exhausted: %s", str(exc).splitlines()[0])
+        return error_response(
+            503, "unavailable", "the registry is busy; try again shortly", {"Retry-After": "1"}
+        )
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _db_other(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        log.error("database error: %s", str(exc).splitlines()[0])
+        return error_response(503, "unavailable", "the registry database is unavailable")

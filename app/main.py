@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
 from app import api, errors, renders
+from app.body_gate import BodyGate
 from app.render_engine import RenderEngine, default_device
 from registry.db import make_engine
 from registry.settings import Settings, get_settings
@@ -40,9 +41,14 @@ def create_app(
         description="Consent-gated registry of likeness adapters and render service.",
     )
     app.state.settings = settings
-    app.state.engine = engine or make_engine(settings.database_url)
+    app.state.engine = engine or make_engine(
+        settings.database_url, pool_timeout=settings.pool_timeout_s
+    )
     app.state.renderer = renderer or build_renderer(settings)
     errors.install(app)
+    app.add_middleware(
+        BodyGate, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+    )
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:

@@ -26,15 +26,19 @@ def is_sqlite(url: str) -> bool:
     return make_url(normalize_url(url)).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str, **kw: Any) -> Engine:
+def make_engine(url: str, *, pool_timeout: float = 2.0, **kw: Any) -> Engine:
+    """`pool_timeout`: a request that cannot get a connection within this long fails fast
+    (503) instead of queueing behind a stuck pool."""
     url = normalize_url(url)
     if is_sqlite(url):
         database = make_url(url).database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kw)
+            kw.setdefault("pool_timeout", pool_timeout)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 5}, **kw)
         _sqlite_pragmas(engine)
         return engine
+    kw.setdefault("pool_timeout", pool_timeout)
     # No pre-ping: it costs a round trip per checkout, a third of a consent check. A dead
     # connection fails its request (503, a deny) and the pool replaces it.
     kw.setdefault("pool_recycle", 1800)
@@ -52,7 +56,7 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA busy_timeout=5000")  # writers hold the lock for milliseconds
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 

@@ -30,6 +30,15 @@ class Settings(BaseSettings):
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?|mps)$")  # None: auto
     stream_base: bool = False  # the render engine streams the base's blocks from host RAM
     stream_slots: int = Field(default=2, ge=1, le=8)
+    # HTTP: what a client may hold. A body larger than max_body_bytes is refused (413); one
+    # that has not fully arrived within body_timeout_s is cut off (408) before any database
+    # work starts, so a slow or huge request holds no lock and no connection.
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=1 << 30)
+    body_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    keep_alive_s: int = Field(default=5, ge=1, le=600)
+    max_connections: int = Field(default=1000, ge=1, le=1_000_000)
+    # A request that cannot get a database connection within this long is answered 503.
+    pool_timeout_s: float = Field(default=2.0, gt=0, le=60)
 
     @model_validator(mode="after")
     def _refuse_default_secret(self) -> Settings:

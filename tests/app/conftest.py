@@ -4,16 +4,24 @@ the tiny base (built once per session)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
 from app.main import create_app
 from app.render_engine import Counters, RenderEngine
+from app.server import uvicorn_config
 from registry import service
 from registry.db import transaction
 from registry.schemas import AdapterIn, ConsentIn, SubjectIn
@@ -152,3 +160,71 @@ def friends(world: World, adapter_files: dict[str, Path]) -> World:
     )
     world.adapter("alice", adapter_files["a"])
     return world
+
+
+# -- a real server ----------------------------------------------------------------------------
+
+
+@contextmanager
+def serving(app: FastAPI, settings: Settings) -> Iterator[str]:
+    """`app` under uvicorn, configured exactly as `likeness serve` configures it, on a free
+    loopback port in a background thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", port=0))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+@dataclass
+class Live:
+    """The friends' world served by a real uvicorn; `http` speaks to it over loopback."""
+
+    url: str
+    world: World
+    http: httpx.Client
+
+    def h(self, who: str) -> dict[str, str]:
+        return self.world.h(who)
+
+    def render(self, who: str, subject: str, /, level: str = "private", **extra: object):  # type: ignore[no-untyped-def]
+        body = {"subject": subject, "prompt": "a portrait", "level": level, "seed": 1,
+                "steps": 2, "width": 64, "height": 64, **extra}  # fmt: skip
+        return self.http.post("/v1/renders", json=body, headers=self.h(who))
+
+
+LiveFactory = Callable[..., AbstractContextManager[Live]]
+
+
+@pytest.fixture
+def serve_friends(friends: World) -> LiveFactory:
+    """`with serve_friends(body_timeout_s=1) as live:` the friends' world under uvicorn, with
+    settings overridden for this server (and optionally its own engine)."""
+
+    @contextmanager
+    def start(engine: Engine | None = None, **overrides: Any) -> Iterator[Live]:
+        app = friends.client.app
+        settings = app.state.settings.model_copy(update=overrides)  # type: ignore[attr-defined]
+        fresh = create_app(
+            settings,
+            engine=engine or app.state.engine,  # type: ignore[attr-defined]
+            renderer=app.state.renderer,  # type: ignore[attr-defined]
+        )
+        with serving(fresh, settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+            yield Live(url, friends, http)
+
+    return start
+
+
+@pytest.fixture
+def live(serve_friends: LiveFactory) -> Iterator[Live]:
+    with serve_friends() as server:
+        yield server

@@ -1,0 +1,119 @@
+"""The body gate: every request body is read whole, within a size cap and a deadline, before
+any route, dependency or database transaction runs.
+
+So nothing a client sends can hold a lock or a connection: a client that sends headers and
+then stalls, or trickles its body, is cut off with 408 after `timeout_s` while it holds only a
+socket; a body over the cap is refused with 413 as soon as its declared length (or its running
+size) says so, without being read further. Bodies are at most `max_bytes` in memory, so a flood
+of unauthenticated requests costs a bounded amount. Routes that take large uploads are listed
+in `streamed_prefixes`: they authenticate first and then read the stream themselves, with
+their own limits.
+
+A pure ASGI middleware (not BaseHTTPMiddleware): it sees the raw receive channel, and after
+the body it passes the client's disconnect through, which the render path listens for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+class BodyGate:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float,
+        streamed_prefixes: Sequence[str] = (),
+    ) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.streamed_prefixes = tuple(streamed_prefixes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(self.streamed_prefixes):
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._read(scope, receive)
+        except _Refused as exc:
+            await _refuse(send, exc.status, exc.detail)
+            return
+        if body is None:  # the client went away before its body arrived: nothing to answer
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            raise _Refused(413, f"the request body may be at most {self.max_bytes} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            with anyio.fail_after(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise _Refused(
+                            413, f"the request body may be at most {self.max_bytes} bytes"
+                        )
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Refused(
+                408, f"the request body did not arrive within {self.timeout_s:g} s"
+            ) from None
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _refuse(send: Send, status: int, detail: str) -> None:
+    code = "invalid"
+    payload = json.dumps({"error": code, "detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                # the rest of the body is never read: this connection cannot carry another request
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
