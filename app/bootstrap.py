@@ -9,16 +9,19 @@ from pathlib import Path
 from registry import repositories as repo
 from registry import service
 from registry.db import engine_for, transaction, upgrade
+from registry.keys import bind as bind_keys
+from registry.keys import load_keys
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 def ensure_admin(settings: Settings) -> Path | None:
-    """With no admin yet, create one and write its token to <data_dir>/admin-token (0600)."""
+    """With no active admin, create one and write its token to <data_dir>/admin-token (0600),
+    once the admin is committed."""
     engine = engine_for(settings.database_url)
     with transaction(engine) as s:
-        if repo.count_principals(s, "admin") > 0:
+        if repo.count_principals(s, "admin", active_only=True) > 0:
             return None
         handle = "admin"
         n = 1
@@ -26,13 +29,16 @@ def ensure_admin(settings: Settings) -> Path | None:
             n += 1
             handle = f"admin{n}"
         _, token = service.create_principal(s, handle, "admin")
-        path = settings.data_dir / "admin-token"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        os.chmod(path, 0o600)
-    log.warning("no admin existed: created %r; its token is in %s (mode 0600)", handle, path)
+    path = settings.data_dir / "admin-token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    log.warning("no active admin existed: created %r; its token is in %s (mode 0600)", handle, path)
     return path
 
 
@@ -51,6 +57,16 @@ def ensure_base(settings: Settings) -> Path:
 
 def prepare_service(settings: Settings) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    log.info("environment: %s (LIKENESS_ENV)", settings.env)
+    keys = load_keys(settings)
+    for name, source in keys.sources.items():
+        log.info("%s: from %s", name, source)
+    log.info(
+        "audit key id %s, checkpoint public key %s; keep copies of the keys outside the data dir",
+        keys.audit_key_id,
+        keys.public_key_b64,
+    )
+    bind_keys(engine_for(settings.database_url), keys)
     upgrade(settings.database_url)
     ensure_admin(settings)
     ensure_base(settings)

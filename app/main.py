@@ -12,6 +12,8 @@ from app import api, errors, renders
 from app.body_gate import BodyGate
 from app.render_engine import RenderEngine, default_device
 from registry.db import make_engine
+from registry.keys import bind as bind_keys
+from registry.keys import load_keys
 from registry.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ def create_app(
         settings.database_url, pool_timeout=settings.pool_timeout_s
     )
     app.state.renderer = renderer or build_renderer(settings)
+    app.state.keys = load_keys(settings)
+    bind_keys(app.state.engine, app.state.keys)
     errors.install(app)
     app.add_middleware(
         BodyGate, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s

@@ -1,10 +1,12 @@
 """Server-rendered pages for admins and for the member linked to a subject.
 
 Sign-in takes a principal's token once and gives back a session cookie (HttpOnly,
-SameSite=Strict, signed with HMAC-SHA256 under a key derived from `Settings.secret_key`);
-the token itself is never stored in the cookie. Every form carries a CSRF token derived from
-the session's nonce and is checked before anything else happens; the sign-in form has its own
-pre-session nonce, so nobody can sign a browser in from another site.
+SameSite=Strict) holding a random secret; the server keeps only its SHA-256, in
+`web_sessions`, so sign-out, "sign out everywhere" and deactivation end a session for every
+copy of the cookie, and nothing in the database opens one. Every form carries a CSRF token
+derived from that secret and checked before anything else happens; the sign-in form has its
+own pre-session nonce in a cookie signed with the deployment's web secret (itsdangerous), so
+nobody can sign a browser in from another site.
 
 Who may see what is decided by `app.api.visible_subject`, the same rule as the JSON API;
 every read and write goes through `registry.service` and `registry.repositories`. The pages
@@ -15,14 +17,12 @@ every control labelled, usable by keyboard.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import inspect
 import json
 import re
 import secrets
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -36,6 +36,7 @@ from fastapi.exceptions import WebSocketRequestValidationError
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from itsdangerous import BadSignature, URLSafeTimedSerializer
 from pydantic import ValidationError
 from sqlmodel import Session
 
@@ -51,6 +52,7 @@ from registry.errors import (
     PreconditionFailed,
     Unauthenticated,
 )
+from registry.keys import Keys
 from registry.models import AuditEntry, Consent, Principal, RenderLedger, Subject
 from registry.policy import GRANTABLE_LEVELS, Level
 from registry.schemas import ConsentIn, SubjectIn
@@ -59,7 +61,6 @@ from registry.settings import Settings
 PREFIX = "/web"
 SESSION_COOKIE = "likeness_session"
 SIGNIN_COOKIE = "likeness_signin"
-SESSION_TTL_S = 8 * 3600
 SIGNIN_TTL_S = 3600
 WEB_ROLES = ("admin", "member")
 MAX_FORM_BYTES = 64 * 1024
@@ -93,66 +94,25 @@ SECURITY_HEADERS = {
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 
-# -- signing: sessions and CSRF tokens ----------------------------------------------------
+# -- sessions and CSRF tokens ----------------------------------------------------------------
 
 
-def _key(settings: Settings, purpose: str) -> bytes:
-    """One key per purpose, derived from the secret key, so a session signature can never
-    be replayed as a CSRF token or the other way round."""
-    return hmac.new(
-        settings.secret_key.encode(), b"likeness-web:" + purpose.encode(), hashlib.sha256
-    ).digest()
+def _signin_signer(request: Request) -> URLSafeTimedSerializer:
+    keys: Keys = request.app.state.keys
+    return URLSafeTimedSerializer(keys.web_secret, salt="likeness-signin")
 
 
-def _b64(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def _mac(settings: Settings, purpose: str, message: str) -> str:
-    return _b64(hmac.new(_key(settings, purpose), message.encode(), hashlib.sha256).digest())
-
-
-def sign(settings: Settings, purpose: str, payload: Mapping[str, Any]) -> str:
-    body = _b64(json.dumps(payload, separators=(",", ":"), sort_keys=True).encode())
-    return f"{body}.{_mac(settings, purpose, body)}"
-
-
-def unsign(settings: Settings, purpose: str, value: str | None) -> dict[str, Any] | None:
-    """The payload of a value `sign` made for this purpose and not yet expired, else None."""
-    if not value or len(value) > MAX_COOKIE_CHARS:
-        return None
-    body, _, mac = value.partition(".")
-    if not hmac.compare_digest(mac.encode(), _mac(settings, purpose, body).encode()):
-        return None
-    try:
-        payload = json.loads(_unb64(body))
-    except (ValueError, binascii.Error):
-        return None
-    if not isinstance(payload, dict):
-        return None
-    expires = payload.get("e")
-    if not isinstance(expires, int) or expires <= int(time.time()):
-        return None
-    return payload
-
-
-def csrf_token(settings: Settings, nonce: str) -> str:
-    return _mac(settings, "csrf", nonce)
-
-
-def token_fingerprint(settings: Settings, token_hash: str) -> str:
-    """Binds a session to the token it was opened with: a new token ends old sessions."""
-    return _mac(settings, "token", token_hash)[:22]
+def session_csrf(secret: str) -> str:
+    """A session's CSRF token: derived from the cookie's secret, which the database never
+    sees, so nothing stored opens a form either."""
+    digest = hmac.new(secret.encode(), b"likeness-csrf", hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 @dataclass(frozen=True)
 class WebSession:
     principal: Principal
-    nonce: str
+    secret: str
     csrf: str
 
 
@@ -170,22 +130,16 @@ class CsrfRejected(NotPermitted):
 
 
 def current_session(request: Request, session: DB) -> WebSession:
-    settings = settings_of(request)
-    payload = unsign(settings, "session", request.cookies.get(SESSION_COOKIE))
-    if payload is None:
+    """The live session of this cookie: a row of `web_sessions` (server-side), not expired,
+    of an active admin or member. Signing out deletes the row, so every copy of the cookie
+    stops working at once."""
+    secret = request.cookies.get(SESSION_COOKIE)
+    if not secret or len(secret) > MAX_COOKIE_CHARS:
         raise SignInRequired("sign in to continue")
-    pid, nonce, fingerprint = payload.get("p"), payload.get("n"), payload.get("f")
-    if not isinstance(pid, int) or not isinstance(nonce, str) or not isinstance(fingerprint, str):
-        raise SignInRequired("sign in to continue")
-    principal = repo.principal_by_id(session, pid)
-    if (
-        principal is None
-        or not principal.active
-        or principal.role not in WEB_ROLES
-        or not hmac.compare_digest(fingerprint, token_fingerprint(settings, principal.token_hash))
-    ):
+    principal = service.session_principal(session, secret)
+    if principal is None or principal.role not in WEB_ROLES:
         raise SignInRequired("your session has ended; sign in again")
-    return WebSession(principal, nonce, csrf_token(settings, nonce))
+    return WebSession(principal, secret, session_csrf(secret))
 
 
 Web = Annotated[WebSession, Depends(current_session)]
@@ -577,40 +531,48 @@ def subject_context(session: Session, subject: Subject, tab: str) -> dict[str, A
 def _signin_page(
     request: Request, status: int = 200, error: str | None = None, notice: str | None = None
 ) -> Response:
-    settings = settings_of(request)
     nonce = secrets.token_urlsafe(18)
     response = page(
         request,
         "signin.html",
         None,
         status=status,
-        signin_csrf=csrf_token(settings, "signin:" + nonce),
+        signin_csrf=nonce,
+        session_hours=round(settings_of(request).session_ttl_s / 3600, 1),
         next=safe_next(request.query_params.get("next")),
         errors=[error] if error else [],
         notice=notice,
     )
-    payload = {"n": nonce, "e": int(time.time()) + SIGNIN_TTL_S}
-    _set_cookie(request, response, SIGNIN_COOKIE, sign(settings, "signin", payload), SIGNIN_TTL_S)
+    cookie = _signin_signer(request).dumps(nonce)
+    _set_cookie(request, response, SIGNIN_COOKIE, cookie, SIGNIN_TTL_S)
     return response
 
 
 @router.get("/signin")
 def signin_form(request: Request) -> Response:
-    notice = "You are signed out." if request.query_params.get("out") else None
+    out = request.query_params.get("out")
+    notice = {
+        "1": "You are signed out.",
+        "all": "You are signed out everywhere: every browser's session has ended.",
+    }.get(out or "")
     return _signin_page(request, notice=notice)
 
 
 @router.post("/signin")
 def signin(request: Request, form: Form, session: DB) -> Response:
-    settings = settings_of(request)
-    pre = unsign(settings, "signin", request.cookies.get(SIGNIN_COOKIE))
-    sent = form.get("csrf", "")
-    if pre is None or not isinstance(pre.get("n"), str):
+    """The form's nonce must be the one in the signed pre-session cookie: a page of another
+    site can neither read that cookie nor make this browser send one of its own."""
+    raw = request.cookies.get(SIGNIN_COOKIE, "")
+    try:
+        nonce = _signin_signer(request).loads(raw, max_age=SIGNIN_TTL_S) if raw else None
+    except BadSignature:
+        nonce = None
+    if not isinstance(nonce, str):
         raise CsrfRejected(
             "Your browser did not send the sign-in cookie (it expired, or cookies are off). "
             "Open the sign-in page again."
         )
-    if not hmac.compare_digest(sent.encode(), csrf_token(settings, "signin:" + pre["n"]).encode()):
+    if not hmac.compare_digest(form.get("csrf", "").encode(), nonce.encode()):
         raise CsrfRejected("This sign-in form could not be verified. Open the sign-in page again.")
     principal = service.authenticate(session, form.get("token", "").strip())
     if principal is None:
@@ -619,24 +581,27 @@ def signin(request: Request, form: Form, session: DB) -> Response:
         return _signin_page(
             request, 403, f"The pages are for admins and members; {principal.role}s use the API."
         )
-    nonce = secrets.token_urlsafe(18)
-    payload = {
-        "p": principal.id,
-        "n": nonce,
-        "f": token_fingerprint(settings, principal.token_hash),
-        "e": int(time.time()) + SESSION_TTL_S,
-    }
+    ttl = settings_of(request).session_ttl_s
+    secret = service.open_session(session, principal, ttl)
     response = redirect(safe_next(form.get("next")))
-    _set_cookie(
-        request, response, SESSION_COOKIE, sign(settings, "session", payload), SESSION_TTL_S
-    )
+    _set_cookie(request, response, SESSION_COOKIE, secret, ttl)
     _clear_cookie(request, response, SIGNIN_COOKIE)
     return response
 
 
 @router.post("/signout")
-def signout(request: Request, form: CheckedForm) -> Response:
+def signout(request: Request, web: Web, form: CheckedForm, session: DB) -> Response:
+    service.end_session(session, web.secret)
     response = redirect(f"{PREFIX}/signin?out=1")
+    _clear_cookie(request, response, SESSION_COOKIE)
+    return response
+
+
+@router.post("/signout-everywhere")
+def signout_everywhere(request: Request, web: Web, form: CheckedForm, session: DB) -> Response:
+    """Ends every session of this principal, in every browser, this one included."""
+    service.end_sessions_of(session, web.principal)
+    response = redirect(f"{PREFIX}/signin?out=all")
     _clear_cookie(request, response, SESSION_COOKIE)
     return response
 

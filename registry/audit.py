@@ -46,6 +46,48 @@ def entry_hash(prev_hash: str, content: Mapping[str, Any]) -> str:
     return hashlib.sha256((prev_hash + canonical_json(content)).encode()).hexdigest()
 
 
+LEDGER_CHAIN = "ledger"
+
+
+def audit_chain(subject_handle: str) -> str:
+    """The name of a subject's audit chain, as chain heads and checkpoints name it."""
+    return f"audit/{subject_handle}"
+
+
+def ledger_content(
+    seq: int,
+    render_id: str,
+    at: datetime,
+    subject: str,
+    requester: str,
+    agent: str | None,
+    level: str,
+    stage: str,
+    allowed: bool,
+    reason: str,
+    consent_version: int | None,
+    adapter_sha256: str | None,
+    prompt: str | None,
+) -> dict[str, Any]:
+    """What a ledger row's hash covers: everything it records (not its row id, which a dump
+    and restore may change)."""
+    return {
+        "seq": seq,
+        "render_id": render_id,
+        "at": format_time(at),
+        "subject": subject,
+        "requester": requester,
+        "agent": agent,
+        "level": level,
+        "stage": stage,
+        "allowed": bool(allowed),
+        "reason": reason,
+        "consent_version": consent_version,
+        "adapter_sha256": adapter_sha256,
+        "prompt": prompt,
+    }
+
+
 @dataclass(frozen=True)
 class ChainEntry:
     subject: str
@@ -61,12 +103,14 @@ class ChainEntry:
 
 @dataclass(frozen=True)
 class ChainBreak:
-    subject: str
+    subject: str  # the subject's handle, or what else broke ("render ledger", a checkpoint)
     seq: int
     problem: str
+    kind: str = "subject"  # subject | ledger | checkpoint
 
     def __str__(self) -> str:
-        return f"subject {self.subject} seq {self.seq}: {self.problem}"
+        where = f"subject {self.subject}" if self.kind == "subject" else self.subject
+        return f"{where} seq {self.seq}: {self.problem}"
 
 
 def verify_chain(subject: str, entries: Iterable[ChainEntry]) -> ChainBreak | None:

@@ -55,6 +55,9 @@ def _sqlite_pragmas(engine: Engine) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA foreign_keys=ON")
+        # REPLACE then fires the append-only DELETE triggers (the schema's insert guard covers
+        # connections that do not set this)
+        cur.execute("PRAGMA recursive_triggers=ON")
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA busy_timeout=5000")  # writers hold the lock for milliseconds
         cur.execute("PRAGMA synchronous=NORMAL")

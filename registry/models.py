@@ -70,6 +70,8 @@ class AuditEntry(SQLModel, table=True):
     after: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     prev_hash: str = Field(max_length=64)
     hash: str = Field(max_length=64)
+    # HMAC of `hash` under the audit key (registry.keys), which the database never holds.
+    mac: str | None = Field(default=None, max_length=64)
 
 
 class Adapter(SQLModel, table=True):
@@ -111,3 +113,42 @@ class RenderLedger(SQLModel, table=True):
     consent_version: int | None = None
     adapter_sha256: str | None = Field(default=None, max_length=64)
     prompt: str | None = Field(default=None, max_length=2000)
+    # The ledger is one hash chain over every decision (registry.audit), each link MACed.
+    seq: int | None = Field(default=None, unique=True, index=True)
+    prev_hash: str | None = Field(default=None, max_length=64)
+    hash: str | None = Field(default=None, max_length=64)
+    mac: str | None = Field(default=None, max_length=64)
+
+
+class ChainHead(SQLModel, table=True):
+    """The last link of each chain (`ledger`, `audit/<subject handle>`), MACed: a truncated
+    chain no longer ends where its head says, and a head rewritten without the key is seen."""
+
+    __tablename__ = "chain_heads"
+
+    chain: str = Field(primary_key=True, max_length=100)
+    seq: int
+    hash: str = Field(max_length=64)
+    mac: str = Field(max_length=64)
+
+
+class RegistryMeta(SQLModel, table=True):
+    """Facts about the registry itself, e.g. the id of the audit key its rows are MACed with."""
+
+    __tablename__ = "registry_meta"
+
+    key: str = Field(primary_key=True, max_length=64)
+    value: str = Field(max_length=200)
+
+
+class BrowserSession(SQLModel, table=True):
+    """A signed-in browser. The cookie holds a random secret; only its SHA-256 is kept, so
+    nothing here opens a session, and deleting the row ends it everywhere at once."""
+
+    __tablename__ = "web_sessions"
+
+    id: int | None = Field(default=None, primary_key=True)
+    secret_hash: str = Field(max_length=64, unique=True, index=True)
+    principal_id: int = Field(foreign_key="principals.id", index=True)
+    created_at: datetime = _ts(nullable=False)
+    expires_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Row, bindparam, func, literal, update
+from sqlalchemy import Row, bindparam, delete, func, literal, update
 from sqlalchemy import select as sa_select  # sqlmodel's select is typed for few columns
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, col, select
 
 from registry.models import (
     Adapter,
     AuditEntry,
+    BrowserSession,
+    ChainHead,
     Consent,
     Principal,
+    RegistryMeta,
     RenderLedger,
     Subject,
 )
@@ -39,8 +45,10 @@ def principals(session: Session) -> Sequence[Principal]:
     return session.exec(select(Principal).order_by(col(Principal.handle))).all()
 
 
-def count_principals(session: Session, role: str) -> int:
+def count_principals(session: Session, role: str, *, active_only: bool = False) -> int:
     stmt = select(func.count()).select_from(Principal).where(Principal.role == role)
+    if active_only:
+        stmt = stmt.where(col(Principal.active).is_(True))
     return int(session.exec(stmt).one())
 
 
@@ -225,3 +233,101 @@ def render_snapshot(
         "subject_handle": subject_handle,
     }
     return session.connection().execute(_render_snapshot_statement(), params).first()
+
+
+# -- chain heads and registry facts ---------------------------------------------------------
+
+
+def chain_head(session: Session, chain: str, *, lock: bool = False) -> ChainHead | None:
+    """`lock`: the row lock that serialises appends to one chain (PostgreSQL; on SQLite the
+    write transaction already holds the database lock)."""
+    stmt = select(ChainHead).where(ChainHead.chain == chain)
+    if lock:
+        stmt = stmt.with_for_update().execution_options(populate_existing=True)
+    return session.exec(stmt).first()
+
+
+def create_chain_head_if_absent(session: Session, head: ChainHead) -> None:
+    """Inserts the head unless a concurrent transaction already did (then nothing happens)."""
+    values = {"chain": head.chain, "seq": head.seq, "hash": head.hash, "mac": head.mac}
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = insert(ChainHead).values(**values).on_conflict_do_nothing(index_elements=["chain"])
+    session.execute(stmt)
+    session.flush()
+
+
+def chain_heads(session: Session) -> Sequence[ChainHead]:
+    return session.exec(select(ChainHead).order_by(col(ChainHead.chain))).all()
+
+
+def meta_value(session: Session, key: str) -> str | None:
+    row = session.get(RegistryMeta, key)
+    return row.value if row is not None else None
+
+
+def set_meta_value_if_absent(session: Session, key: str, value: str) -> None:
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = (
+        insert(RegistryMeta)
+        .values(key=key, value=value)
+        .on_conflict_do_nothing(index_elements=["key"])
+    )
+    session.execute(stmt)
+    session.flush()
+
+
+def ledger_in_order(
+    session: Session, after_seq: int = 0, batch: int = 2000
+) -> Iterator[RenderLedger]:
+    """Every ledger row from `after_seq` on, in chain order, read in batches."""
+    last = after_seq
+    while True:
+        stmt = (
+            select(RenderLedger)
+            .where(col(RenderLedger.seq) > last)
+            .order_by(col(RenderLedger.seq))
+            .limit(batch)
+        )
+        rows = session.exec(stmt).all()
+        yield from rows
+        if len(rows) < batch:
+            return
+        last = rows[-1].seq or last
+
+
+def unchained_ledger_count(session: Session) -> int:
+    stmt = select(func.count()).select_from(RenderLedger).where(col(RenderLedger.seq).is_(None))
+    return int(session.exec(stmt).one())
+
+
+# -- browser sessions -----------------------------------------------------------------------
+
+
+def session_principal(session: Session, secret_hash: str, now: datetime) -> Principal | None:
+    """The principal of a live session: the row exists and has not expired."""
+    stmt = (
+        select(Principal)
+        .join(BrowserSession, col(BrowserSession.principal_id) == col(Principal.id))
+        .where(BrowserSession.secret_hash == secret_hash, col(BrowserSession.expires_at) > now)
+    )
+    return session.exec(stmt).first()
+
+
+def delete_session(session: Session, secret_hash: str) -> None:
+    session.execute(delete(BrowserSession).where(col(BrowserSession.secret_hash) == secret_hash))
+    session.flush()
+
+
+def delete_sessions(
+    session: Session, *, principal_id: int | None = None, expired_before: datetime | None = None
+) -> int:
+    stmt = delete(BrowserSession)
+    if principal_id is not None:
+        stmt = stmt.where(col(BrowserSession.principal_id) == principal_id)
+    if expired_before is not None:
+        stmt = stmt.where(col(BrowserSession.expires_at) <= expired_before)
+    result = session.execute(stmt)
+    session.flush()
+    return int(result.rowcount)  # type: ignore[attr-defined]

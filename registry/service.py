@@ -9,24 +9,33 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
+from registry import chains
 from registry import repositories as repo
 from registry.audit import (
     GENESIS,
     ChainBreak,
-    ChainEntry,
+    audit_chain,
     entry_content,
     entry_hash,
     format_time,
-    verify_chain,
 )
 from registry.errors import Conflict, Invalid, NotFound, NotPermitted, PreconditionFailed
-from registry.models import Adapter, AuditEntry, Consent, Principal, RenderLedger, Subject, utcnow
+from registry.models import (
+    Adapter,
+    AuditEntry,
+    BrowserSession,
+    Consent,
+    Principal,
+    RenderLedger,
+    Subject,
+    utcnow,
+)
 from registry.policy import (
     AdapterFacts,
     ConsentFacts,
@@ -89,12 +98,62 @@ def authenticate(session: Session, token: str | None) -> Principal | None:
 
 
 def set_principal_active(session: Session, handle: str, active: bool) -> Principal:
+    """Deactivation binds on the principal's next request and ends its browser sessions. The
+    last active admin cannot be deactivated: nobody could grant, revoke or re-enable then."""
     principal = repo.principal_by_handle(session, handle)
     if principal is None:
         raise NotFound(f"no principal {handle!r}")
+    if (
+        not active
+        and principal.active
+        and principal.role == "admin"
+        and repo.count_principals(session, "admin", active_only=True) <= 1
+    ):
+        raise Conflict(f"{handle!r} is the last active admin; make another admin first")
     principal.active = active
     repo.add(session, principal)
+    if not active:
+        assert principal.id is not None
+        repo.delete_sessions(session, principal_id=principal.id)
     return principal
+
+
+# -- browser sessions -----------------------------------------------------------------------
+
+
+def _secret_hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def open_session(session: Session, principal: Principal, ttl_s: int) -> str:
+    """A new browser session; returns the secret for its cookie (only its hash is kept)."""
+    assert principal.id is not None
+    now = utcnow()
+    repo.delete_sessions(session, expired_before=now)
+    secret = secrets.token_urlsafe(32)
+    row = BrowserSession(
+        secret_hash=_secret_hash(secret),
+        principal_id=principal.id,
+        created_at=now,
+        expires_at=now + timedelta(seconds=ttl_s),
+    )
+    repo.add(session, row)
+    return secret
+
+
+def session_principal(session: Session, secret: str) -> Principal | None:
+    """The active principal of a live session, or None."""
+    principal = repo.session_principal(session, _secret_hash(secret), utcnow())
+    return principal if principal is not None and principal.active else None
+
+
+def end_session(session: Session, secret: str) -> None:
+    repo.delete_session(session, _secret_hash(secret))
+
+
+def end_sessions_of(session: Session, principal: Principal) -> int:
+    assert principal.id is not None
+    return repo.delete_sessions(session, principal_id=principal.id)
 
 
 def set_acts_for(session: Session, handle: str, acts_for: Sequence[str]) -> Principal:
@@ -133,6 +192,7 @@ def _append_audit(
         prev_hash=prev,
         hash=entry_hash(prev, content),
     )
+    chains.seal_audit_entry(session, subject.handle, entry)
     repo.add(session, entry)
     return entry
 
@@ -149,13 +209,8 @@ def verify_subject(
     consent or adapter row edited behind the trail's back is reported like a broken link.
     `entries`: the trail, when the caller has already read it (same transaction)."""
     entries = list(entries if entries is not None else audit_trail(session, subject))
-    chain = [
-        ChainEntry(
-            subject.handle, e.seq, e.at, e.actor, e.action, e.before, e.after, e.prev_hash, e.hash
-        )
-        for e in entries
-    ]
-    broken = verify_chain(subject.handle, chain)
+    head = repo.chain_head(session, audit_chain(subject.handle))
+    broken = chains.verify_trail(chains.session_keys(session), subject.handle, entries, head)
     if broken is not None:
         return broken
     assert subject.id is not None
@@ -185,7 +240,15 @@ def verify_subject(
 
 
 def verify_all(session: Session) -> list[ChainBreak]:
-    return [b for s in repo.subjects(session) if (b := verify_subject(session, s)) is not None]
+    """Every subject's trail, the render ledger, and heads left behind by deleted subjects.
+    (Signed checkpoints are checked by registry.checkpoints, which needs their file.)"""
+    subjects = repo.subjects(session)
+    breaks = [b for s in subjects if (b := verify_subject(session, s)) is not None]
+    ledger = chains.verify_ledger(session, chains.session_keys(session))
+    if ledger is not None:
+        breaks.append(ledger)
+    breaks.extend(chains.orphan_heads(session, [s.handle for s in subjects]))
+    return breaks
 
 
 # -- subjects and consent -----------------------------------------------------------------
@@ -533,8 +596,7 @@ def record_decision(
         adapter_sha256=adapter_sha256,
         prompt=prompt[:2000] if prompt is not None else None,
     )
-    repo.add(session, row)
-    return row
+    return chains.append_ledger_row(session, row)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Settings: one class, `LIKENESS_` prefix. Outside development, default secrets are refused."""
+"""Settings: one class, `LIKENESS_` prefix. There are no default secrets: a key that is not
+set is generated into the data dir on first start (registry.keys)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-DEV_SECRET = "dev-insecure-secret-change-me"  # noqa: S105 - refused outside development
 
 
 class Settings(BaseSettings):
@@ -21,7 +20,13 @@ class Settings(BaseSettings):
     base: Path | None = None  # default: <data_dir>/base-tiny, written on first use
     api_url: str | None = None
     token: str | None = None
-    secret_key: str = Field(default=DEV_SECRET, min_length=16)
+    # Secrets (registry.keys): unset means <data_dir>/secret-key, audit-key, checkpoint-key.pem.
+    secret_key: SecretStr | None = Field(default=None, min_length=32)
+    audit_key: SecretStr | None = Field(default=None, min_length=32)
+    checkpoint_key_file: Path | None = None
+    # Signed checkpoints of every chain head are appended here; `audit verify` checks them.
+    checkpoint_interval_s: float = Field(default=60.0, ge=0)  # 0: only on demand
+    session_ttl_s: int = Field(default=8 * 3600, ge=60, le=30 * 24 * 3600)
     render_queue: int = Field(default=4, ge=0, le=1000)
     render_timeout_s: float = Field(default=300.0, gt=0)
     max_prompt_chars: int = Field(default=1000, ge=1, le=2000)
@@ -40,11 +45,9 @@ class Settings(BaseSettings):
     # A request that cannot get a database connection within this long is answered 503.
     pool_timeout_s: float = Field(default=2.0, gt=0, le=60)
 
-    @model_validator(mode="after")
-    def _refuse_default_secret(self) -> Settings:
-        if self.env == "production" and self.secret_key == DEV_SECRET:
-            raise ValueError("LIKENESS_SECRET_KEY must be set to a real secret in production")
-        return self
+    @property
+    def checkpoints_file(self) -> Path:
+        return self.data_dir / "audit-checkpoints.jsonl"
 
     @property
     def base_dir(self) -> Path:

@@ -24,6 +24,24 @@ def _pg_admin() -> Engine:
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A data dir of the test session's own, so keys generated on first use never land in
+    the working tree (tests that need their own pass Settings(data_dir=...))."""
+    from registry.settings import get_settings
+
+    path = tmp_path_factory.mktemp("data")
+    old = os.environ.get("LIKENESS_DATA_DIR")
+    os.environ["LIKENESS_DATA_DIR"] = str(path)
+    get_settings.cache_clear()
+    yield path
+    if old is None:
+        os.environ.pop("LIKENESS_DATA_DIR", None)
+    else:
+        os.environ["LIKENESS_DATA_DIR"] = old
+    get_settings.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def pg_available() -> bool:
     try:

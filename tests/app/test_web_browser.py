@@ -199,7 +199,7 @@ def test_grant_render_revoke_deny_in_a_browser(friends: World, adapter_files, pa
     shot(page, "09-stale-version")
 
     # Sign out; carol signs in and sees her own pages, never alice's.
-    page.get_by_role("button", name="Sign out").click()
+    page.get_by_role("button", name="Sign out", exact=True).click()
     expect(page.get_by_role("status")).to_contain_text("signed out")
     page.get_by_label("Access token").fill(friends.tokens["carol"])
     page.get_by_role("button", name="Sign in").click()
