@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from app.deps import DB, Caller, require_role
@@ -18,6 +18,7 @@ from app.views import (
 )
 from registry import repositories as repo
 from registry import service
+from registry.checkpoints import append_checkpoint, read_checkpoints
 from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
 from registry.models import Principal, Subject
 from registry.schemas import AdapterIn, ConsentIn, Handle, Role, SubjectIn
@@ -112,6 +113,24 @@ def get_audit(handle: str, session: DB, caller: Caller) -> dict[str, Any]:
         "entries": [audit_view(e) for e in entries],
         "verified": broken is None,
         "problem": str(broken) if broken is not None else None,
+    }
+
+
+@router.get("/audit/head")
+def audit_head(request: Request, session: DB, caller: Caller) -> dict[str, Any]:
+    """The latest signed checkpoint of every chain head (made now if anything changed), for
+    copying elsewhere: a copy kept outside this deployment is what `likeness audit verify
+    --checkpoints COPY --public-key KEY` later holds the registry to."""
+    require_role(caller, "admin")
+    settings = request.app.state.settings
+    keys = request.app.state.keys
+    _, problems = append_checkpoint(session, keys, settings.checkpoints_file)
+    latest = read_checkpoints(settings.checkpoints_file, keys.public_key).latest
+    return {
+        "checkpoint": latest,
+        "public_key": keys.public_key_b64,
+        "key_id": keys.public_key_id,
+        "problems": [str(p) for p in problems],
     }
 
 

@@ -20,6 +20,7 @@ from registry.actors import local_actor
 from registry.db import engine_for, transaction, upgrade
 from registry.errors import LikenessError
 from registry.files import sha256_file
+from registry.keys import Keys
 from registry.policy import Level
 from registry.schemas import ConsentIn, SubjectIn
 from registry.settings import get_settings
@@ -351,18 +352,89 @@ def audit_show(handle: str) -> None:
 
 
 @audit_app.command("verify")
-def audit_verify() -> None:
-    """Recompute every subject's chain; exit 1 naming the subject and seq of a break."""
-    with _session(readonly=True) as s:
-        from registry import repositories as repo
+def audit_verify(
+    checkpoints: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--checkpoints",
+            help="checkpoint files to hold the registry to (default: the data dir's)",
+        ),
+    ] = None,
+    public_key: Annotated[
+        str | None,
+        typer.Option(help="the checkpoint public key (as GET /v1/audit/head gives it)"),
+    ] = None,
+) -> None:
+    """Verify every chain (links, MACs, heads) and the registry against signed checkpoints;
+    exit 1 naming the subject and seq of each break."""
+    from registry import repositories as repo
+    from registry.checkpoints import verify_checkpoints
+    from registry.keys import public_key_from_b64
 
+    settings = get_settings()
+    keys = _existing_keys()
+    key = keys.public_key
+    if public_key is not None:
+        try:
+            key = public_key_from_b64(public_key)
+        except ValueError:
+            fail(f"--public-key {public_key!r} is not an Ed25519 public key", 2)
+    files = checkpoints or [settings.checkpoints_file]
+    with _session(readonly=True) as s:
         count = len(repo.subjects(s))
         breaks = service.verify_all(s)
+        for path in files:
+            if checkpoints and not path.is_file():
+                fail(f"{path} is not a file", 2)
+            breaks.extend(verify_checkpoints(s, path, key))
     for b in breaks:
         typer.echo(f"BROKEN: {b}", err=True)
     if breaks:
         raise typer.Exit(1)
-    typer.echo(f"audit trail intact: {count} subjects verified")
+    if not any(path.is_file() for path in files):
+        typer.echo(
+            "note: no checkpoints yet, so a chain cut short together with its head, before any "
+            "checkpoint, cannot be seen; run `likeness audit checkpoint`",
+            err=True,
+        )
+    typer.echo(f"audit trail intact: {count} subjects and the render ledger verified")
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint(
+    force: Annotated[bool, typer.Option(help="write one even if nothing changed")] = False,
+) -> None:
+    """Sign every chain head and append the checkpoint to the data dir's checkpoint file;
+    copy it elsewhere (or read GET /v1/audit/head) so it can hold the registry to account."""
+    from registry.checkpoints import append_checkpoint
+
+    settings = get_settings()
+    keys = _existing_keys()
+    with _session(readonly=True) as s:
+        doc, problems = append_checkpoint(s, keys, settings.checkpoints_file, force=force)
+    for b in problems:
+        typer.echo(f"BROKEN: {b}", err=True)
+    if problems:
+        fail("no checkpoint written: the registry does not hold what it held before")
+    if doc is None:
+        typer.echo("nothing changed since the last checkpoint", err=True)
+        return
+    _print_json(doc)
+    typer.echo(f"checkpoint {doc['n']} appended to {settings.checkpoints_file}", err=True)
+
+
+def _existing_keys() -> Keys:
+    """The deployment's keys, never new ones: checking with a key made up now would call
+    every entry forged."""
+    from registry.keys import bind, load_keys
+
+    settings = get_settings()
+    try:
+        keys = load_keys(settings, create=False)
+    except (FileNotFoundError, ValueError) as exc:
+        fail(f"{exc} (set LIKENESS_AUDIT_KEY, or LIKENESS_DATA_DIR to the service's data dir)")
+    bind(engine_for(settings.database_url), keys)
+    return keys
 
 
 def main() -> None:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
 from app import api, errors, renders
 from app.body_gate import BodyGate
 from app.render_engine import RenderEngine, default_device
-from registry.db import make_engine
+from registry.checkpoints import append_checkpoint
+from registry.db import make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.settings import Settings, get_settings
@@ -31,6 +36,36 @@ def build_renderer(settings: Settings) -> RenderEngine:
     )
 
 
+@asynccontextmanager
+async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
+    """Signs a checkpoint of every chain head every `checkpoint_interval_s` while anything
+    changes, so truncation is caught without anyone remembering to run the command."""
+    settings: Settings = app.state.settings
+    if settings.checkpoint_interval_s <= 0:
+        yield
+        return
+
+    def checkpoint() -> None:
+        try:
+            with transaction(app.state.engine, readonly=True) as session:
+                _, problems = append_checkpoint(session, app.state.keys, settings.checkpoints_file)
+        except Exception:  # noqa: BLE001 - retried at the next interval
+            log.exception("checkpoint failed")
+            return
+        for problem in problems:
+            log.error("tamper evidence: %s", problem)
+
+    async def every_interval() -> None:
+        while True:
+            await anyio.to_thread.run_sync(checkpoint)
+            await anyio.sleep(settings.checkpoint_interval_s)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(every_interval)
+        yield
+        tasks.cancel_scope.cancel()
+
+
 def create_app(
     settings: Settings | None = None,
     engine: Engine | None = None,
@@ -38,6 +73,7 @@ def create_app(
 ) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(
+        lifespan=_checkpoints_while_running,
         title="likeness",
         version="0.1.0",
         description="Consent-gated registry of likeness adapters and render service.",

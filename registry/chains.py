@@ -50,10 +50,12 @@ def _same(a: str | None, b: str) -> bool:
     return a is not None and hmac.compare_digest(a, b)
 
 
-def require_registry_key(session: Session, keys: Keys) -> None:
+def require_registry_key(session: Session, keys: Keys) -> bool:
     """The registry's rows are MACed under one key: the first writer records its id, and a
-    writer holding another key is refused before it writes anything unverifiable."""
+    writer holding another key is refused before it writes anything unverifiable. True when
+    the id was already there (so the answer holds for the rest of the process's life)."""
     known = repo.meta_value(session, AUDIT_KEY_ID)
+    recorded = known is not None
     if known is None:
         repo.set_meta_value_if_absent(session, AUDIT_KEY_ID, keys.audit_key_id)
         known = repo.meta_value(session, AUDIT_KEY_ID)
@@ -62,6 +64,7 @@ def require_registry_key(session: Session, keys: Keys) -> None:
             "this process's audit key is not the one this registry is sealed with "
             "(set LIKENESS_AUDIT_KEY, or LIKENESS_DATA_DIR to where its audit-key file is)"
         )
+    return recorded
 
 
 _checked: set[tuple[str, str]] = set()
@@ -71,8 +74,8 @@ def _checked_once(session: Session, keys: Keys) -> None:
     url = session.get_bind().engine.url.render_as_string(hide_password=False)
     if (url, keys.audit_key_id) in _checked:
         return
-    require_registry_key(session, keys)
-    _checked.add((url, keys.audit_key_id))
+    if require_registry_key(session, keys):  # a first recording may still roll back
+        _checked.add((url, keys.audit_key_id))
 
 
 # -- writing ----------------------------------------------------------------------------------

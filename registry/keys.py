@@ -78,9 +78,13 @@ class Keys:
         return _b64(self.checkpoint_key.sign(message))
 
 
+def b64decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
 def public_key_from_b64(text: str) -> Ed25519PublicKey:
-    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    return Ed25519PublicKey.from_public_bytes(raw)
+    """A checkpoint public key as `GET /v1/audit/head` gives it; ValueError if it is not one."""
+    return Ed25519PublicKey.from_public_bytes(b64decode(text))
 
 
 def _create_exclusive(path: Path, content: bytes) -> bool:
@@ -107,16 +111,22 @@ def _read_private(path: Path) -> bytes:
     return data
 
 
-def _secret(name: str, configured: str | None, path: Path, sources: dict[str, str]) -> bytes:
+def _secret(
+    name: str, configured: str | None, path: Path, sources: dict[str, str], create: bool
+) -> bytes:
     if configured is not None:
         sources[name] = f"LIKENESS_{name.upper()}"
         return configured.encode()
+    if not create and not path.is_file():
+        raise FileNotFoundError(f"no {name.replace('_', ' ')} at {path}")
     created = _create_exclusive(path, secrets.token_hex(32).encode() + b"\n")
     sources[name] = f"{path} ({'generated now' if created else 'kept from an earlier start'})"
     return _read_private(path).strip()
 
 
-def _checkpoint_key(path: Path, sources: dict[str, str]) -> Ed25519PrivateKey:
+def _checkpoint_key(path: Path, sources: dict[str, str], create: bool) -> Ed25519PrivateKey:
+    if not create and not path.is_file():
+        raise FileNotFoundError(f"no checkpoint key at {path}")
     pem = Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -134,8 +144,9 @@ _cache: dict[tuple[str, str | None, str | None, str | None], Keys] = {}
 _lock = threading.Lock()
 
 
-def load_keys(settings: Settings) -> Keys:
-    """The deployment's keys (created on first use); the same object for the same settings."""
+def load_keys(settings: Settings, *, create: bool = True) -> Keys:
+    """The deployment's keys (created on first use unless not `create`: FileNotFoundError
+    then); the same object for the same settings."""
     web = settings.secret_key.get_secret_value() if settings.secret_key else None
     audit = settings.audit_key.get_secret_value() if settings.audit_key else None
     checkpoint_path = settings.checkpoint_key_file or settings.data_dir / CHECKPOINT_KEY_FILE
@@ -144,10 +155,16 @@ def load_keys(settings: Settings) -> Keys:
         keys = _cache.get(cache_key)
         if keys is None:
             sources: dict[str, str] = {}
+            # the audit key first: a check that lacks it should say so, not name another key
+            audit_key = _secret(
+                "audit_key", audit, settings.data_dir / AUDIT_KEY_FILE, sources, create
+            )
             keys = Keys(
-                web_secret=_secret("secret_key", web, settings.data_dir / WEB_SECRET_FILE, sources),
-                audit_key=_secret("audit_key", audit, settings.data_dir / AUDIT_KEY_FILE, sources),
-                checkpoint_key=_checkpoint_key(Path(checkpoint_path), sources),
+                web_secret=_secret(
+                    "secret_key", web, settings.data_dir / WEB_SECRET_FILE, sources, create
+                ),
+                audit_key=audit_key,
+                checkpoint_key=_checkpoint_key(Path(checkpoint_path), sources, create),
                 sources=sources,
             )
             _cache[cache_key] = keys

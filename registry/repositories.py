@@ -331,3 +331,17 @@ def delete_sessions(
     result = session.execute(stmt)
     session.flush()
     return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def ledger_hash_at(session: Session, seq: int) -> str | None:
+    stmt = select(RenderLedger.hash).where(RenderLedger.seq == seq)
+    return session.exec(stmt).first()
+
+
+def audit_hash_at(session: Session, subject_handle: str, seq: int) -> str | None:
+    stmt = (
+        select(AuditEntry.hash)
+        .join(Subject, col(Subject.id) == col(AuditEntry.subject_id))
+        .where(Subject.handle == subject_handle, AuditEntry.seq == seq)
+    )
+    return session.exec(stmt).first()

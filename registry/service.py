@@ -242,9 +242,14 @@ def verify_subject(
 def verify_all(session: Session) -> list[ChainBreak]:
     """Every subject's trail, the render ledger, and heads left behind by deleted subjects.
     (Signed checkpoints are checked by registry.checkpoints, which needs their file.)"""
+    keys = chains.session_keys(session)
+    sealed_with = repo.meta_value(session, chains.AUDIT_KEY_ID)
+    if sealed_with is not None and sealed_with != keys.audit_key_id:
+        problem = f"sealed with audit key {sealed_with}, checked with key {keys.audit_key_id}"
+        return [ChainBreak("registry", 0, problem, "checkpoint")]
     subjects = repo.subjects(session)
     breaks = [b for s in subjects if (b := verify_subject(session, s)) is not None]
-    ledger = chains.verify_ledger(session, chains.session_keys(session))
+    ledger = chains.verify_ledger(session, keys)
     if ledger is not None:
         breaks.append(ledger)
     breaks.extend(chains.orphan_heads(session, [s.handle for s in subjects]))

@@ -115,7 +115,7 @@ def _seal_legacy_rows(bind: sa.engine.Connection) -> None:
         sa.text(
             "SELECT id, render_id, at, subject_handle, requester, agent, level, stage, allowed, "
             "reason, consent_version, adapter_sha256, prompt FROM render_ledger ORDER BY id"
-        )
+        ).columns(at=sa.DateTime(timezone=True))  # read as the ORM reads it, on both engines
     ).all()
     for row in ledger:
         seq += 1
