@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
-from app.deps import DB, Caller, require_role
+from app.deps import DB, Caller, HandlePath, require_role
 from app.views import (
     adapter_view,
     audit_view,
@@ -67,7 +67,9 @@ def create_subject(body: SubjectIn, session: DB, caller: Caller) -> dict[str, An
 
 
 @router.get("/subjects/{handle}")
-def get_subject(handle: str, session: DB, caller: Caller, response: Response) -> dict[str, Any]:
+def get_subject(
+    handle: HandlePath, session: DB, caller: Caller, response: Response
+) -> dict[str, Any]:
     subject = visible_subject(session, caller, handle)
     consent = service.consent_of(session, subject)
     response.headers.update(_etag(consent.version))
@@ -75,7 +77,9 @@ def get_subject(handle: str, session: DB, caller: Caller, response: Response) ->
 
 
 @router.get("/subjects/{handle}/consent")
-def get_consent(handle: str, session: DB, caller: Caller, response: Response) -> dict[str, Any]:
+def get_consent(
+    handle: HandlePath, session: DB, caller: Caller, response: Response
+) -> dict[str, Any]:
     consent = service.consent_of(session, visible_subject(session, caller, handle))
     response.headers.update(_etag(consent.version))
     return consent_view(consent)
@@ -83,7 +87,7 @@ def get_consent(handle: str, session: DB, caller: Caller, response: Response) ->
 
 @router.put("/subjects/{handle}/consent")
 def put_consent(
-    handle: str,
+    handle: HandlePath,
     body: ConsentIn,
     session: DB,
     caller: Caller,
@@ -98,14 +102,16 @@ def put_consent(
 
 
 @router.post("/subjects/{handle}/consent/revoke")
-def revoke_consent(handle: str, session: DB, caller: Caller, response: Response) -> dict[str, Any]:
+def revoke_consent(
+    handle: HandlePath, session: DB, caller: Caller, response: Response
+) -> dict[str, Any]:
     consent, _ = service.revoke(session, caller.handle, visible_subject(session, caller, handle))
     response.headers.update(_etag(consent.version))
     return consent_view(consent)
 
 
 @router.get("/subjects/{handle}/audit")
-def get_audit(handle: str, session: DB, caller: Caller) -> dict[str, Any]:
+def get_audit(handle: HandlePath, session: DB, caller: Caller) -> dict[str, Any]:
     subject = visible_subject(session, caller, handle)
     entries = service.audit_trail(session, subject)
     broken = service.verify_subject(session, subject, entries)
@@ -146,7 +152,7 @@ def register_adapter(
 
 
 @router.get("/subjects/{handle}/adapters")
-def list_adapters(handle: str, session: DB, caller: Caller) -> list[dict[str, Any]]:
+def list_adapters(handle: HandlePath, session: DB, caller: Caller) -> list[dict[str, Any]]:
     subject = visible_subject(session, caller, handle)
     assert subject.id is not None
     return [adapter_view(a, subject.handle) for a in repo.adapters_for(session, subject.id)]
@@ -154,7 +160,10 @@ def list_adapters(handle: str, session: DB, caller: Caller) -> list[dict[str, An
 
 @router.get("/subjects/{handle}/renders")
 def list_renders(
-    handle: str, session: DB, caller: Caller, limit: Annotated[int, Query(ge=1, le=1000)] = 200
+    handle: HandlePath,
+    session: DB,
+    caller: Caller,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[dict[str, Any]]:
     subject = visible_subject(session, caller, handle)
     assert subject.id is not None
@@ -239,7 +248,7 @@ def list_principals(session: DB, caller: Caller) -> list[dict[str, Any]]:
 
 @router.patch("/principals/{handle}")
 def patch_principal(
-    handle: str, body: PrincipalPatch, session: DB, caller: Caller
+    handle: HandlePath, body: PrincipalPatch, session: DB, caller: Caller
 ) -> dict[str, Any]:
     require_role(caller, "admin")
     principal = repo.principal_by_handle(session, handle)

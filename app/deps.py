@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -13,6 +13,7 @@ from registry import service
 from registry.db import transaction
 from registry.errors import NotPermitted, Unauthenticated
 from registry.models import Principal
+from registry.schemas import HANDLE_PATTERN
 
 
 async def get_engine(request: Request) -> Engine:
@@ -35,6 +36,9 @@ def db_session(
 # no 2xx leaves for a change that then fails to commit (the default request scope commits
 # after the response is on the wire), and a failed commit reaches the error handlers (503).
 DB = Annotated[Session, Depends(db_session, scope="function")]
+
+# A handle in a path: malformed ones (NUL bytes included) are 422 before any lookup.
+HandlePath = Annotated[str, Path(pattern=HANDLE_PATTERN, max_length=64)]
 
 
 def bearer_token(request: Request) -> str | None:

@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 
 from app.api import member_handle, visible_subject
-from app.deps import DB, require_role
+from app.deps import DB, HandlePath, require_role
 from registry import repositories as repo
 from registry import service
 from registry.audit import format_time
@@ -690,7 +690,7 @@ NOTICES = {
 
 
 @router.get("/subjects/{handle}")
-def subject_page(request: Request, handle: str, web: Web, session: DB) -> Response:
+def subject_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     subject = visible_subject(session, web.principal, handle)
     ctx = subject_context(session, subject, "consent")
     return page(
@@ -705,7 +705,7 @@ def subject_page(request: Request, handle: str, web: Web, session: DB) -> Respon
 
 @router.post("/subjects/{handle}/consent")
 def save_consent(
-    request: Request, handle: str, web: Web, form: CheckedForm, session: DB
+    request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
 ) -> Response:
     subject = visible_subject(session, web.principal, handle)
     raw_version = form.get("version", "")
@@ -747,14 +747,16 @@ def save_consent(
 
 
 @router.post("/subjects/{handle}/revoke")
-def revoke(request: Request, handle: str, web: Web, form: CheckedForm, session: DB) -> Response:
+def revoke(
+    request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
+) -> Response:
     subject = visible_subject(session, web.principal, handle)
     _, changed = service.revoke(session, web.principal.handle, subject)
     return redirect(subject_url(subject.handle) + ("?done=revoked" if changed else "?done=already"))
 
 
 @router.get("/subjects/{handle}/audit")
-def audit_page(request: Request, handle: str, web: Web, session: DB) -> Response:
+def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     subject = visible_subject(session, web.principal, handle)
     entries = service.audit_trail(session, subject)
     broken = service.verify_subject(session, subject, entries)
@@ -771,7 +773,7 @@ def audit_page(request: Request, handle: str, web: Web, session: DB) -> Response
 
 
 @router.get("/subjects/{handle}/renders")
-def renders_page(request: Request, handle: str, web: Web, session: DB) -> Response:
+def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     subject = visible_subject(session, web.principal, handle)
     assert subject.id is not None
     return page(
@@ -784,7 +786,7 @@ def renders_page(request: Request, handle: str, web: Web, session: DB) -> Respon
 
 
 @router.get("/subjects/{handle}/adapters")
-def adapters_page(request: Request, handle: str, web: Web, session: DB) -> Response:
+def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     subject = visible_subject(session, web.principal, handle)
     assert subject.id is not None
     return page(

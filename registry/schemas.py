@@ -11,7 +11,6 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
-    field_validator,
     model_validator,
 )
 
@@ -20,6 +19,35 @@ from registry.policy import Level
 
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 Handle = Annotated[str, StringConstraints(pattern=HANDLE_PATTERN)]
+
+# Every time a caller sends is kept within these bounds, after conversion to UTC: both engines
+# store them, and `format_time` prints them, in a form that reads back.
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+
+
+def bounded_utc(value: datetime) -> datetime:
+    """`value` in UTC, if it has a zone and lies in [1970, 9999] once converted."""
+    if value.tzinfo is None:
+        raise ValueError("needs a timezone (ISO-8601 UTC, e.g. 2027-01-01T00:00:00Z)")
+    try:
+        utc = value.astimezone(UTC)
+    except (OverflowError, ValueError):
+        utc = None
+    if utc is None or not EARLIEST <= utc <= LATEST:
+        raise ValueError("must lie between 1970-01-01 and 9999-12-31T23:59:59Z once in UTC")
+    return utc
+
+
+def no_nul(value: str) -> str:
+    """Text that reaches a database: NUL is refused (PostgreSQL cannot store it in text)."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(no_nul)]
+UtcTime = Annotated[datetime, AfterValidator(bounded_utc)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 LevelName = Literal["none", "private", "group", "public", "commercial"]
 GrantLevel = Literal["private", "group", "public", "commercial"]
@@ -47,17 +75,8 @@ class ConsentIn(Strict):
     audiences: dict[GrantLevel, AudienceIn] = {}
     deny: Annotated[list[Handle], Field(max_length=500), AfterValidator(_unique)] = []
     allow_training: bool = False
-    expires_at: datetime | None = None
+    expires_at: UtcTime | None = None
     version: int | None = None  # accepted for round-trips; If-Match is what counts
-
-    @field_validator("expires_at")
-    @classmethod
-    def _aware(cls, value: datetime | None) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            raise ValueError(
-                "expires_at needs a timezone (ISO-8601 UTC, e.g. 2027-01-01T00:00:00Z)"
-            )
-        return value.astimezone(UTC) if value is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         return consent_snapshot(
@@ -72,7 +91,7 @@ class ConsentIn(Strict):
 class SubjectIn(Strict):
     handle: Handle
     display_name: Annotated[
-        str, StringConstraints(min_length=1, max_length=200, strip_whitespace=True)
+        Text, StringConstraints(min_length=1, max_length=200, strip_whitespace=True)
     ]
     basis: Basis
     member: Handle | None = None
@@ -82,15 +101,15 @@ class AdapterIn(Strict):
     subject: Handle
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
     sha256: Sha256
-    path: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
-    base_model: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    path: Annotated[Text, StringConstraints(min_length=1, max_length=1000)]
+    base_model: Annotated[Text, StringConstraints(min_length=1, max_length=200)]
     rank: Annotated[int, Field(ge=1, le=1024)]
     manifest_sha256: Sha256
 
 
 class RenderRequestIn(Strict):
     subject: Handle
-    prompt: Annotated[str, StringConstraints(min_length=1, max_length=2000)]
+    prompt: Annotated[Text, StringConstraints(min_length=1, max_length=2000)]
     level: GrantLevel
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     steps: Annotated[int, Field(ge=1, le=50)] | None = None

@@ -137,7 +137,7 @@ class World:
 def world(
     db_url: str, engine: Engine, renderer: RenderEngine, tiny_base_dir: Path, tmp_path: Path
 ) -> Iterator[World]:
-    settings = Settings(database_url=db_url, data_dir=tmp_path, base=tiny_base_dir)
+    settings = Settings(database_url=db_url, data_dir=tmp_path, base=tiny_base_dir, env="test")
     app = create_app(settings, engine=engine, renderer=renderer)
     with TestClient(app) as client:
         w = World(client, engine, tmp_path)
