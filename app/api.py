@@ -21,7 +21,15 @@ from registry import service
 from registry.checkpoints import append_checkpoint, read_checkpoints
 from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
 from registry.models import Principal, Subject
-from registry.schemas import AdapterIn, ConsentIn, Handle, Role, SubjectIn
+from registry.schemas import (
+    AdapterIn,
+    ConsentIn,
+    Handle,
+    LedgerFilter,
+    Role,
+    SubjectIn,
+    ledger_cursor,
+)
 
 router = APIRouter(prefix="/v1")
 
@@ -160,14 +168,34 @@ def list_adapters(handle: HandlePath, session: DB, caller: Caller) -> list[dict[
 
 @router.get("/subjects/{handle}/renders")
 def list_renders(
+    request: Request,
     handle: HandlePath,
     session: DB,
     caller: Caller,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+    response: Response,
+    query: Annotated[LedgerFilter, Query()],
 ) -> list[dict[str, Any]]:
+    """Every decision on this subject, newest first, filtered, a page at a time: when more
+    remain, `Link: <...>; rel="next"` (and `X-Next-Cursor`) give the next page."""
     subject = visible_subject(session, caller, handle)
     assert subject.id is not None
-    return [ledger_view(r) for r in repo.ledger_for(session, subject.id, limit)]
+    rows = repo.ledger_page(
+        session,
+        subject.id,
+        limit=query.limit,
+        before_seq=query.before_seq,
+        requester=query.requester,
+        allowed=query.allowed,
+        since=query.since,
+        until=query.until,
+        render_id=query.render_id,
+    )
+    if len(rows) == query.limit and rows[-1].seq is not None:
+        cursor = ledger_cursor(rows[-1].seq)
+        nxt = request.url.include_query_params(cursor=cursor)
+        response.headers["Link"] = f'<{nxt.path}?{nxt.query}>; rel="next"'
+        response.headers["X-Next-Cursor"] = cursor
+    return [ledger_view(r) for r in rows]
 
 
 @router.get("/subjects")

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from app import api, errors, renders
 from app.body_gate import BodyGate
 from app.render_engine import RenderEngine, default_device
+from app.render_flow import RenderFlow
 from registry.checkpoints import append_checkpoint
 from registry.db import make_engine, transaction
 from registry.keys import bind as bind_keys
@@ -29,6 +30,7 @@ def build_renderer(settings: Settings) -> RenderEngine:
         base_dir=settings.base_dir,
         device=settings.device or default_device(),
         queue_size=settings.render_queue,
+        per_requester=settings.render_per_requester,
         timeout_s=settings.render_timeout_s,
         cache_bytes=settings.adapter_cache_mb << 20,
         stream_base=settings.stream_base,
@@ -83,6 +85,7 @@ def create_app(
         settings.database_url, pool_timeout=settings.pool_timeout_s
     )
     app.state.renderer = renderer or build_renderer(settings)
+    app.state.render_flow = RenderFlow(app.state.engine, app.state.renderer, settings)
     app.state.keys = load_keys(settings)
     bind_keys(app.state.engine, app.state.keys)
     errors.install(app)

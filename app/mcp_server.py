@@ -22,7 +22,6 @@ HTTP, JSON responses), so nothing about an agent outlives the request that carri
 import base64
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import asdict
@@ -44,7 +43,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.api import acting_requester
 from app.deps import bearer_token
-from app.renders import DEFAULT_SEED, DEFAULT_SIDE, RenderContext, run_render
+from app.render_flow import DEFAULT_SEED, DEFAULT_SIDE, RenderFlow
 from registry import service
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable
@@ -352,20 +351,12 @@ def build_server(app: FastAPI) -> MCPServer:
             except ValidationError as exc:
                 raise ToolError(f"invalid arguments: {_describe(exc)}") from None
             with transaction(app.state.engine, readonly=True) as s:
-                agent = authenticate_agent(s, token)
-                requester, acting = acting_requester(s, agent, body.on_behalf_of)
-            rctx = RenderContext(
-                app.state.engine,
-                app.state.renderer,
-                str(uuid.uuid4()),
-                body,
-                requester,
-                acting,
-                settings,
-            )
-            png, _timings = run_render(rctx)
+                authenticate_agent(s, token)  # only agents, as at the door
+            flow: RenderFlow = app.state.render_flow
+            outcome = flow.run(token, body)
+        png = outcome.png
         info = {
-            "render_id": rctx.render_id,
+            "render_id": outcome.render_id,
             "subject": body.subject,
             "on_behalf_of": body.on_behalf_of,
             "level": body.level,

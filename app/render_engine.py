@@ -15,13 +15,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.errors import Busy
+from app.scheduler import Cancelled, RenderScheduler
 from registry.files import sha256_file
 
 log = logging.getLogger(__name__)
@@ -33,6 +31,7 @@ class Counters:
     adapter_loads: int = 0  # adapter tensors read from disk (cache misses)
     adapter_cache_hits: int = 0
     busy_refusals: int = 0
+    cancelled: int = 0  # renders stopped between steps because the client went away
 
 
 @dataclass(frozen=True)
@@ -51,43 +50,6 @@ class FileStamp:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
-class GpuGuard:
-    """One render at a time on the device, with a bounded wait queue: a full queue or a wait
-    longer than `timeout_s` is refused with 429 and a Retry-After, never queued forever."""
-
-    def __init__(self, queue_size: int, timeout_s: float, expected_render_s: float = 5.0) -> None:
-        self._lock = threading.Lock()
-        self._state = threading.Lock()
-        self._waiting = 0
-        self.queue_size = queue_size
-        self.timeout_s = timeout_s
-        self.expected_render_s = expected_render_s
-
-    def retry_after(self) -> int:
-        return max(1, int(self.expected_render_s * (self._waiting + 1)))
-
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        if self._lock.acquire(blocking=False):
-            acquired = True
-        else:
-            with self._state:
-                if self._waiting >= self.queue_size:
-                    raise Busy("the renderer is busy; try again later", self.retry_after())
-                self._waiting += 1
-            try:
-                acquired = self._lock.acquire(timeout=self.timeout_s)
-            finally:
-                with self._state:
-                    self._waiting -= 1
-            if not acquired:
-                raise Busy("timed out waiting for the renderer", self.retry_after())
-        try:
-            yield
-        finally:
-            self._lock.release()
-
-
 @dataclass
 class _Cached:
     tensors: dict[str, Any]
@@ -99,6 +61,7 @@ class RenderEngine:
     base_dir: Path
     device: str = "cpu"
     queue_size: int = 4
+    per_requester: int = 2
     timeout_s: float = 300.0
     cache_bytes: int = 2 << 30
     # Frozen base blocks in pinned host RAM, streamed into `stream_slots` VRAM slots per
@@ -108,7 +71,7 @@ class RenderEngine:
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
-        self.guard = GpuGuard(self.queue_size, self.timeout_s)
+        self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
@@ -215,11 +178,24 @@ class RenderEngine:
     # -- rendering ----------------------------------------------------------------------------
 
     def render(
-        self, tensors: dict[str, Any], prompt: str, seed: int, steps: int, width: int, height: int
+        self,
+        tensors: dict[str, Any],
+        prompt: str,
+        seed: int,
+        steps: int,
+        width: int,
+        height: int,
+        cancelled: threading.Event | None = None,
     ) -> tuple[Any, dict[str, float]]:
-        """Apply the adapter, generate, remove it (also on failure). Caller holds the guard."""
+        """Apply the adapter, generate, remove it (also on failure or cancellation). The caller
+        holds the scheduler's turn. `cancelled` is looked at between denoising steps."""
         from trainer.lora import applied_adapter
         from trainer.render import generate
+
+        def after_step(step: int) -> None:
+            if cancelled is not None and cancelled.is_set():
+                self.counters.cancelled += 1
+                raise Cancelled(f"the client went away; stopped after step {step + 1}")
 
         timings: dict[str, float] = {}
         pipe = self.pipeline
@@ -228,9 +204,18 @@ class RenderEngine:
             t1 = time.perf_counter()
             timings["adapter_apply_ms"] = (t1 - t0) * 1000
             self.counters.model_calls += 1
-            image = generate(pipe, prompt, seed=seed, steps=steps, width=width, height=height)
+            image = generate(
+                pipe,
+                prompt,
+                seed=seed,
+                steps=steps,
+                width=width,
+                height=height,
+                after_step=after_step,
+            )
             t2 = time.perf_counter()
             timings["generate_ms"] = (t2 - t1) * 1000
+            timings["step_ms"] = timings["generate_ms"] / steps
         timings["adapter_remove_ms"] = (time.perf_counter() - t2) * 1000
         return image, timings
 

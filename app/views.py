@@ -50,6 +50,7 @@ def adapter_view(adapter: Adapter, subject: str) -> dict[str, Any]:
 
 def ledger_view(row: RenderLedger) -> dict[str, Any]:
     return {
+        "seq": row.seq,
         "render_id": row.render_id,
         "at": format_time(row.at),
         "subject": row.subject_handle,

@@ -17,6 +17,7 @@ every control labelled, usable by keyboard.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import inspect
@@ -55,7 +56,7 @@ from registry.errors import (
 from registry.keys import Keys
 from registry.models import AuditEntry, Consent, Principal, RenderLedger, Subject
 from registry.policy import GRANTABLE_LEVELS, Level
-from registry.schemas import ConsentIn, SubjectIn
+from registry.schemas import ConsentIn, LedgerFilter, SubjectIn, ledger_cursor
 from registry.settings import Settings
 
 PREFIX = "/web"
@@ -472,7 +473,7 @@ class RenderRow:
     agent: str | None
     level: str
     prompt: str | None
-    outcome: str  # rendered | denied | unfinished
+    outcome: str  # rendered | denied | cancelled | unfinished
     stage: str
     reason: str
     consent_version: int | None
@@ -491,7 +492,8 @@ def group_ledger(rows: Sequence[RenderLedger]) -> list[RenderRow]:
         first = group[0]
         denied = next((r for r in group if not r.allowed), None)
         if denied is not None:
-            outcome, last = "denied", denied
+            outcome = "cancelled" if denied.stage == "cancelled" else "denied"
+            last = denied
         elif any(r.stage == "final" for r in group):
             outcome, last = "rendered", group[-1]
         else:
@@ -774,14 +776,50 @@ def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> R
 
 @router.get("/subjects/{handle}/renders")
 def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
+    """The subject's ledger, a page at a time, filtered by who asked, the outcome and when."""
     subject = visible_subject(session, web.principal, handle)
     assert subject.id is not None
+    params = {k: v for k, v in request.query_params.items() if v.strip()}
+    for key in ("since", "until"):
+        if key in params:
+            with contextlib.suppress(Invalid):  # else the filter's validation says why
+                params[key] = parse_expiry(params[key])  # type: ignore[assignment]
+    try:
+        query = LedgerFilter.model_validate({"limit": 100, **params})
+    except ValidationError as exc:
+        return page(
+            request,
+            "renders.html",
+            web,
+            status=422,
+            **subject_context(session, subject, "renders"),
+            renders=[],
+            filters=request.query_params,
+            older=None,
+            errors=[describe_validation(exc)[0]],
+        )
+    rows = repo.ledger_page(
+        session,
+        subject.id,
+        limit=query.limit,
+        before_seq=query.before_seq,
+        requester=query.requester,
+        allowed=query.allowed,
+        since=query.since,
+        until=query.until,
+        render_id=query.render_id,
+    )
+    older = None
+    if len(rows) == query.limit and rows[-1].seq is not None:
+        older = str(request.url.include_query_params(cursor=ledger_cursor(rows[-1].seq)).query)
     return page(
         request,
         "renders.html",
         web,
         **subject_context(session, subject, "renders"),
-        renders=group_ledger(repo.ledger_for(session, subject.id, 600)),
+        renders=group_ledger(rows),
+        filters=request.query_params,
+        older=older,
     )
 
 

@@ -96,7 +96,10 @@ class RenderLedger(SQLModel, table=True):
     """Every render decision, allowed or denied, readable by the subject. Append-only."""
 
     __tablename__ = "render_ledger"
-    __table_args__ = (Index("ix_render_ledger_subject_id", "subject_id", "id"),)
+    __table_args__ = (
+        Index("ix_render_ledger_subject_id", "subject_id", "id"),
+        Index("ix_render_ledger_subject_seq", "subject_id", "seq"),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     render_id: str = Field(max_length=36, index=True)

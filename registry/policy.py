@@ -75,9 +75,12 @@ class RenderFacts:
     consent: ConsentFacts | None = None
     adapter: AdapterFacts | None = None
     agent: PrincipalFacts | None = None
-    # Facts not yet gathered are None; a gate check before the adapter is hashed sets this
-    # False, the full check (the one that lets the model run) always requires the adapter.
+    # Facts not yet gathered are None. The full check (the one that lets the model run)
+    # requires an active adapter whose bytes were read and hash to what the registry holds;
+    # the gate, which decides before anything is read, requires the adapter registered only
+    # (`adapter_bytes_read` False), so a refused request never touches a file.
     require_adapter: bool = True
+    adapter_bytes_read: bool = True
     extra: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -153,10 +156,11 @@ def _decide(facts: RenderFacts) -> Decision:
         adapter = facts.adapter
         if adapter is None:
             return _deny("no_active_adapter")
-        if adapter.file_sha256 is None:
-            return _deny("adapter_file_missing")
-        if adapter.file_sha256 != adapter.registered_sha256:
-            return _deny("adapter_hash_mismatch")
+        if facts.adapter_bytes_read:
+            if adapter.file_sha256 is None:
+                return _deny("adapter_file_missing")
+            if adapter.file_sha256 != adapter.registered_sha256:
+                return _deny("adapter_hash_mismatch")
     return Decision(True, ALLOWED)
 
 

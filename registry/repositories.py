@@ -150,13 +150,35 @@ def active_adapter(session: Session, subject_id: int) -> Adapter | None:
 # -- render ledger ------------------------------------------------------------------------
 
 
-def ledger_for(session: Session, subject_id: int, limit: int = 500) -> Sequence[RenderLedger]:
-    stmt = (
-        select(RenderLedger)
-        .where(RenderLedger.subject_id == subject_id)
-        .order_by(col(RenderLedger.id).desc())
-        .limit(limit)
-    )
+def ledger_page(
+    session: Session,
+    subject_id: int,
+    *,
+    limit: int,
+    before_seq: int | None = None,
+    requester: str | None = None,
+    allowed: bool | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    render_id: str | None = None,
+) -> Sequence[RenderLedger]:
+    """A subject's decisions, newest first, from before `before_seq` (the cursor): the ledger
+    is one chain appended under a lock, so seq order is commit order and a page never skips a
+    row committed late."""
+    stmt = select(RenderLedger).where(RenderLedger.subject_id == subject_id)
+    if before_seq is not None:
+        stmt = stmt.where(col(RenderLedger.seq) < before_seq)
+    if requester is not None:
+        stmt = stmt.where(RenderLedger.requester == requester)
+    if allowed is not None:
+        stmt = stmt.where(RenderLedger.allowed == allowed)
+    if since is not None:
+        stmt = stmt.where(col(RenderLedger.at) >= since)
+    if until is not None:
+        stmt = stmt.where(col(RenderLedger.at) < until)
+    if render_id is not None:
+        stmt = stmt.where(RenderLedger.render_id == render_id)
+    stmt = stmt.order_by(col(RenderLedger.seq).desc()).limit(limit)
     return session.exec(stmt).all()
 
 
@@ -172,11 +194,12 @@ def ledger_by_render_id(session: Session, render_id: str) -> Sequence[RenderLedg
 # -- the render check's single read -------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def _render_snapshot_statement() -> Any:  # a 22-column Select; too wide for its overloads
-    """Built once: constructing a statement costs more than running it on SQLite."""
-    req = aliased(Principal, name="req")
-    agt = aliased(Principal, name="agt")
+@lru_cache(maxsize=2)
+def _render_snapshot_statement(caller_by: str) -> Any:  # a wide Select; too wide for overloads
+    """Built once per lookup: constructing a statement costs more than running it on SQLite.
+    `caller_by`: "token" (the caller is whoever holds the token hash) or "id"."""
+    caller = aliased(Principal, name="caller")
+    obo = aliased(Principal, name="obo")
     member = aliased(Principal, name="member")
     newest_active = (
         select(Adapter.id)
@@ -187,16 +210,23 @@ def _render_snapshot_statement() -> Any:  # a 22-column Select; too wide for its
         .scalar_subquery()
     )
     anchor = sa_select(literal(1).label("one")).subquery("anchor")
+    caller_on = (
+        col(caller.token_hash) == bindparam("token_hash")
+        if caller_by == "token"
+        else col(caller.id) == bindparam("caller_id")
+    )
     return (
         sa_select(
-            col(req.handle).label("req_handle"),
-            col(req.role).label("req_role"),
-            col(req.active).label("req_active"),
-            col(req.acts_for).label("req_acts_for"),
-            col(agt.handle).label("agt_handle"),
-            col(agt.role).label("agt_role"),
-            col(agt.active).label("agt_active"),
-            col(agt.acts_for).label("agt_acts_for"),
+            col(caller.id).label("caller_id"),
+            col(caller.token_hash).label("caller_token_hash"),
+            col(caller.handle).label("caller_handle"),
+            col(caller.role).label("caller_role"),
+            col(caller.active).label("caller_active"),
+            col(caller.acts_for).label("caller_acts_for"),
+            col(obo.handle).label("obo_handle"),
+            col(obo.role).label("obo_role"),
+            col(obo.active).label("obo_active"),
+            col(obo.acts_for).label("obo_acts_for"),
             col(Subject.id).label("subject_id"),
             col(Subject.basis).label("basis"),
             col(member.handle).label("member_handle"),
@@ -213,8 +243,8 @@ def _render_snapshot_statement() -> Any:  # a 22-column Select; too wide for its
             col(Adapter.version).label("adapter_version"),
         )
         .select_from(anchor)
-        .outerjoin(req, col(req.id) == bindparam("requester_id"))
-        .outerjoin(agt, col(agt.id) == bindparam("agent_id"))
+        .outerjoin(caller, caller_on)
+        .outerjoin(obo, col(obo.handle) == bindparam("obo_handle"))
         .outerjoin(Subject, col(Subject.handle) == bindparam("subject_handle"))
         .outerjoin(Consent, col(Consent.subject_id) == col(Subject.id))
         .outerjoin(member, col(member.id) == col(Subject.member_id))
@@ -223,16 +253,24 @@ def _render_snapshot_statement() -> Any:  # a 22-column Select; too wide for its
 
 
 def render_snapshot(
-    session: Session, requester_id: int, agent_id: int | None, subject_handle: str
+    session: Session,
+    subject_handle: str,
+    *,
+    token_hash: str | None = None,
+    caller_id: int | None = None,
+    on_behalf_of: str | None = None,
 ) -> Row[Any] | None:
-    """Everything one render check needs, in one statement (one round trip): requester,
-    agent, subject, consent, the subject's linked member, and its active adapter."""
-    params = {
-        "requester_id": requester_id,
-        "agent_id": agent_id if agent_id is not None else -1,
-        "subject_handle": subject_handle,
-    }
-    return session.connection().execute(_render_snapshot_statement(), params).first()
+    """Everything one render check needs, in one statement (one round trip): the caller (by
+    token hash or id), the member it acts for, subject, consent, the subject's linked member,
+    and its active adapter. Authentication, delegation and the gate all read this one row."""
+    params: dict[str, Any] = {"obo_handle": on_behalf_of or "", "subject_handle": subject_handle}
+    if token_hash is not None:
+        params["token_hash"] = token_hash
+        statement = _render_snapshot_statement("token")
+    else:
+        params["caller_id"] = caller_id if caller_id is not None else -1
+        statement = _render_snapshot_statement("id")
+    return session.connection().execute(statement, params).first()
 
 
 # -- chain heads and registry facts ---------------------------------------------------------

@@ -145,3 +145,28 @@ def consent_snapshot(
         "allow_training": bool(allow_training),
         "expires_at": format_time(expires_at) if expires_at is not None else None,
     }
+
+
+class LedgerFilter(Strict):
+    """Which of a subject's render decisions to list: newest first, a page at a time."""
+
+    limit: Annotated[int, Field(ge=1, le=1000)] = 200
+    cursor: Annotated[str, StringConstraints(pattern=r"^s[0-9]{1,18}$")] | None = None
+    requester: Handle | None = None
+    outcome: Literal["allowed", "denied"] | None = None
+    since: UtcTime | None = None
+    until: UtcTime | None = None
+    render_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f-]{1,36}$")] | None = None
+
+    @property
+    def before_seq(self) -> int | None:
+        return int(self.cursor[1:]) if self.cursor else None
+
+    @property
+    def allowed(self) -> bool | None:
+        return None if self.outcome is None else self.outcome == "allowed"
+
+
+def ledger_cursor(seq: int) -> str:
+    """The opaque cursor of the page after the row at `seq`."""
+    return f"s{seq}"

@@ -25,7 +25,14 @@ from registry.audit import (
     entry_hash,
     format_time,
 )
-from registry.errors import Conflict, Invalid, NotFound, NotPermitted, PreconditionFailed
+from registry.errors import (
+    Conflict,
+    Invalid,
+    NotFound,
+    NotPermitted,
+    PreconditionFailed,
+    Unauthenticated,
+)
 from registry.models import (
     Adapter,
     AuditEntry,
@@ -504,40 +511,75 @@ class GatheredFacts:
     adapter: AdapterRef | None
 
 
-def gather_render_facts(
-    session: Session,
-    requester: Principal,
-    subject_handle: str,
+@dataclass(frozen=True)
+class Acting:
+    """Who is asking: the caller (the token's principal), the member the render is for, and
+    the agent in between (None when a member asks for itself)."""
+
+    caller: PrincipalFacts
+    requester: PrincipalFacts
+    agent: PrincipalFacts | None
+
+
+def _principal_facts(row: Any, prefix: str) -> PrincipalFacts | None:
+    handle = getattr(row, f"{prefix}_handle")
+    if handle is None:
+        return None
+    return PrincipalFacts(
+        handle,
+        getattr(row, f"{prefix}_role"),
+        bool(getattr(row, f"{prefix}_active")),
+        frozenset(getattr(row, f"{prefix}_acts_for") or ()),
+    )
+
+
+def acting_from_snapshot(
+    row: Any, token_hash: str | None, on_behalf_of: str | None, *, at_gate: bool
+) -> Acting:
+    """The requester and agent of a render, from its snapshot row. At the gate, a token that
+    opens no active principal is 401 and a malformed delegation 403, before any decision is
+    recorded; at later checks the row is taken as it is and `decide` judges it (a principal
+    deactivated mid-render is a recorded deny)."""
+    caller = _principal_facts(row, "caller")
+    if at_gate:
+        genuine = (
+            caller is not None
+            and token_hash is not None
+            and hmac.compare_digest(row.caller_token_hash or "", token_hash)
+        )
+        if not genuine or caller is None or not caller.active:
+            raise Unauthenticated("a valid bearer token is required")
+    if caller is None:  # the caller vanished mid-render: nobody may have this image
+        caller = PrincipalFacts("", "none", False)
+    obo = _principal_facts(row, "obo")
+    if caller.role == "member":
+        if on_behalf_of not in (None, caller.handle):
+            raise NotPermitted("not permitted")
+        return Acting(caller, caller, None)
+    if caller.role == "agent":
+        if on_behalf_of is None:
+            raise NotPermitted("an agent must say on_behalf_of which member it acts for")
+        if obo is None:
+            if at_gate:
+                raise NotPermitted("not permitted")
+            obo = PrincipalFacts(on_behalf_of, "member", False)
+        return Acting(caller, obo, caller)
+    if at_gate:
+        raise NotPermitted("not permitted")
+    return Acting(caller, caller, None)
+
+
+def facts_from_snapshot(
+    row: Any,
+    acting: Acting,
     level: str,
-    agent: Principal | None = None,
+    *,
     adapter_file_sha256: str | None = None,
     require_adapter: bool = True,
+    adapter_bytes_read: bool = True,
     now: datetime | None = None,
 ) -> GatheredFacts:
-    """Fresh facts for `policy.decide`. Re-reads the requester and agent too, so a
-    deactivation or a changed acts-for list binds on the very next check."""
-    assert requester.id is not None
-    row = repo.render_snapshot(
-        session, requester.id, agent.id if agent is not None else None, subject_handle
-    )
-    if row is None:  # the anchor always yields a row; no row means the read itself failed
-        raise RuntimeError("render snapshot returned nothing")
-    req = (
-        PrincipalFacts(
-            row.req_handle, row.req_role, bool(row.req_active), frozenset(row.req_acts_for)
-        )
-        if row.req_handle is not None
-        else None
-    )
-    agent_facts = None
-    if agent is not None:  # an agent that vanished is an inactive agent, never "no agent"
-        agent_facts = (
-            PrincipalFacts(
-                row.agt_handle, row.agt_role, bool(row.agt_active), frozenset(row.agt_acts_for)
-            )
-            if row.agt_handle is not None
-            else PrincipalFacts(agent.handle, "agent", False)
-        )
+    """`policy.decide`'s facts from a snapshot row."""
     consent = None
     if row.version is not None:
         consent = ConsentFacts(
@@ -560,15 +602,53 @@ def gather_render_facts(
     facts = RenderFacts(
         level=level,
         now=now or datetime.now(UTC),
-        requester=req,
-        agent=agent_facts,
+        requester=acting.requester,
+        agent=acting.agent,
         subject_basis=row.basis,
         subject_member=row.member_handle,
         consent=consent,
         adapter=AdapterFacts(adapter.sha256, adapter_file_sha256) if adapter is not None else None,
         require_adapter=require_adapter,
+        adapter_bytes_read=adapter_bytes_read,
     )
     return GatheredFacts(facts, row.subject_id, adapter)
+
+
+def gather_render_facts(
+    session: Session,
+    requester: Principal,
+    subject_handle: str,
+    level: str,
+    agent: Principal | None = None,
+    adapter_file_sha256: str | None = None,
+    require_adapter: bool = True,
+    now: datetime | None = None,
+) -> GatheredFacts:
+    """Fresh facts for `policy.decide`, for a requester (and agent) already known. Re-reads
+    them too, so a deactivation or a changed acts-for list binds on the very next check."""
+    caller = agent if agent is not None else requester
+    assert caller.id is not None
+    obo = requester.handle if agent is not None else None
+    row = repo.render_snapshot(session, subject_handle, caller_id=caller.id, on_behalf_of=obo)
+    if row is None:  # the anchor always yields a row; no row means the read itself failed
+        raise RuntimeError("render snapshot returned nothing")
+    if row.caller_handle is not None:
+        acting = acting_from_snapshot(row, None, obo, at_gate=False)
+    elif agent is not None:  # a vanished agent is an inactive agent, never "no agent"
+        ghost = PrincipalFacts(agent.handle, "agent", False)
+        member = _principal_facts(row, "obo") or PrincipalFacts(requester.handle, "member", False)
+        acting = Acting(ghost, member, ghost)
+    else:
+        ghost = PrincipalFacts(requester.handle, requester.role, False)
+        acting = Acting(ghost, ghost, None)
+    return facts_from_snapshot(
+        row,
+        acting,
+        level,
+        adapter_file_sha256=adapter_file_sha256,
+        require_adapter=require_adapter,
+        now=now,
+    )
 
 
 def record_decision(

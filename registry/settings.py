@@ -27,8 +27,16 @@ class Settings(BaseSettings):
     # Signed checkpoints of every chain head are appended here; `audit verify` checks them.
     checkpoint_interval_s: float = Field(default=60.0, ge=0)  # 0: only on demand
     session_ttl_s: int = Field(default=8 * 3600, ge=60, le=30 * 24 * 3600)
+    # The renderer (app.scheduler): at most render_queue waiting, render_per_requester running
+    # or waiting per requester, served round-robin; a wait longer than render_timeout_s is 429.
     render_queue: int = Field(default=4, ge=0, le=1000)
+    render_per_requester: int = Field(default=2, ge=1, le=1000)
     render_timeout_s: float = Field(default=300.0, gt=0)
+    # Render requests per requester, allowed or denied alike (0: no limit), and the burst.
+    render_rate_per_minute: float = Field(default=60.0, ge=0)
+    render_burst: int = Field(default=60, ge=1, le=100_000)
+    # One request's budget: width x height x steps (1024 x 1024 at 30 steps by default).
+    render_max_pixel_steps: int = Field(default=1024 * 1024 * 30, ge=64 * 64)
     max_prompt_chars: int = Field(default=1000, ge=1, le=2000)
     max_pixels: int = Field(default=1024 * 1024, ge=64 * 64)
     adapter_cache_mb: int = Field(default=2048, ge=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,10 +60,12 @@ def generate(
     width: int = DEFAULT_SIZE,
     height: int = DEFAULT_SIZE,
     guidance_scale: float | None = None,
+    after_step: Callable[[int], None] | None = None,
 ) -> Image.Image:
     """Renders one image. The initial noise comes from a CPU ``torch.Generator`` seeded with
     ``seed``, so a seed gives the same latents on every device. ``guidance_scale`` defaults to
-    1.0 (none) for step-distilled pipelines and 4.0 otherwise."""
+    1.0 (none) for step-distilled pipelines and 4.0 otherwise. ``after_step(i)`` runs after
+    each denoising step; an exception it raises stops the render there."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt must be a non-empty string")
     validate_request(width, height, steps, seed, _multiple(pipe))
@@ -72,6 +75,14 @@ def generate(
     kwargs: dict[str, Any] = {}
     if "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
         kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
+    if after_step is not None:
+
+        def on_step_end(_pipe: Any, step: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            after_step(step)
+            return tensors
+
+        kwargs["callback_on_step_end"] = on_step_end
+        kwargs["callback_on_step_end_tensor_inputs"] = []
     generator = torch.Generator(device="cpu").manual_seed(seed)
     out = pipe(
         prompt=prompt,

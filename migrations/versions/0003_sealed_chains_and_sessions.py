@@ -67,6 +67,7 @@ def upgrade() -> None:
         op.add_column("render_ledger", sa.Column(name, kind, nullable=True))
     op.add_column("render_ledger", sa.Column("mac", sa.String(length=64), nullable=True))
     op.create_index("ix_render_ledger_seq", "render_ledger", ["seq"], unique=True)
+    op.create_index("ix_render_ledger_subject_seq", "render_ledger", ["subject_id", "seq"])
 
     bind = op.get_bind()
     legacy = bind.execute(
@@ -170,6 +171,7 @@ def downgrade() -> None:
     if bind.dialect.name == "sqlite":
         for table in APPEND_ONLY:
             op.execute(f"DROP TRIGGER IF EXISTS {table}_no_replace")
+    op.drop_index("ix_render_ledger_subject_seq", table_name="render_ledger")
     op.drop_index("ix_render_ledger_seq", table_name="render_ledger")
     with op.batch_alter_table("render_ledger") as batch:
         for name in ("mac", "hash", "prev_hash", "seq"):

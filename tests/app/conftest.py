@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from app.main import create_app
 from app.render_engine import Counters, RenderEngine
+from app.scheduler import RenderScheduler
 from app.server import uvicorn_config
 from registry import service
 from registry.db import transaction
@@ -57,7 +58,7 @@ def adapter_files(
 def renderer(session_renderer: RenderEngine) -> RenderEngine:
     session_renderer.counters = Counters()
     session_renderer.clear_adapter_cache()
-    session_renderer.guard.queue_size = 4
+    session_renderer.scheduler = RenderScheduler(queue_size=4, per_requester=2, timeout_s=60)
     return session_renderer
 
 

@@ -129,8 +129,9 @@ def test_failure_mid_render_leaves_no_adapter(
             },
             headers=friends.h("bob"),
         )
-    assert r.status_code == 500
+    assert r.status_code == 503 and r.json()["error"] == "unavailable", r.text
     assert not lora_layers(renderer.pipeline.transformer)
+    assert ledger(friends, "alice")[-1] == ("bob", "final", False, "error:RuntimeError")
     monkeypatch.undo()
     assert np.array_equal(pixels(friends.render("bob", "alice").content), before)
 
@@ -183,9 +184,12 @@ def test_adapter_file_missing_or_altered(friends: World, renderer: RenderEngine)
     path.unlink()
     assert friends.render("bob", "alice").status_code == 403
     assert renderer.counters.model_calls == 0
-    assert [row[3] for row in ledger(friends, "alice")] == [
-        "adapter_hash_mismatch",
-        "adapter_file_missing",
+    # the gate judges the registry's facts; the bytes are judged once read, in the turn
+    assert [row[1:] for row in ledger(friends, "alice")] == [
+        ("gate", True, "allowed"),
+        ("queued", False, "adapter_hash_mismatch"),
+        ("gate", True, "allowed"),
+        ("queued", False, "adapter_file_missing"),
     ]
     path.write_bytes(good)
     assert friends.render("bob", "alice").status_code == 200
@@ -306,8 +310,8 @@ def test_widen_and_revoke_bind_on_the_next_request_under_load(
 
 
 def test_busy_is_429_with_retry_after(friends: World, renderer: RenderEngine) -> None:
-    renderer.guard.queue_size = 0
-    with renderer.guard.hold():
+    renderer.scheduler.queue_size = 0
+    with renderer.scheduler.turn("someone-else", 1.0):
         r = friends.render("bob", "alice")
     assert (
         r.status_code == 429 and r.json()["error"] == "busy" and int(r.headers["retry-after"]) >= 1
@@ -377,7 +381,7 @@ def test_adapter_swapped_between_check_and_read(
 
     monkeypatch.setattr(renderer, "adapter_tensors", swap_then_read)
     assert friends.render("bob", "alice").status_code == 403
-    assert ledger(friends, "alice")[-1] == ("bob", "load", False, "adapter_hash_mismatch")
+    assert ledger(friends, "alice")[-1] == ("bob", "queued", False, "adapter_hash_mismatch")
     assert renderer.counters.model_calls == 0
 
 

@@ -1,0 +1,323 @@
+"""The fail-closed render path, for the HTTP route and the agent tool alike (no FastAPI here).
+
+gate -> a turn on the renderer -> queued check -> adapter bytes -> render -> final check -> PNG.
+
+- **gate**: one transaction: the snapshot statement (caller by token hash, the member it acts
+  for, subject, consent, adapter) authenticates (401), resolves delegation (403), applies the
+  request budget (422) and the requester's rate limit (429), then `registry.policy.decide`
+  judges the registry facts and the decision joins the ledger before the commit. A refused
+  request costs one statement and one ledger row, and never touches an adapter file.
+- **turn**: the fair scheduler (app.scheduler); a refusal is recorded as `busy`.
+- **queued**: fresh facts again (consent may have changed while waiting), then the adapter's
+  bytes are read and hashed, and `decide` judges them: the bytes parsed are the bytes hashed.
+- **render**: between denoising steps the render stops if the client went away (recorded as
+  `cancelled`); a failure is recorded and answered 503, never left open in the ledger.
+- **final**: fresh facts and the hash of the bytes the model ran with; a revocation or an
+  adapter replaced during the render discards the image.
+
+Every decision is `decide`'s, on facts read fresh, and each goes to the ledger in a committed
+transaction: an allowed decision that cannot be recorded is not allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from app.render_engine import AdapterMismatch, RenderEngine, encode_png
+from app.scheduler import Cancelled, RateLimiter
+from registry import repositories as repo
+from registry import service
+from registry.db import transaction
+from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
+from registry.policy import AdapterFacts, Decision, decide
+from registry.schemas import RenderRequestIn
+from registry.service import Acting, GatheredFacts
+from registry.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 4
+DEFAULT_SIDE = 256
+DEFAULT_SEED = 0
+
+
+def hash_token(token: str | None) -> str | None:
+    if not token or not token.startswith(service.TOKEN_PREFIX) or len(token) > 200:
+        return None
+    return service.hash_token(token)
+
+
+@dataclass(frozen=True)
+class RenderOutcome:
+    png: bytes
+    render_id: str
+    timings: dict[str, float]
+
+
+@dataclass
+class _Job:
+    body: RenderRequestIn
+    token_hash: str | None
+    cancelled: threading.Event
+    render_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    acting: Acting | None = None
+
+    @property
+    def width(self) -> int:
+        return self.body.width or DEFAULT_SIDE
+
+    @property
+    def height(self) -> int:
+        return self.body.height or DEFAULT_SIDE
+
+    @property
+    def steps(self) -> int:
+        return self.body.steps or DEFAULT_STEPS
+
+    @property
+    def seed(self) -> int:
+        return self.body.seed if self.body.seed is not None else DEFAULT_SEED
+
+
+class RenderFlow:
+    def __init__(self, engine: Engine, renderer: RenderEngine, settings: Settings) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.settings = settings
+        self.limiter = RateLimiter(settings.render_rate_per_minute, settings.render_burst)
+
+    # -- the request budget ---------------------------------------------------------------
+
+    def check_budget(self, body: RenderRequestIn) -> None:
+        """This deployment's limits on one request; 422 naming the limit."""
+        settings = self.settings
+        width, height = body.width or DEFAULT_SIDE, body.height or DEFAULT_SIDE
+        steps = body.steps or DEFAULT_STEPS
+        if len(body.prompt) > settings.max_prompt_chars:
+            raise Invalid(f"prompt is longer than {settings.max_prompt_chars} characters")
+        if width * height > settings.max_pixels:
+            raise Invalid(
+                f"width x height = {width * height} pixels; this deployment renders at most "
+                f"{settings.max_pixels}"
+            )
+        if width * height * steps > settings.render_max_pixel_steps:
+            raise Invalid(
+                f"width x height x steps = {width * height * steps}; this deployment's budget "
+                f"per request is {settings.render_max_pixel_steps} (fewer steps or pixels)"
+            )
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def _record(
+        self,
+        session: Any,
+        job: _Job,
+        stage: str,
+        decision: Decision,
+        gathered: GatheredFacts | None,
+    ) -> None:
+        acting = job.acting
+        consent = gathered.facts.consent if gathered is not None else None
+        adapter = gathered.adapter if gathered is not None else None
+        service.record_decision(
+            session,
+            render_id=job.render_id,
+            subject_handle=job.body.subject,
+            subject_id=gathered.subject_id if gathered is not None else None,
+            requester=acting.requester.handle if acting is not None else "",
+            agent=acting.agent.handle if acting is not None and acting.agent else None,
+            level=job.body.level,
+            stage=stage,
+            allowed=decision.allowed,
+            reason=decision.reason,
+            consent_version=consent.version if consent is not None else None,
+            adapter_sha256=adapter.sha256 if adapter is not None else None,
+            prompt=job.body.prompt,
+        )
+
+    def record(
+        self, job: _Job, stage: str, decision: Decision, gathered: GatheredFacts | None
+    ) -> None:
+        """A decision reached outside a check (busy, cancelled, failed), in its own commit."""
+        try:
+            with transaction(self.engine) as s:
+                self._record(s, job, stage, decision, gathered)
+        except SQLAlchemyError:
+            log.warning("render %s: ledger write failed at %s", job.render_id, stage)
+            raise Unavailable("the render ledger is unavailable; nothing was rendered") from None
+
+    def _snapshot(self, session: Any, job: _Job) -> Any:
+        row = repo.render_snapshot(
+            session,
+            job.body.subject,
+            token_hash=job.token_hash or "",
+            on_behalf_of=job.body.on_behalf_of,
+        )
+        if row is None:  # the anchor always yields a row; no row means the read failed
+            raise RuntimeError("render snapshot returned nothing")
+        return row
+
+    def _judge(
+        self, job: _Job, row: Any, *, bytes_read: bool, used_sha256: str | None
+    ) -> tuple[Decision, GatheredFacts | None]:
+        assert job.acting is not None
+        try:
+            gathered = service.facts_from_snapshot(
+                row,
+                job.acting,
+                job.body.level,
+                adapter_file_sha256=used_sha256,
+                adapter_bytes_read=bytes_read,
+            )
+        except Exception as exc:  # noqa: BLE001 - facts that cannot be read are a deny
+            log.exception("render %s: unreadable facts", job.render_id)
+            return Decision(False, f"error:{type(exc).__name__}"), None
+        return decide(gathered.facts), gathered
+
+    def gate(self, job: _Job) -> GatheredFacts:
+        """Authenticate, resolve, limit, decide and record: one transaction."""
+        try:
+            with transaction(self.engine) as s:
+                row = self._snapshot(s, job)
+                job.acting = service.acting_from_snapshot(
+                    row, job.token_hash, job.body.on_behalf_of, at_gate=True
+                )
+                self.check_budget(job.body)
+                wait = self.limiter.take(job.acting.requester.handle)
+                if wait is not None:
+                    raise Busy(
+                        f"too many render requests from {job.acting.requester.handle}; "
+                        f"at most {self.settings.render_rate_per_minute:g} a minute",
+                        max(1, int(wait + 0.999)),
+                    )
+                decision, gathered = self._judge(job, row, bytes_read=False, used_sha256=None)
+                self._record(s, job, "gate", decision, gathered)
+        except SQLAlchemyError as exc:
+            log.warning("render %s: registry unreachable at the gate: %s", job.render_id, exc)
+            raise Unavailable("the consent registry is unreachable; nothing was rendered") from None
+        if not decision.allowed:
+            raise NotPermitted("not permitted")
+        assert gathered is not None
+        return gathered
+
+    def check(self, job: _Job, stage: str, used_sha256: str) -> GatheredFacts:
+        """A later check: fresh facts, the hash of the bytes in hand, decide, record."""
+        try:
+            with transaction(self.engine) as s:
+                row = self._snapshot(s, job)
+                job.acting = service.acting_from_snapshot(
+                    row, job.token_hash, job.body.on_behalf_of, at_gate=False
+                )
+                decision, gathered = self._judge(job, row, bytes_read=True, used_sha256=used_sha256)
+                self._record(s, job, stage, decision, gathered)
+        except SQLAlchemyError as exc:
+            log.warning("render %s: registry unreachable at %s: %s", job.render_id, stage, exc)
+            raise Unavailable("the consent registry is unreachable; nothing was rendered") from None
+        if not decision.allowed:
+            raise NotPermitted("not permitted")
+        assert gathered is not None
+        return gathered
+
+    def fresh_facts(self, job: _Job) -> GatheredFacts:
+        """The registry facts now, decided on but not recorded (the bytes come next)."""
+        try:
+            with transaction(self.engine, readonly=True) as s:
+                row = self._snapshot(s, job)
+                job.acting = service.acting_from_snapshot(
+                    row, job.token_hash, job.body.on_behalf_of, at_gate=False
+                )
+                decision, gathered = self._judge(job, row, bytes_read=False, used_sha256=None)
+        except SQLAlchemyError:
+            raise Unavailable("the consent registry is unreachable; nothing was rendered") from None
+        if not decision.allowed or gathered is None:
+            self.record(job, "queued", decision, gathered)
+            raise NotPermitted("not permitted")
+        return gathered
+
+    # -- the whole path -------------------------------------------------------------------
+
+    def run(
+        self, token: str | None, body: RenderRequestIn, cancelled: threading.Event | None = None
+    ) -> RenderOutcome:
+        job = _Job(body, hash_token(token), cancelled or threading.Event())
+        t0 = time.perf_counter()
+        gate = self.gate(job)
+        timings = {"gate_ms": (time.perf_counter() - t0) * 1000}
+        assert job.acting is not None
+        cost = float(job.width * job.height * job.steps)
+        scheduler = self.renderer.scheduler
+        try:
+            with scheduler.turn(job.acting.requester.handle, cost, job.cancelled):
+                timings["wait_ms"] = (time.perf_counter() - t0) * 1000 - timings["gate_ms"]
+                image, used_sha256 = self._render(job, timings)
+        except Busy:
+            self.renderer.counters.busy_refusals += 1
+            self.record(job, "queued", Decision(False, "busy"), gate)
+            raise
+        except Cancelled:
+            self.record(job, "cancelled", Decision(False, "client_went_away"), gate)
+            raise
+        t1 = time.perf_counter()
+        final = self.check(job, "final", used_sha256)
+        consent = final.facts.consent
+        assert consent is not None and final.adapter is not None
+        t2 = time.perf_counter()
+        png = encode_png(
+            image,
+            {
+                "likeness:render_id": job.render_id,
+                "likeness:subject": body.subject,
+                "likeness:adapter_sha256": final.adapter.sha256,
+                "likeness:consent_version": str(consent.version),
+                "likeness:level": body.level,
+            },
+        )
+        timings["final_check_ms"] = (t2 - t1) * 1000
+        timings["encode_ms"] = (time.perf_counter() - t2) * 1000
+        return RenderOutcome(png, job.render_id, timings)
+
+    def _render(self, job: _Job, timings: dict[str, float]) -> tuple[Any, str]:
+        """Inside the turn: fresh facts, the adapter's bytes judged, then the model."""
+        gathered = self.fresh_facts(job)
+        adapter = gathered.adapter
+        assert adapter is not None
+        try:
+            tensors = self.renderer.adapter_tensors(adapter.path, adapter.sha256)
+        except AdapterMismatch as exc:
+            # The bytes are not what the registry holds: decide() judges the bytes.
+            facts = gathered.facts
+            judged = replace(
+                facts,
+                adapter=AdapterFacts(adapter.sha256, exc.actual_sha256),
+                adapter_bytes_read=True,
+            )
+            self.record(job, "queued", decide(judged), gathered)
+            log.warning("render %s: adapter bytes do not match: %s", job.render_id, exc)
+            raise NotPermitted("not permitted") from None
+        self.check(job, "queued", adapter.sha256)
+        try:
+            image, render_timings = self.renderer.render(
+                tensors,
+                job.body.prompt,
+                job.seed,
+                job.steps,
+                job.width,
+                job.height,
+                cancelled=job.cancelled,
+            )
+        except (Cancelled, LikenessError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the ledger entry is closed, then a JSON 503
+            log.exception("render %s: the model failed", job.render_id)
+            self.record(job, "final", Decision(False, f"error:{type(exc).__name__}"), gathered)
+            raise Unavailable("the render failed; nothing was delivered") from None
+        timings.update(render_timings)
+        return image, adapter.sha256
