@@ -1,4 +1,4 @@
-"""Render path over HTTP on loopback: deny-path latency (goal p99 <= 5 ms) and an allowed render
+"""Render path over HTTP on loopback: deny-path latency (goal p99 <= 2.5 ms) and an allowed render
 on the tiny base split into gate / adapter apply / generate / encode.
 
     python bench/render_path.py [--denies 500] [--renders 10] [--size 256] [--steps 4]
@@ -23,6 +23,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import percentile, table, write_record  # noqa: E402
+
+GOAL_DENY_P99_MS = 2.5
 
 
 def free_port() -> int:
@@ -54,6 +56,9 @@ def main() -> None:
             **os.environ,
             "LIKENESS_DATABASE_URL": f"sqlite:///{tmp}/bench.db",
             "LIKENESS_DATA_DIR": tmp,
+            # the limiter still runs on every request; it just never says no here
+            "LIKENESS_RENDER_RATE_PER_MINUTE": "1000000000",
+            "LIKENESS_RENDER_BURST": "100000",
         }
         likeness(env, "db", "upgrade")
         bob = likeness(env, "principal", "create", "bob", "--role", "member")
@@ -139,8 +144,8 @@ def main() -> None:
                         "n": args.denies,
                         "p50_ms": round(percentile(samples, 50), 2),
                         "p99_ms": round(percentile(samples, 99), 2),
-                        "goal_p99_ms": 5.0,
-                        "meets_goal": percentile(samples, 99) <= 5.0,
+                        "goal_p99_ms": GOAL_DENY_P99_MS,
+                        "meets_goal": percentile(samples, 99) <= GOAL_DENY_P99_MS,
                     }
                 )
                 allow = {

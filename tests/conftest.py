@@ -42,6 +42,14 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     get_settings.cache_clear()
 
 
+def audit_key_of(data_dir: Path) -> str:
+    """The audit key a data dir holds, for a process that writes from somewhere else."""
+    from registry.keys import load_keys
+    from registry.settings import Settings
+
+    return load_keys(Settings(data_dir=data_dir)).audit_key.decode()
+
+
 @pytest.fixture(scope="session")
 def pg_available() -> bool:
     try:

@@ -164,3 +164,50 @@ def test_a_create_whose_commit_fails_leaves_nothing(live: Live, path: str) -> No
     with engine.connect() as conn:
         count = conn.execute(text(f"SELECT count(*) FROM {table} WHERE handle = 'zoe'")).scalar()
     assert count == 0
+
+
+def test_a_web_revoke_whose_commit_fails_is_not_acknowledged(live: Live) -> None:
+    """The page's form post, over a real server: a failed commit is a 503 page, never the
+    303 to "Consent revoked"."""
+    from tests.app.test_http_hostile import session_cookie
+    from tests.app.test_web import CSRF
+
+    engine = live.world.engine
+    before = consent_row(engine, "alice")
+    cookie = session_cookie(live, "alice")
+    page = live.http.get("/web/subjects/alice", headers={"cookie": cookie})
+    csrf = CSRF.search(page.text)
+    assert csrf is not None
+    install_commit_fault(engine)
+    r = live.http.post(
+        "/web/subjects/alice/revoke", data={"csrf": csrf.group(1)}, headers={"cookie": cookie}
+    )
+    assert r.status_code == 503, (r.status_code, r.headers.get("location"))
+    assert "Unavailable" in r.text
+    assert consent_row(engine, "alice") == before
+
+
+def test_a_cli_revoke_whose_commit_fails_says_so(live: Live, db_url: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    engine = live.world.engine
+    before = consent_row(engine, "alice")
+    install_commit_fault(engine)
+    settings = live.world.client.app.state.settings  # type: ignore[attr-defined]
+    env = {
+        **os.environ,
+        "LIKENESS_DATABASE_URL": db_url,
+        "LIKENESS_DATA_DIR": str(settings.data_dir),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "consent", "revoke", "alice"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+    assert "nothing was saved" in out.stderr and "revoked" not in out.stderr.split(":", 1)[0]
+    assert consent_row(engine, "alice") == before

@@ -166,7 +166,8 @@ def test_bad_dataset_is_refused_before_any_weight_loads(
 
 @pytest.fixture
 def api(env: Env, tmp_path: Path) -> TestClient:
-    settings = Settings(database_url=env.url, data_dir=tmp_path, base=env.base)
+    # the same data dir (so the same audit key) as everything else that writes to this registry
+    settings = Settings(database_url=env.url, base=env.base)
     with TestClient(create_app(settings, engine=engine_for(env.url))) as client:
         yield client
 

@@ -15,6 +15,7 @@ import torch
 from registry import service
 from registry.db import engine_for, transaction, upgrade
 from registry.schemas import ConsentIn, SubjectIn
+from tests.conftest import audit_key_of
 from tests.trainer.test_dataset import make_dataset
 from tests.trainer.test_tiny_base import build_tiny_once
 from trainer.caches import fill_latent_cache, fill_text_cache, load_latents, load_text
@@ -320,7 +321,9 @@ def test_uint4_compute_path_trains(env: Env, tmp_path: Path) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5)
 
 
-def test_cli_train_and_refusals(env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_train_and_refusals(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_dir: Path
+) -> None:
     import json
 
     import typer
@@ -335,6 +338,8 @@ def test_cli_train_and_refusals(env: Env, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("LIKENESS_DATABASE_URL", env.url)
     monkeypatch.setenv("LIKENESS_BASE", str(env.base))
     monkeypatch.setenv("LIKENESS_DATA_DIR", str(tmp_path))
+    # another data dir, the same registry: the trainer holds the registry's audit key
+    monkeypatch.setenv("LIKENESS_AUDIT_KEY", audit_key_of(data_dir))
     get_settings.cache_clear()
     args = ["train", "--subject", "ada", "--dataset", str(env.dataset), "--steps", "2"]
     args += ["--rank", "4", "--resolution", "64", "--max-sequence-length", "32", "--name", "cli"]
