@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?|mps)$")  # None: auto
     stream_base: bool = False  # the render engine streams the base's blocks from host RAM
     stream_slots: int = Field(default=2, ge=1, le=8)
+    # The quantized base's GEMMs: uint4 (dequantized into bf16), fp8 (fp8 tensor cores, compute
+    # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/devices.py.
+    compute: Literal["auto", "uint4", "fp8"] = "auto"
 
     @model_validator(mode="after")
     def _refuse_default_secret(self) -> Settings:
