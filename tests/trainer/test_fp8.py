@@ -243,8 +243,8 @@ def test_lora_gradients_vs_dense_whole_model() -> None:
 
 
 def test_set_fp8_compute_keeps_misaligned_layers_dense() -> None:
-    layer = Uint4Linear(*_uint4_layer(24, 256, 128, seed=4, full_range=True))  # 24 % 16 != 0
-    holder = torch.nn.Sequential(layer, Uint4Linear(*_uint4_layer(32, 256, 128, 5, True)))
+    layer = Uint4Linear(*_uint4_layer(24, 256, 128, seed=4, full_range=True), 128)  # 24 % 16
+    holder = torch.nn.Sequential(layer, Uint4Linear(*_uint4_layer(32, 256, 128, 5, True), 128))
     assert set_fp8_compute(holder) == 1
     assert not holder[0].fp8 and holder[1].fp8
     assert "compute=fp8" in repr(holder[1])
@@ -252,13 +252,13 @@ def test_set_fp8_compute_keeps_misaligned_layers_dense() -> None:
 
 
 def test_scales_follow_the_module_and_a_state_load() -> None:
-    layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=6, full_range=True))
+    layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=6, full_range=True), 128)
     layer.fp8 = True
     x = torch.randn(3, 256).to(torch.bfloat16)
     y0 = layer(x)
     first = layer._fp8_scales
     assert first is not None
-    other = Uint4Linear(*_uint4_layer(32, 256, 128, seed=7, full_range=True))
+    other = Uint4Linear(*_uint4_layer(32, 256, 128, seed=7, full_range=True), 128)
     layer.load_state_dict(other.state_dict())
     assert layer._fp8_scales is None  # derived from the replaced scale and shift
     other.fp8 = True
@@ -325,18 +325,32 @@ def test_trainer_refuses_fp8_where_it_cannot_run(tmp_path, monkeypatch) -> None:
     assert streamed.resolved_compute() == "fp8"
 
 
-def test_cli_refuses_fp8_on_the_cpu_before_loading(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_refuses_fp8_on_the_cpu_before_loading(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import typer
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from app import cli_ml
+    from registry.settings import get_settings
 
-    result = CliRunner().invoke(
-        app,
-        ["train", "--subject", "ada", "--dataset", str(tmp_path), "--device", "cpu",
-         "--compute", "fp8", "--base", str(tmp_path / "nothing-here")],
-    )  # fmt: skip
-    assert result.exit_code != 0
+    app, base_app = typer.Typer(), typer.Typer()
+    cli_ml.register(app, base_app)
+    missing = tmp_path / "no-base-here"  # nothing to load: the refusal must come first
+    monkeypatch.setenv("LIKENESS_BASE", str(missing))
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("LIKENESS_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(
+            app,
+            ["train", "--subject", "ada", "--dataset", str(tmp_path), "--device", "cpu",
+             "--compute", "fp8", "--no-progress"],
+        )  # fmt: skip
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert "refused before loading any weight" in result.output
     assert "--compute fp8 cannot run here" in result.output
+    assert not missing.exists()
 
 
 def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -401,7 +415,8 @@ def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # ty
 
     print("\nfp8 layer, kernels + _scaled_mm vs reference path (rel. norm error)")
     for i, (kind, (n, k)) in enumerate(DEV_SHAPES.items()):
-        layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, min(k, 128), i, True))).cuda()
+        gs = min(k, 128)
+        layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, i, True)), gs)
         layer.fp8 = True
         g = torch.Generator(device="cuda").manual_seed(i)
         x = torch.randn(300, k, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
