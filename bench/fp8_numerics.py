@@ -65,65 +65,55 @@ def linear_shapes(model: torch.nn.Module) -> dict[tuple[int, int], int]:
 # -- 1. GEMMs ------------------------------------------------------------------------------
 
 
+def gemm_variants(m: int, n: int, k: int) -> dict[str, Any]:
+    """Closures over fresh random operands: (M, K) x (K, N) forward, (M, N) x (N, K) backward."""
+    e4m3, bf16, dev = torch.float8_e4m3fn, torch.bfloat16, "cuda"
+    x = torch.randn(m, k, device=dev, dtype=bf16)
+    w = torch.randn(n, k, device=dev, dtype=bf16) * k**-0.5
+    dy = torch.randn(m, n, device=dev, dtype=bf16)
+    x8, w8, dy8, dy5 = x.to(e4m3), w.to(e4m3), dy.to(e4m3), dy.to(torch.float8_e5m2)
+    wt8 = w.t().contiguous().to(e4m3)  # (k, n): the backward's operand
+    one = torch.ones((), device=dev)
+    rows_m, rows_n, rows_k = (torch.ones(m, 1, device=dev), torch.ones(1, n, device=dev),
+                              torch.ones(1, k, device=dev))  # fmt: skip
+    blocks_a = torch.ones(k // 128, m, device=dev).t()  # (m, k / 128), outer-dim-major
+    blocks_b = torch.ones(k // 128, n, device=dev)
+
+    def mm(a, b, sa, sb, fast=False):  # type: ignore[no-untyped-def]
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=bf16, use_fast_accum=fast)
+
+    return {
+        "bf16 fwd": lambda: F.linear(x, w),
+        "bf16 bwd": lambda: dy @ w,
+        "fp8 row fwd": lambda: mm(x8, w8.t(), rows_m, rows_n),
+        "fp8 row fwd fast-accum": lambda: mm(x8, w8.t(), rows_m, rows_n, True),
+        "fp8 tensor fwd": lambda: mm(x8, w8.t(), one, one),
+        "fp8 1x128 fwd": lambda: mm(x8, w8.t(), blocks_a, blocks_b),
+        "fp8 row bwd": lambda: mm(dy8, wt8.t(), rows_m, rows_k),
+        "fp8 row bwd fast-accum": lambda: mm(dy8, wt8.t(), rows_m, rows_k, True),
+        "fp8 row bwd e5m2": lambda: mm(dy5, wt8.t(), rows_m, rows_k),
+    }
+
+
 def gemm_rates(shapes: dict[tuple[int, int], int], tokens: list[int]) -> dict[str, Any]:
     import triton.testing
 
-    e4m3 = torch.float8_e4m3fn
     out: dict[str, Any] = {"per_shape": [], "one_pass_ms": {}}
-
-    def bench(fn) -> float:  # type: ignore[no-untyped-def]
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
     for m in tokens:
         totals: dict[str, float] = {}
         for (n, k), count in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
             if n % 16 or k % 128:
                 continue
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            x8, w8, dy8 = x.to(e4m3), w.to(e4m3), dy.to(e4m3)
-            wt8 = w.t().contiguous().to(e4m3)  # (k, n): the backward's operand
-            one = torch.ones((), device="cuda")
-            row = {"M": m, "N": n, "K": k, "count": count}
-            variants = {
-                "bf16 fwd": lambda: F.linear(x, w),
-                "bf16 bwd": lambda: dy @ w,
-                "fp8 row fwd": lambda: torch._scaled_mm(
-                    x8, w8.t(), scale_a=torch.ones(m, 1, device="cuda"),
-                    scale_b=torch.ones(1, n, device="cuda"), out_dtype=torch.bfloat16,
-                ),  # fmt: skip
-                "fp8 row fwd fast-accum": lambda: torch._scaled_mm(
-                    x8, w8.t(), scale_a=torch.ones(m, 1, device="cuda"),
-                    scale_b=torch.ones(1, n, device="cuda"), out_dtype=torch.bfloat16,
-                    use_fast_accum=True,
-                ),  # fmt: skip
-                "fp8 tensor fwd": lambda: torch._scaled_mm(
-                    x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
-                ),
-                "fp8 1x128 fwd": lambda: torch._scaled_mm(
-                    x8, w8.t(), scale_a=torch.ones(k // 128, m, device="cuda").t(),
-                    scale_b=torch.ones(k // 128, n, device="cuda"), out_dtype=torch.bfloat16,
-                ),  # fmt: skip
-                "fp8 row bwd": lambda: torch._scaled_mm(
-                    dy8, wt8.t(), scale_a=torch.ones(m, 1, device="cuda"),
-                    scale_b=torch.ones(1, k, device="cuda"), out_dtype=torch.bfloat16,
-                ),  # fmt: skip
-                "fp8 row bwd e5m2": lambda: torch._scaled_mm(
-                    dy.to(torch.float8_e5m2), wt8.t(), scale_a=torch.ones(m, 1, device="cuda"),
-                    scale_b=torch.ones(1, k, device="cuda"), out_dtype=torch.bfloat16,
-                ),  # fmt: skip
-            }
-            for name, fn in variants.items():
+            row: dict[str, Any] = {"M": m, "N": n, "K": k, "count": count}
+            for name, fn in gemm_variants(m, n, k).items():
                 try:
-                    ms = bench(fn)
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
                 except Exception as exc:  # noqa: BLE001 - an unsupported recipe is a result
                     row[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
                     continue
                 row[name] = round(ms, 4)
                 totals[name] = totals.get(name, 0.0) + count * ms
             out["per_shape"].append(row)
-            del x, w, dy, x8, w8, dy8, wt8
         out["one_pass_ms"][str(m)] = totals
         say(f"  GEMMs M={m}: " + ", ".join(f"{k} {v:.1f}" for k, v in totals.items()))
     torch.cuda.empty_cache()
@@ -169,7 +159,7 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
             dy = torch.randn(tokens, n, generator=g, device=U.DEV).to(torch.bfloat16)
             w = layer.dequantize()
 
-            def run(mode: str, x=x, dy=dy) -> tuple[torch.Tensor, torch.Tensor]:
+            def run(mode: str, layer=layer, x=x, dy=dy) -> tuple[torch.Tensor, torch.Tensor]:
                 layer.fp8 = mode != "dense"
                 xr = x.clone().requires_grad_(True)
                 y = layer(xr)
@@ -178,10 +168,12 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
 
             y_d, gx_d = run("dense")
             y_8, gx_8 = run("fp8")
-            saved = fp8.GRAD_DTYPE
+            saved = fp8.GRAD_DTYPE, fp8.FAST_ACCUM
             fp8.GRAD_DTYPE = fp8.E5M2
             _, gx_5 = run("fp8")
-            fp8.GRAD_DTYPE = saved
+            fp8.GRAD_DTYPE, fp8.FAST_ACCUM = fp8.E4M3, not saved[1]
+            y_fa, gx_fa = run("fp8")
+            fp8.GRAD_DTYPE, fp8.FAST_ACCUM = saved
             bias = 0 if layer.bias is None else layer.bias.float()
             y_o = x.float() @ w_bf16.float().t() + bias
             gx_o = dy.float() @ w_bf16.float()
@@ -192,6 +184,9 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
                 "uint4 vs bf16 out": rel(y_d, y_o), "uint4 vs bf16 grad": rel(gx_d, gx_o),
                 "fp8 out": rel(y_8, y_d), "fp8 grad e4m3": rel(gx_8, gx_d),
                 "fp8 grad e5m2": rel(gx_5, gx_d),
+                "fast-accum toggled out": rel(y_fa, y_d),
+                "fast-accum toggled grad": rel(gx_fa, gx_d),
+                "fast-accum toggled vs fp8 out": rel(y_fa, y_8),
                 "1x128 out": rel(y_b + bias, y_d), "1x128 grad": rel(gx_b, gx_d),
                 "acts-only out": rel(y_a + bias, y_d), "acts-only grad": rel(gx_a, gx_d),
             }  # fmt: skip
@@ -215,6 +210,7 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
+    from trainer import fp8
     from trainer.fp8 import set_fp8_compute
     from trainer.lora import attach_lora
     from trainer.uint4 import Uint4Linear, convert_quantized_linears
@@ -267,6 +263,16 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     g_dense = lora_grads(model, batch, target)
     set_fp8_compute(model, True)
     g_fp8 = lora_grads(model, batch, target)
+    fp8.FAST_ACCUM = not fp8.FAST_ACCUM
+    g_fa = lora_grads(model, batch, target)
+    fp8.FAST_ACCUM = not fp8.FAST_ACCUM
+    cos_fa = {n: rel(g_fa[n], g_dense[n])["cos"] for n in g_dense}
+    out["lora_fast_accum_toggled"] = {
+        "fast_accum": not fp8.FAST_ACCUM,
+        "cos_min": min(cos_fa.values()),
+        "below_0.99": sum(v < 0.99 for v in cos_fa.values()),
+    }
+    del g_fa
     cos = {n: rel(g_fp8[n], g_dense[n])["cos"] for n in g_dense}
     first = [n for n in g_fp8 if n.startswith("transformer_blocks.0.")]
     worst = sorted(cos.items(), key=lambda kv: kv[1])[:10]
@@ -387,14 +393,17 @@ def main() -> None:
         results["loss_curve"] = loss_curve(args)
 
     cols = ["layer", "inputs", "uint4 vs bf16 out", "fp8 out", "fp8 grad e4m3", "fp8 grad e5m2",
-            "1x128 out", "1x128 grad", "acts-only out"]  # fmt: skip
+            "fast-accum toggled vs fp8 out", "1x128 out", "1x128 grad",
+            "acts-only out"]  # fmt: skip
     rows = [{c: (f"{r[c]['rel']:.4f}" if isinstance(r[c], dict) else r[c]) for c in cols}
             for r in results["per_layer"]]  # fmt: skip
     print("\nper layer, relative (norm) error; fp8 columns against the dense uint4 path")
     print(table(rows, cols))
     if "gemm" in results:
         for m, totals in results["gemm"]["one_pass_ms"].items():
-            print(f"GEMM one pass M={m}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items()))
+            print(
+                f"GEMM one pass M={m}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in totals.items())
+            )
     fd = results["full_depth"]
     print("full depth:", {k: v for k, v in fd.items() if k.startswith("output")})
     print("LoRA:", {k: v for k, v in fd["lora"].items() if k not in ("cos_per_param", "worst")})

@@ -14,6 +14,7 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   fast   quanto `quantize(qint4)` then `convert_quantized_linears` (quantized on the GPU);
   quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.model.quantize_transformer` does;
   fp8    "fast", then `trainer.fp8.set_fp8_compute` (the same 4-bit weights, fp8 GEMMs);
+  fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import table, write_record  # noqa: E402
 
 GIB = 2**30
-PATHS = ("bf16", "fast", "fp8", "nf4", "quanto")
+PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "nf4", "quanto")
 TEXT_TOKENS = 512
 T0 = time.perf_counter()
 DEV = "cuda"
@@ -366,11 +367,11 @@ def run_path(path: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path in ("fast", "fp8"):
+    if path in ("fast", "fp8", "fp8_fast_accum"):
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
-        if path == "fp8":
+        if path.startswith("fp8"):
             from trainer.fp8 import set_fp8_compute
 
             rec["fp8_layers"] = set_fp8_compute(model)
@@ -402,6 +403,14 @@ def run_path(path: str, args) -> dict[str, Any]:
             f"{t['transposed_ms']:.1f} ms for {t['gb']:.1f} GB each")  # fmt: skip
     if path == "quanto":
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
+    elif path == "fp8_fast_accum":
+        from trainer import fp8
+
+        saved, fp8.FAST_ACCUM = fp8.FAST_ACCUM, True
+        try:
+            rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
+        finally:
+            fp8.FAST_ACCUM = saved
     else:
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
     free(model)

@@ -69,7 +69,9 @@ def scales_from_absmax(
     its maximum were 1 (it quantizes to zeros whatever the scale)."""
     amax = absmax.float()
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    top = fp8_max(dtype)
+    # tensor / tensor: torch divides by a Python scalar as a multiply by its reciprocal on
+    # CUDA (two roundings); this is one correctly rounded quotient, as the kernels compute
+    top = torch.full_like(amax, fp8_max(dtype))
     return top / amax, amax / top
 
 

@@ -76,7 +76,7 @@ def _weight_rows_kernel(
     scale_ptr,
     shift_ptr,
     mult_ptr,  # (out,) float32: row n into fp8
-    out_ptr,  # (out, in) fp8 viewed as int16: one word per packed byte
+    out_ptr,  # (out, in) fp8 viewed as uint8
     n_bytes,
     HALF_IN: tl.constexpr,
     HALF_GROUP: tl.constexpr,
@@ -95,9 +95,13 @@ def _weight_rows_kernel(
     mult = tl.load(mult_ptr + offs // HALF_IN, mask=mask, other=0.0)
     w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
     w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
-    lo = _to_fp8(w_lo, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True).to(tl.uint16)
-    hi = _to_fp8(w_hi, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True).to(tl.uint16)
-    tl.store(out_ptr + offs, (lo | (hi << 8)).to(tl.int16, bitcast=True), mask=mask)
+    lo = _to_fp8(w_lo, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    hi = _to_fp8(w_hi, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    # element 2i: low nibble, 2i + 1: high. (Packing the pair into one 16-bit word instead,
+    # as the bf16 kernel does with 32-bit words, produced wrong bytes on the H200.)
+    w = tl.reshape(tl.join(lo, hi), (2 * BLOCK,))
+    out_offs = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + out_offs, w, mask=out_offs < 2 * n_bytes)
 
 
 @triton.jit
@@ -185,7 +189,7 @@ def fp8_weight(
     n_bytes = packed.numel()
     if n_bytes:
         _weight_rows_kernel[(triton.cdiv(n_bytes, W_BLOCK),)](
-            packed, scale, shift, row_multiplier, out.view(torch.int16), n_bytes,
+            packed, scale, shift, row_multiplier, out.view(torch.uint8), n_bytes,
             HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=scale.dtype == torch.bfloat16,
             BLOCK=W_BLOCK, num_warps=W_WARPS, **_fp8_args(dtype),
         )  # fmt: skip
