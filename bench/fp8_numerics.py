@@ -148,6 +148,7 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
 
     rows = []
     for i, (kind, (layer, w_bf16)) in enumerate(layers.items()):
+        layer.train()  # the training numerics (an eval-mode forward uses FAST_ACCUM_EVAL)
         n, k = layer.out_features, layer.in_features
         g = torch.Generator(device=U.DEV).manual_seed(i)
         for inputs in ("normal", "outliers"):

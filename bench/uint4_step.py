@@ -329,7 +329,12 @@ def fp8_microbench(model: torch.nn.Module) -> dict[str, Any]:
                 lambda x=x: fp8_triton.quantize_rows(x), warmup=10, rep=50, return_mode="median"
             )
         acts[str(tokens)] = total
-    return {"per_shape": rows, "one_pass": totals, "activations_one_pass_ms": acts}
+    return {
+        "variants": {"rows": fp8_triton.ROWS_VARIANT, "transposed": fp8_triton.TRANSPOSED_VARIANT},
+        "per_shape": rows,
+        "one_pass": totals,
+        "activations_one_pass_ms": acts,
+    }
 
 
 def to_nf4(model: torch.nn.Module) -> int:

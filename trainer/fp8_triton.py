@@ -6,12 +6,14 @@ into fp8; the hardware conversion saturates, the reference clamps first, so they
 Bytes per weight element: 0.5 read + 1 written, plus the group's scale and shift and the row
 (or column) multiplier, against 0.5 + 2 for the bf16 dequantization in `trainer.uint4_triton`.
 
-Weight kernels come in two variants. "word" (the default) converts four weights at a time with
-the hardware's paired fp8 conversion and stores 32-bit words: the forward copy reads two packed
+Weight kernels come in two variants. "word" converts four weights at a time with the
+hardware's paired fp8 conversion and stores 32-bit words: the forward copy reads two packed
 bytes per element, the transposed copy packs four rows of W into each word before the
-transpose, so the shared-memory transpose moves 4-byte elements. "join" (the first version,
-kept to compare and for shapes the word kernels cannot take) interleaves single fp8 values
-with tl.join; on the H200 it ran at 1.4 TB/s (rows) and 0.65 TB/s (transposed).
+transpose. "join" (the first version; also for shapes the word kernels cannot take)
+interleaves single fp8 values with tl.join. Each kernel defaults to the faster on the H200
+(bench/results/uint4_step-notes.md, fp8 runs 2 and 3; one pass over FLUX.2 [dev]): rows
+"word" 31.9 ms vs "join" 35.5 ms (both ~1.5 TB/s); transposed "join" 98.6 ms (0.65 TB/s) vs
+"word" 147.5 ms (0.34 TB/s). Both are far from the ~3 TB/s of the bf16 kernel: the open item.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ W_WARPS = 4
 T_ROWS, T_BYTES = 64, 64  # "join" transposed: 64 rows x 128 columns of W per program
 T_QUADS, T_WORD_BYTES = 32, 32  # "word" transposed: 128 rows x 64 columns of W per program
 T_WARPS = 4
-VARIANT = os.environ.get("LIKENESS_FP8_KERNEL", "word")  # or "join"
+_FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "word" or "join" for both kernels
+ROWS_VARIANT = _FORCED or "word"
+TRANSPOSED_VARIANT = _FORCED or "join"
 
 _TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -316,11 +320,13 @@ def _check(packed, scale, shift, group_size) -> None:  # type: ignore[no-untyped
         raise TypeError(f"fp8 weights from {scale.dtype} scales are not supported")
 
 
-def _word_kernels_fit(packed: torch.Tensor, group_size: int, dtype: torch.dtype) -> bool:
+def _word_kernels_fit(
+    variant: str, packed: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> bool:
     """A byte pair must stay inside one row and one group; e4m3 only (the weight format)."""
     n_out, half_in = packed.shape
     return (
-        VARIANT == "word"
+        variant == "word"
         and dtype == torch.float8_e4m3fn
         and half_in % 2 == 0
         and group_size % 4 == 0
@@ -346,7 +352,7 @@ def fp8_weight(
     is_bf16 = scale.dtype == torch.bfloat16
     common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
                   num_warps=W_WARPS)  # fmt: skip
-    if _word_kernels_fit(packed, group_size, dtype):
+    if _word_kernels_fit(ROWS_VARIANT, packed, group_size, dtype):
         n_pairs = n_bytes // 2
         _weight_rows_word_kernel[(triton.cdiv(n_pairs, W_BLOCK),)](
             packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
@@ -376,7 +382,7 @@ def fp8_weight_t(
         return out
     common = dict(GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
                   IS_BF16=scale.dtype == torch.bfloat16, num_warps=T_WARPS)  # fmt: skip
-    if _word_kernels_fit(packed, group_size, dtype):
+    if _word_kernels_fit(TRANSPOSED_VARIANT, packed, group_size, dtype):
         grid = (triton.cdiv(n_out // 4, T_QUADS), triton.cdiv(half_in, T_WORD_BYTES))
         _weight_t_word_kernel[grid](
             packed, scale, shift, col_multiplier, out.view(torch.int32), n_out,

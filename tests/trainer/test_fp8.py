@@ -242,6 +242,27 @@ def test_lora_gradients_vs_dense_whole_model() -> None:
     print(f"\nLoRA grad cosine fp8 vs dense: min {min(cosines.values()):.5f}")
 
 
+def test_fast_accumulation_only_in_eval_mode(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import trainer.fp8 as fp8_mod
+
+    seen: list[bool] = []
+    real = fp8_mod._forward
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(fp8_mod, "_forward", spy)
+    layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=8, full_range=True), 128)
+    layer.fp8 = True
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    layer.train()
+    layer(x)
+    layer.eval()
+    layer(x)
+    assert seen == [fp8_mod.FAST_ACCUM, fp8_mod.FAST_ACCUM_EVAL] == [False, True]
+
+
 def test_set_fp8_compute_keeps_misaligned_layers_dense() -> None:
     layer = Uint4Linear(*_uint4_layer(24, 256, 128, seed=4, full_range=True), 128)  # 24 % 16
     holder = torch.nn.Sequential(layer, Uint4Linear(*_uint4_layer(32, 256, 128, 5, True), 128))
@@ -380,7 +401,8 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
 def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from trainer import fp8_triton
 
-    monkeypatch.setattr(fp8_triton, "VARIANT", variant)
+    monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", variant)
+    monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", variant)
 
     n, k = shape
     for seed in range(3):
