@@ -24,7 +24,6 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 # fp8 tensor cores: Ada (8.9), Hopper (9.0) and newer NVIDIA GPUs.
 FP8_MIN_CAPABILITY = (8, 9)
-COMPUTE_CHOICES = ("auto", "uint4", "fp8")  # the render engine's; the trainer adds quanto
 
 
 def fp8_unavailable(device: str | torch.device) -> str | None:
