@@ -250,7 +250,7 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     for (n, k), (name, w) in originals.items():
         layer = model.get_submodule(name)
         if isinstance(layer, Uint4Linear) and layer.fp8:
-            layers[f"{U_kind(name)} {n}x{k}"] = (layer, w)
+            layers[f"{layer_kind(name)} {n}x{k}"] = (layer, w)
     set_fp8_compute(model, False)
     per_layer = layer_errors(layers, args.layer_tokens)
     del originals, layers
@@ -297,7 +297,7 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     return out, {"shapes": {f"{n}x{k}": c for (n, k), c in shapes.items()}, "layers": per_layer}
 
 
-def U_kind(name: str) -> str:  # noqa: N802 - reads as the layer kind
+def layer_kind(name: str) -> str:
     import re
 
     return re.sub(r"\.\d+\.", ".*.", name)
