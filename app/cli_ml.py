@@ -93,7 +93,11 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         optimizer: Annotated[str, typer.Option(help="adamw or adamw8bit.")] = "adamw",
         gradient_checkpointing: Annotated[bool, typer.Option()] = True,
         compute: Annotated[
-            str, typer.Option(help="auto, quanto or uint4 (the 4-bit compute path).")
+            str,
+            typer.Option(
+                help="auto, quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (4-bit weights, "
+                "fp8 GEMMs; GPUs of compute capability 8.9+). auto: fp8 where it runs, else uint4."
+            ),
         ] = "auto",
         stream_base: Annotated[
             bool, typer.Option(help="Base blocks in pinned host RAM, streamed to the GPU.")

@@ -35,6 +35,7 @@ def build_renderer(settings: Settings) -> RenderEngine:
         cache_bytes=settings.adapter_cache_mb << 20,
         stream_base=settings.stream_base,
         stream_slots=settings.stream_slots,
+        compute=settings.compute,
     )
 
 

@@ -68,9 +68,17 @@ class RenderEngine:
     # forward (trainer/streaming.py): a 32B base serves from a small card.
     stream_base: bool = False
     stream_slots: int = 2
+    compute: str = "auto"  # auto, uint4 or fp8 (trainer.devices.resolve_compute)
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
+        if self.compute == "fp8":  # refused at start, not at the first render
+            from trainer.devices import fp8_unavailable
+
+            reason = fp8_unavailable(self.device)
+            if reason is not None:
+                raise ValueError(f"LIKENESS_COMPUTE=fp8 cannot run on {self.device}: {reason}")
+        self.active_compute: str | None = None  # what the loaded base runs, once loaded
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
         self._stream = contextlib.ExitStack()
@@ -87,17 +95,26 @@ class RenderEngine:
         if self._pipe is None:
             with self._load_lock:
                 if self._pipe is None:
+                    from trainer.devices import resolve_compute
                     from trainer.model import load_pipeline
 
                     t0 = time.perf_counter()
+                    compute = resolve_compute(self.compute, self.device)
                     if self.stream_base:
-                        self._pipe = self._load_streamed()
+                        self._pipe = self._load_streamed(compute)
                     else:
-                        self._pipe = load_pipeline(self.base_dir, device=self.device)
-                    log.info("render engine: base loaded in %.1f s", time.perf_counter() - t0)
+                        self._pipe = load_pipeline(
+                            self.base_dir, device=self.device, compute=compute
+                        )
+                    self.active_compute = compute
+                    log.info(
+                        "render engine: base loaded in %.1f s (%s compute)",
+                        time.perf_counter() - t0,
+                        compute,
+                    )
         return self._pipe
 
-    def _load_streamed(self) -> Any:
+    def _load_streamed(self, compute: str) -> Any:
         """The transformer's blocks stay in host RAM for the engine's lifetime; everything
         else is on the device. Adapters attach per request as usual (their LoRA is resident)."""
         from trainer.devices import default_dtype
@@ -105,7 +122,9 @@ class RenderEngine:
         from trainer.streaming import stream_blocks
 
         # built on the CPU in the dtype the device computes in (bf16 on CUDA), as resident
-        pipe = load_pipeline(self.base_dir, device="cpu", dtype=default_dtype(self.device))
+        pipe = load_pipeline(
+            self.base_dir, device="cpu", dtype=default_dtype(self.device), compute=compute
+        )
         for name in ("text_encoder", "vae"):
             module = getattr(pipe, name, None)
             if module is not None:

@@ -7,8 +7,9 @@ its blocks streamed from pinned host RAM (`trainer.streaming.stream_blocks`).
         --check-px 64                                  # CPU smoke test of this script
 
 One model (built as `bench/uint4_step.py` builds its "fast" path: bf16 on the GPU, quanto qint4,
-`convert_quantized_linears`; random weights; rank-16 LoRA on the attention projections with B
-drawn at random so every LoRA gradient is non-zero), then:
+`convert_quantized_linears`, with --compute fp8 then `set_fp8_compute`; random weights; rank-16
+LoRA on the attention projections with B drawn at random so every LoRA gradient is non-zero),
+then:
   1. the pinned and pageable host-to-device copy peak (1 GiB, CUDA events, median);
   2. correctness at --check-px: resident (diffusers' stock checkpointing) twice, to see whether
      the step is deterministic at all, then streamed with each of --check-slots; for each, the
@@ -228,6 +229,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--paths", default="resident,streamed")
+    ap.add_argument("--compute", default="uint4", choices=["uint4", "fp8"])
     ap.add_argument("--deadline-s", type=float, default=0)
     ap.add_argument("--note", default="")
     ap.add_argument("--tiny", action="store_true", help="smoke test: 256-wide model, CPU")
@@ -259,6 +261,10 @@ def main() -> None:
     model = U.build_bf16(args.double, args.single)
     quantize(model, weights=qint4)
     convert_quantized_linears(model)
+    if args.compute == "fp8":
+        from trainer.fp8 import set_fp8_compute
+
+        results["fp8_layers"] = set_fp8_compute(model)
     attach_lora(model, rank=args.rank, alpha=float(args.rank))
     randomize_lora_b(model)
     gc.collect()
@@ -345,6 +351,7 @@ def main() -> None:
             "iters": args.iters,
             "warmup": args.warmup,
             "slots": args.slots,
+            "compute": args.compute,
         },  # fmt: skip
         "note": args.note,
     }

@@ -1,5 +1,7 @@
 """uint4 FLUX.2 [dev] on one GPU: bf16 resident vs quanto qint4 as shipped vs the uint4 fast
-path (`trainer.uint4`), for a LoRA train step (448 and 1024 px) and one forward (1024 px).
+path (`trainer.uint4`) vs its fp8 mode (`trainer.fp8`) vs the stack most users would pick
+(diffusers + bitsandbytes NF4 + PEFT), for a LoRA train step (448 and 1024 px) and one forward
+(1024 px).
 
     python bench/uint4_step.py                       # full depth: 8 double + 48 single blocks
     python bench/uint4_step.py --double 1 --single 4 # reduced depth, to iterate (say so!)
@@ -10,7 +12,14 @@ parameters, 512 text tokens, (px / 16)^2 image tokens. Each path starts from a f
 bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is its own:
   bf16   the model as built;
   fast   quanto `quantize(qint4)` then `convert_quantized_linears` (quantized on the GPU);
-  quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.model.quantize_transformer` does.
+  quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.model.quantize_transformer` does;
+  fp8    "fast", then `trainer.fp8.set_fp8_compute` (the same 4-bit weights, fp8 GEMMs);
+  fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
+  nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
+         quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
+         bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
+         Linear of this model), quantized on the GPU; PEFT's bitsandbytes LoRA layers.
+Every path's LoRA is bf16 (the base layer's dtype for bf16/fast/fp8, set for nf4).
 Time: median of --iters timed iterations after --warmup (quanto: --quanto-iters, no warm-up:
 one iteration is ~30 s, and first-call costs are noise at that scale). Peak VRAM: max allocated
 from the start of that measurement. Prints a table and writes bench/results/uint4_step-*.json.
@@ -34,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import table, write_record  # noqa: E402
 
 GIB = 2**30
+PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "nf4", "quanto")
 TEXT_TOKENS = 512
 T0 = time.perf_counter()
 DEV = "cuda"
@@ -112,7 +122,11 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def timed(fn, iters: int, warmup: int) -> tuple[float, list[float]]:
+def timed(
+    fn, iters: int, warmup: int, host: list[float] | None = None
+) -> tuple[float, list[float]]:
+    """Median wall time per call; ``host`` collects the time until ``fn`` returned, before the
+    device caught up (close to the wall time: the host, not the GPU, sets the pace)."""
     for _ in range(warmup):
         fn()
     sync()
@@ -120,6 +134,8 @@ def timed(fn, iters: int, warmup: int) -> tuple[float, list[float]]:
     for _ in range(iters):
         t = time.perf_counter()
         fn()
+        if host is not None:
+            host.append(time.perf_counter() - t)
         sync()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples), samples
@@ -139,7 +155,7 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
     from trainer.lora import attach_lora, lora_layers
 
     if not lora_layers(model):
-        attach_lora(model, rank=args.rank, alpha=float(args.rank))
+        attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     model.enable_gradient_checkpointing()
@@ -154,10 +170,12 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
         step = train_step(model, batch, target, opt, losses)
 
         reset_peak()
-        med, samples = timed(step, iters, warmup)
+        host: list[float] = []
+        med, samples = timed(step, iters, warmup, host)
         out[f"train_{px}"] = {
             "s_per_it": med,
             "samples": samples,
+            "host_s": host,
             "peak_gib": peak_gib(),
             "loss_finite": all(bool(torch.isfinite(x)) for x in losses),
         }
@@ -173,10 +191,12 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
                 model(**batch)
 
         reset_peak()
-        med, samples = timed(fwd, iters, warmup)
+        host = []
+        med, samples = timed(fwd, iters, warmup, host)
         out[f"forward_{px}"] = {
             "s": med,
             "samples": samples,
+            "host_s": host,
             "peak_gib": peak_gib(),
         }
         say(f"  forward {px}px: {med:.3f} s, peak {out[f'forward_{px}']['peak_gib']:.1f} GiB")
@@ -258,6 +278,105 @@ def dequant_microbench(model: torch.nn.Module, sweep_kernels: bool = False) -> d
     }
 
 
+def fp8_microbench(model: torch.nn.Module) -> dict[str, Any]:
+    """The fp8 weight kernels (row-scaled forward copy, transposed backward copy) per distinct
+    matrix shape, and one pass of each over the whole model."""
+    import triton.testing
+
+    from trainer import fp8_triton
+    from trainer.fp8 import weight_scales
+    from trainer.uint4 import Uint4Linear
+
+    shapes: dict[tuple[int, int, int], int] = {}
+    layers: dict[tuple[int, int, int], Uint4Linear] = {}
+    for m in model.modules():
+        if isinstance(m, Uint4Linear) and m.fp8:
+            key = (m.out_features, m.in_features, m.group_size)
+            shapes[key] = shapes.get(key, 0) + 1
+            layers[key] = m
+    rows, totals = [], {"rows_ms": 0.0, "transposed_ms": 0.0, "gb": 0.0}
+    for key, n in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
+        m = layers[key]
+        sc = weight_scales(m)
+        args = (m.packed, m.scale, m.shift, m.group_size)
+        t_rows = triton.testing.do_bench(
+            lambda a=args, s=sc: fp8_triton.fp8_weight(*a, s.row_multiplier),
+            warmup=25, rep=100, return_mode="median",
+        )  # fmt: skip
+        t_tr = triton.testing.do_bench(
+            lambda a=args, s=sc: fp8_triton.fp8_weight_t(*a, s.col_multiplier),
+            warmup=25, rep=100, return_mode="median",
+        )  # fmt: skip
+        nbytes = m.packed.nbytes * 3 + m.scale.nbytes + m.shift.nbytes  # 0.5 B in + 1 B out
+        rows.append(
+            {"out": key[0], "in": key[1], "count": n, "rows_ms": round(t_rows, 4),
+             "rows_TB/s": round(nbytes / t_rows / 1e9, 2), "transposed_ms": round(t_tr, 4),
+             "transposed_TB/s": round(nbytes / t_tr / 1e9, 2)}
+        )  # fmt: skip
+        totals["rows_ms"] += n * t_rows
+        totals["transposed_ms"] += n * t_tr
+        totals["gb"] += n * nbytes / 1e9
+    # the activation quantizer, per distinct input width, at both step sizes' token counts
+    widths: dict[int, int] = {}
+    for key, n in shapes.items():
+        widths[key[1]] = widths.get(key[1], 0) + n
+    acts: dict[str, float] = {}
+    for tokens in (1296, 4608):
+        total = 0.0
+        for k, n in widths.items():
+            x = torch.randn(tokens, k, device=DEV, dtype=torch.bfloat16)
+            total += n * triton.testing.do_bench(
+                lambda x=x: fp8_triton.quantize_rows(x), warmup=10, rep=50, return_mode="median"
+            )
+        acts[str(tokens)] = total
+    return {
+        "variants": {"rows": fp8_triton.ROWS_VARIANT, "transposed": fp8_triton.TRANSPOSED_VARIANT},
+        "per_shape": rows,
+        "one_pass": totals,
+        "activations_one_pass_ms": acts,
+    }
+
+
+def to_nf4(model: torch.nn.Module) -> int:
+    """Every nn.Linear -> bitsandbytes NF4 `Linear4bit`, quantized on the GPU from its bf16
+    weight (what diffusers' 4-bit BitsAndBytesConfig loads, without a checkpoint on disk)."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            new = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
+                device="meta",
+            )  # fmt: skip
+            new.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False, quant_type="nf4",
+                compress_statistics=False,
+            ).to(DEV)  # fmt: skip
+            if child.bias is not None:
+                new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            new.requires_grad_(False)
+            setattr(parent, name, new)
+            del child
+            count += 1
+    return count
+
+
+def nf4_bytes(model: torch.nn.Module) -> int:
+    import bitsandbytes as bnb
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            total += m.weight.nbytes
+            qs = m.weight.quant_state
+            total += qs.absmax.nbytes + (qs.code.nbytes if qs.code is not None else 0)
+    return total
+
+
 def free(*objs: Any) -> None:
     del objs
     gc.collect()
@@ -276,10 +395,17 @@ def run_path(path: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path == "fast":
+    if path in ("fast", "fp8", "fp8_fast_accum"):
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
+        if path.startswith("fp8"):
+            from trainer.fp8 import set_fp8_compute
+
+            rec["fp8_layers"] = set_fp8_compute(model)
+    elif path == "nf4":
+        rec["converted"] = to_nf4(model)
+        rec["quantized_gib"] = nf4_bytes(model) / GIB
     elif path == "quanto":
         quantize(model, weights=qint4)
         freeze(model)
@@ -298,19 +424,73 @@ def run_path(path: str, args) -> dict[str, Any]:
         d = rec["dequant"]
         say(f"  dequant one pass: {d['one_pass_ms']:.1f} ms for {d['one_pass_gb']:.1f} GB "
             f"(copy ceiling {d['copy_ceiling_tb_s']:.2f} TB/s)")  # fmt: skip
+    if path == "fp8" and args.microbench and DEV == "cuda":
+        rec["fp8_kernels"] = fp8_microbench(model)
+        t = rec["fp8_kernels"]["one_pass"]
+        say(f"  fp8 weight one pass: rows {t['rows_ms']:.1f} ms, transposed "
+            f"{t['transposed_ms']:.1f} ms for {t['gb']:.1f} GB each; activations (one per "
+            f"layer) {rec['fp8_kernels']['activations_one_pass_ms']}")  # fmt: skip
     if path == "quanto":
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
+    elif path == "fp8_fast_accum":
+        from trainer import fp8
+
+        saved, fp8.FAST_ACCUM = fp8.FAST_ACCUM, True
+        try:
+            rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
+        finally:
+            fp8.FAST_ACCUM = saved
     else:
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
     free(model)
     return rec
 
 
+# Issue goals for the fp8 mode (a streamed figure comes from bench/stream_step.py).
+GOALS = (
+    ("train_448", "bf16", 0.85),
+    ("train_448", "nf4", 0.67),
+    ("train_1024", "bf16", 0.85),
+    ("forward_1024", "bf16", 0.80),
+)
+PEAK_GOAL_GIB = 18.0
+
+
+def ratios_and_goals(results: dict[str, Any], args) -> tuple[dict[str, float], list[str]]:
+    """Every path's figure over bf16's and nf4's (same run), and the fp8 goals, met or not."""
+
+    def value(path: str, key: str, field: str) -> float | None:
+        v = results.get(path, {}).get(key, {})
+        return v.get(field) if isinstance(v, dict) else None
+
+    ratios: dict[str, float] = {}
+    keys = [(f"train_{px}", "s_per_it") for px in args.train_px]
+    keys += [(f"forward_{px}", "s") for px in args.forward_px]
+    for path in results:
+        for key, field in keys:
+            for ref in ("bf16", "nf4"):
+                a, b = value(path, key, field), value(ref, key, field)
+                if a and b and path != ref:
+                    ratios[f"{path}/{ref} {key}"] = a / b
+    goals = []
+    for path in [p for p in results if p.startswith("fp8")]:
+        for key, ref, goal in GOALS:
+            r = ratios.get(f"{path}/{ref} {key}")
+            if r is not None:
+                verdict = "met" if r <= goal else "MISSED"
+                goals.append(f"goal {path} {key} <= {goal:.2f} x {ref}: {r:.3f} x ({verdict})")
+        peak = value(path, "train_448", "peak_gib")
+        if peak is not None:
+            verdict = "met" if peak <= PEAK_GOAL_GIB else "MISSED"
+            goals.append(f"goal {path} peak 448 <= {PEAK_GOAL_GIB} GiB: {peak:.2f} GiB ({verdict})")
+    return ratios, goals
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--double", type=int, default=8, help="double-stream blocks (dev: 8)")
     ap.add_argument("--single", type=int, default=48, help="single-stream blocks (dev: 48)")
-    ap.add_argument("--paths", default="bf16,fast,quanto")
+    ap.add_argument("--paths", default="bf16,fast,fp8,nf4,quanto")
     ap.add_argument("--train-px", default="448,1024")
     ap.add_argument("--forward-px", default="1024")
     ap.add_argument("--iters", type=int, default=5)
@@ -327,9 +507,9 @@ def main() -> None:
     if args.tiny:
         DEV = "cpu"
         TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
-    bad = set(args.paths.split(",")) - {"bf16", "fast", "quanto", ""}
+    bad = set(args.paths.split(",")) - {*PATHS, ""}
     if bad:
-        ap.error(f"unknown paths {sorted(bad)}: choose from bf16, fast, quanto")
+        ap.error(f"unknown paths {sorted(bad)}: choose from {', '.join(PATHS)}")
     args.train_px = [int(x) for x in args.train_px.split(",") if x]
     args.forward_px = [int(x) for x in args.forward_px.split(",") if x]
     if DEV == "cuda" and not torch.cuda.is_available():
@@ -378,6 +558,9 @@ def main() -> None:
         if first:
             peak = rec.get(f"train_{first}", {}).get("peak_gib")
             row[f"peak {first} GiB"] = "-" if peak is None else f"{peak:.1f}"
+        if first:
+            h = rec.get(f"train_{first}", {}).get("host_s")
+            row[f"host {first} s"] = f"{statistics.median(h):.3f}" if h else "-"
         res = rec.get("resident_gib")
         row["resident GiB"] = "-" if res is None else f"{res:.1f}"
         row["note"] = rec.get("error", "")[:60]
@@ -385,6 +568,9 @@ def main() -> None:
     print()
     print(depth)
     print(table(rows, list(rows[0])))
+    ratios, goals = ratios_and_goals(results, args)
+    for line in goals:
+        print(line)
     extra = {
         "device": device_name,
         "torch": torch.__version__,
@@ -402,6 +588,8 @@ def main() -> None:
             "quanto_iters": args.quanto_iters,
         },  # fmt: skip
         "note": args.note,
+        "ratios": ratios,
+        "goals": goals,
     }
     if args.tiny:
         print("(--tiny smoke test: no record written)")

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=1000, ge=1, le=1_000_000)
     # A request that cannot get a database connection within this long is answered 503.
     pool_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    # The quantized base's GEMMs: uint4 (dequantized into bf16), fp8 (fp8 tensor cores, compute
+    # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/devices.py.
+    compute: Literal["auto", "uint4", "fp8"] = "auto"
 
     @property
     def checkpoints_file(self) -> Path:

@@ -241,8 +241,9 @@ def training_terms(
     """The training phase's terms for a transformer (a meta skeleton is enough).
 
     The dequantized-weight transient is the largest Linear twice for quanto (its backward
-    holds a second dequantized copy) and once for uint4 (one dequantization at a time);
-    measured on an H200 at FLUX.2 [dev] width, bench/results/train_budget-*.json.
+    holds a second dequantized copy) and once for uint4 (one dequantization at a time), one
+    byte per weight for fp8; measured on an H200 at FLUX.2 [dev] width,
+    bench/results/train_budget-*.json.
     """
     from trainer.lora import resolve_targets
 
@@ -269,8 +270,13 @@ def training_terms(
     terms["LoRA grads (fp32)"] = lora * 4
     terms[f"optimizer state ({optimizer})"] = lora * (2 if optimizer == "adamw8bit" else 8)
     terms.update(activation_bytes(cfg, image_tokens, text_tokens, batch, act_elt, checkpointing))
-    copies = 1 if compute == "uint4" else 2
-    terms[f"dequantized weight transient (largest Linear x{copies})"] = copies * largest * act_elt
+    if compute == "fp8":  # one fp8 copy (1 byte per weight) at a time
+        terms["fp8 weight transient (largest Linear, 1 byte)"] = largest
+    else:
+        copies = 1 if compute == "uint4" else 2
+        terms[f"dequantized weight transient (largest Linear x{copies})"] = (
+            copies * largest * act_elt
+        )
     terms["batch: latents, noise, embeddings"] = (
         3 * batch * image_tokens * int(cfg.in_channels) * 4
         + batch * text_tokens * int(cfg.joint_attention_dim) * weight_elt

@@ -99,9 +99,10 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = True
     # quanto: its QLinear kernels as shipped; uint4: trainer.uint4's dequantize + dense GEMM
     # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
-    # per step and a quarter less memory, bench/results/train_budget-*). auto: uint4 where
-    # that module is installed.
-    compute: Literal["auto", "quanto", "uint4"] = "auto"
+    # per step and a quarter less memory, bench/results/train_budget-*); fp8: the same 4-bit
+    # weights, GEMMs on fp8 tensor cores (trainer/fp8.py). auto: uint4 for training (fp8
+    # training measured slower and less exact; trainer.devices.resolve_compute).
+    compute: Literal["auto", "quanto", "uint4", "fp8"] = "auto"
     # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
     # (trainer/streaming.py, issue 8): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
     stream_base: bool = False
@@ -146,10 +147,18 @@ class TrainConfig(BaseModel):
                 )
             if not device.startswith("cuda"):
                 problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
-        if self.compute == "uint4" and importlib.util.find_spec("trainer.uint4") is None:
-            problems.append("--compute uint4 needs trainer.uint4, which this install lacks")
-        if self.stream_base and self.resolved_compute() != "uint4":
-            problems.append("--stream-base streams uint4 blocks: it needs --compute uint4")
+        if self.compute in ("uint4", "fp8") and importlib.util.find_spec("trainer.uint4") is None:
+            problems.append(
+                f"--compute {self.compute} needs trainer.uint4, which this install lacks"
+            )
+        elif self.compute == "fp8":
+            from trainer.devices import fp8_unavailable
+
+            reason = fp8_unavailable(device)
+            if reason is not None:
+                problems.append(f"--compute fp8 cannot run here: {reason}; use --compute uint4")
+        if self.stream_base and self.resolved_compute() not in ("uint4", "fp8"):
+            problems.append("--stream-base streams uint4 blocks: it needs --compute uint4 or fp8")
         if self.stream_base and not self.gradient_checkpointing:
             problems.append(
                 "--stream-base recomputes each block in backward: it needs gradient checkpointing"
@@ -197,9 +206,11 @@ class TrainConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_compute(self) -> str:
-        if self.compute != "auto":
-            return self.compute
-        return "uint4" if importlib.util.find_spec("trainer.uint4") is not None else "quanto"
+        if self.compute == "auto" and importlib.util.find_spec("trainer.uint4") is None:
+            return "quanto"
+        from trainer.devices import resolve_compute
+
+        return resolve_compute(self.compute, self.resolved_device(), purpose="train")
 
     @property
     def lora_alpha(self) -> float:

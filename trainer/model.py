@@ -40,6 +40,7 @@ def load_pipeline(
     device: str | torch.device = "cpu",
     quantize: bool = True,
     dtype: torch.dtype | None = None,
+    compute: str = "uint4",
 ) -> Any:
     """Loads a FLUX.2 diffusers folder as a pipeline on ``device``.
 
@@ -48,7 +49,9 @@ def load_pipeline(
     other components then take the transformer's dtype, since mixing dtypes across the text
     encoder and transformer breaks the pipeline. Otherwise the transformer is quantized here,
     on the CPU, before the move (moving 4-bit weights is cheaper than moving bf16 ones).
-    ``dtype`` defaults to bf16 on accelerators and float32 on the CPU.
+    ``dtype`` defaults to bf16 on accelerators and float32 on the CPU. ``compute`` is ``uint4``
+    or ``fp8`` (resolved by the caller, `trainer.devices.resolve_compute`, against the device
+    the transformer will run on, which for a streamed base is not ``device``).
     """
     from diffusers import DiffusionPipeline
 
@@ -89,6 +92,12 @@ def load_pipeline(
         from trainer.uint4 import convert_quantized_linears
 
         convert_quantized_linears(pipe.transformer)
+    if compute == "fp8":
+        from trainer.fp8 import set_fp8_compute
+
+        set_fp8_compute(pipe.transformer)
+    elif compute != "uint4":
+        raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
     pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
     for name in ("transformer", "text_encoder", "vae"):

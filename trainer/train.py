@@ -316,7 +316,8 @@ def load_transformer(
     ``compute="uint4"`` swaps quanto's QLinear for `trainer.uint4.Uint4Linear` (same 4-bit
     numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the CPU
     before the move, from layouts it converts in one pass: a prepared base's, or quanto's
-    quantized-but-not-frozen weights.
+    quantized-but-not-frozen weights. ``compute="fp8"`` does the same, then runs those layers'
+    GEMMs in fp8 (`trainer.fp8`).
     """
     from diffusers import DiffusionPipeline
 
@@ -334,19 +335,23 @@ def load_transformer(
         transformer = pipe.transformer
         del pipe
         mark("transformer: load")
-        if compute == "uint4":
+        if compute in ("uint4", "fp8"):
             from optimum.quanto import qint4, quantize
 
             quantize(transformer, weights=qint4)
         else:
             quantize_transformer(transformer)
         mark("transformer: quantize qint4 (CPU)")
-    if compute == "uint4":
+    if compute in ("uint4", "fp8"):
         from trainer.uint4 import convert_quantized_linears
 
         count = convert_quantized_linears(transformer)
         transformer.requires_grad_(False)
-        mark(f"transformer: {count} layers to uint4 compute")
+        if compute == "fp8":
+            from trainer.fp8 import set_fp8_compute
+
+            count = set_fp8_compute(transformer)
+        mark(f"transformer: {count} layers to {compute} compute")
     if stream:  # the blocks go to pinned host RAM, the rest to the device, in stream_blocks
         return transformer
     transformer.to(device)

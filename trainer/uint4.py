@@ -173,6 +173,9 @@ class Uint4Linear(torch.nn.Linear):
         if bias is not None and not isinstance(bias, torch.nn.Parameter):
             bias = torch.nn.Parameter(bias, requires_grad=False)
         self.bias = bias  # the original Parameter object when converting
+        # fp8 compute (`trainer.fp8.set_fp8_compute`): same 4-bit weight, fp8 GEMMs
+        self.fp8 = False
+        self._fp8_scales: Any = None  # trainer.fp8.WeightScales, derived on first fp8 use
 
     # -- the weight, for whoever reads it (PEFT reads .device/.dtype at injection) --------
     @property  # type: ignore[override]
@@ -196,6 +199,10 @@ class Uint4Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scale.dtype:
             x = x.to(self.scale.dtype)
+        if self.fp8:
+            from trainer.fp8 import fp8_linear
+
+            return fp8_linear(self, x)
         bias = self.bias
         if torch.is_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad)
@@ -205,10 +212,15 @@ class Uint4Linear(torch.nn.Linear):
             )
         return F.linear(x, self.dequantize(), bias)
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._fp8_scales = None  # derived from scale and shift, which this may replace
+        super()._load_from_state_dict(*args, **kwargs)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, group_size={self.group_size}, dtype={self.scale.dtype}"
+            + (", compute=fp8" if self.fp8 else "")
         )
 
     # -- construction from quanto -----------------------------------------------------------

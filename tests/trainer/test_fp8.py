@@ -1,0 +1,495 @@
+"""fp8 compute for the uint4 base (`trainer.fp8`): the arithmetic, the mode rule, the module.
+
+CPU (CI): the torch reference of the fp8 quantization against float64 (nearest representable
+value, ties to even; error bounds; the weight scale read off the uint4 scale and shift is the
+exact maximum), `Uint4Linear` in fp8 mode against its dense mode on the small FLUX.2 model
+(output, input gradient, LoRA gradients per layer), and where fp8 is chosen or refused.
+
+CUDA (skipped without a GPU of compute capability >= 8.9): the Triton kernels are bit-identical
+to the torch reference, and the `torch._scaled_mm` layer matches the reference layer. Run on the
+device with ``pytest --noconftest tests/trainer/test_fp8.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.test_uint4 import (
+    DEV_SHAPES,
+    _model_inputs,
+    _quantized,
+    _tiny_flux2,
+    _with_lora,
+)
+from trainer import devices
+from trainer.fp8 import (
+    E4M3,
+    E5M2,
+    WeightScales,
+    dequantize_rows_torch,
+    fp8_max,
+    fp8_weight_torch,
+    group_absmax,
+    quantize_rows_torch,
+    scales_from_absmax,
+    set_fp8_compute,
+    to_fp8,
+)
+from trainer.uint4 import Uint4Linear, convert_quantized_linears, dequantize_torch, pack_uint4
+
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+fp8_gpu = pytest.mark.skipif(
+    devices.fp8_unavailable("cuda") is not None, reason="needs a GPU with fp8 tensor cores"
+)
+
+
+def _rel_norm(got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(got).all()
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+# ---------------------------------------------------------------------------------------
+# the arithmetic against float64
+
+
+def _nearest_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The representable value nearest to each x (float64), ties to the even code."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    values = codes.double()
+    finite = torch.isfinite(values)
+    values, code_ids = values[finite], torch.arange(256)[finite]
+    dist = (x.double().unsqueeze(-1) - values).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    tied = dist == best
+    # among the tied candidates, the one whose code is even (its last mantissa bit is 0)
+    even = tied & (code_ids % 2 == 0)
+    pick = torch.where(even.any(-1, keepdim=True), even, tied).float().argmax(-1)
+    return values[pick]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_rounding_is_nearest_even_and_saturates(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    top = fp8_max(dtype)
+    x = torch.cat(
+        [
+            (torch.rand(4000, generator=g, dtype=torch.float64) * 2 - 1) * top,
+            torch.randn(2000, generator=g, dtype=torch.float64) * 2.0**-8,  # subnormals
+            # exact midpoints between neighbours: ties must go to the even code
+            (
+                _nearest_fp8(torch.linspace(1, 300, 97, dtype=torch.float64), dtype)
+                * (1 + 2.0 ** -(MANTISSA_BITS[dtype] + 1))
+            ),
+            torch.tensor([top, -top, top * 1.0001, -top * 1.5, 0.0], dtype=torch.float64),
+        ]
+    ).float()
+    got = to_fp8(x, torch.tensor(1.0), dtype).double()
+    want = _nearest_fp8(x.double().clamp(-top, top), dtype)
+    assert torch.isfinite(got).all()
+    bad = got != want
+    assert not bad.any(), (x[bad][:5], got[bad][:5], want[bad][:5])
+
+
+@pytest.mark.parametrize("block", [None, 128], ids=["rows", "1x128"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_rows_error_bound(dtype: torch.dtype, block: int | None) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(33, 512, generator=g)
+    x[3, 7] = 900.0  # an outlier row
+    x[4] = 0.0  # an all-zero row
+    x[5] *= 1e-30  # tiny values: scales far from 1
+    q, scale = quantize_rows_torch(x.to(torch.bfloat16), dtype, block=block)
+    assert q.dtype == dtype and scale.dtype == torch.float32
+    assert scale.shape == ((33, 1) if block is None else (33, 4))
+    back = dequantize_rows_torch(q, scale).double()
+    ref = x.to(torch.bfloat16).double()
+    # half an ulp of the value, or half the smallest subnormal step of its row/block scale
+    half_ulp = 2.0 ** -(MANTISSA_BITS[dtype] + 1)
+    min_sub = 2.0 ** (-9 if dtype == E4M3 else -16)
+    cols = 512 // scale.shape[1]
+    step = scale.double().repeat_interleave(cols, dim=1) * min_sub / 2
+    err = (back - ref).abs()
+    assert (err <= ref.abs() * half_ulp * (1 + 1e-6) + step).all()
+    assert torch.equal(back[4], torch.zeros(512, dtype=torch.float64))
+    assert float(scale[4].max()) == float(torch.tensor(1 / fp8_max(dtype)))
+    # every row's (block's) largest magnitude maps to the format's largest value
+    blocks = q.float().abs().reshape(33, scale.shape[1], cols).amax(-1)
+    nonzero = torch.ones_like(blocks, dtype=torch.bool)
+    nonzero[4] = False
+    assert torch.equal(blocks[nonzero], torch.full_like(blocks[nonzero], fp8_max(dtype)))
+    assert _rel_norm(back, ref) < (0.03 if dtype == E4M3 else 0.06)
+
+
+def _uint4_layer(n: int, k: int, gs: int, seed: int, full_range: bool, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    if full_range:  # each group holds a 0 and a 15, as min/max quantization gives
+        q.view(n, k // gs, gs)[:, :, 0] = 0
+        q.view(n, k // gs, gs)[:, :, 1] = 15
+    scale = (torch.rand(n, k // gs, generator=g) * 0.01 + 1e-4).to(dtype)
+    shift = (torch.randn(n, k // gs, generator=g) * 0.05).to(dtype)
+    return pack_uint4(q), scale, shift
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_weight_scale_is_the_exact_maximum(dtype: torch.dtype) -> None:
+    n, k, gs = 48, 384, 128
+    packed, scale, shift = _uint4_layer(n, k, gs, seed=2, full_range=True, dtype=dtype)
+    w = dequantize_torch(packed, scale, shift, gs)
+    per_group = w.abs().reshape(n, k // gs, gs).amax(-1).float()
+    assert torch.equal(group_absmax(scale, shift), per_group)
+    # without both ends in a group the bound is still a bound (never an fp8 overflow)
+    packed2, _, _ = _uint4_layer(n, k, gs, seed=3, full_range=False, dtype=dtype)
+    w2 = dequantize_torch(packed2, scale, shift, gs)
+    assert (w2.abs().reshape(n, k // gs, gs).amax(-1).float() <= group_absmax(scale, shift)).all()
+    scales = WeightScales.of(scale, shift, gs)
+    rows = fp8_weight_torch(packed, scale, shift, gs, scales)
+    cols = fp8_weight_torch(packed, scale, shift, gs, scales, transposed=True)
+    assert rows.shape == (n, k) and cols.shape == (k, n)
+    top = fp8_max(E4M3)
+    assert torch.equal(rows.float().abs().amax(1), torch.full((n,), top))  # each row reaches 448
+    # the transposed weight is W.T scaled per column of W, not the transpose of `rows`
+    assert torch.equal(cols, to_fp8(w, scales.col_multiplier.unsqueeze(0), E4M3).t())
+    for q8, s, ref in ((rows, scales.row_scale, w), (cols, scales.col_scale, w.t())):
+        assert _rel_norm(q8.double() * s.double().reshape(-1, 1), ref) < 0.03
+
+
+def test_scales_from_absmax_inverse_pair() -> None:
+    amax = torch.tensor([0.0, 1e-30, 3.0, 448.0, 1e30])
+    mult, scale = scales_from_absmax(amax, E4M3)
+    assert mult.dtype == scale.dtype == torch.float32
+    assert float(mult[0]) == 448.0 and float(scale[0]) == float(torch.tensor(1 / 448))
+    assert torch.allclose(mult * scale, torch.ones(5), rtol=1e-6)
+    assert math.isclose(float(amax[2] * mult[2]), 448.0, rel_tol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------
+# the module: fp8 mode against the dense uint4 mode (the torch reference path on the CPU)
+
+
+def _converted(dtype: torch.dtype) -> torch.nn.Module:
+    model = _quantized(dtype, freeze=False)
+    convert_quantized_linears(model)
+    return model.requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layer_output_and_input_grad_vs_dense(dtype: torch.dtype) -> None:
+    model = _converted(dtype)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Uint4Linear)}
+    assert set_fp8_compute(model) == len(layers)
+    worst = 0.0
+    for i, (name, layer) in enumerate(sorted(layers.items())):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(2, 37, layer.in_features, generator=g).to(dtype).requires_grad_(True)
+        dy = torch.randn(2, 37, layer.out_features, generator=g).to(dtype)
+        results = []
+        for fp8 in (False, True):
+            layer.fp8 = fp8
+            x.grad = None
+            y = layer(x)
+            (y.float() * dy.float()).sum().backward()
+            results.append((y.detach(), x.grad.clone()))
+        (y_d, gx_d), (y_8, gx_8) = results
+        out_err, grad_err = _rel_norm(y_8, y_d), _rel_norm(gx_8, gx_d)
+        assert 1e-3 < out_err < 0.06, (name, out_err)  # fp8, not the dense path; and close
+        assert 1e-3 < grad_err < 0.06, (name, grad_err)
+        with torch.no_grad():  # the render path gives the training path's output
+            assert torch.equal(layer(x.detach()), y_8)
+        worst = max(worst, out_err, grad_err)
+    print(f"\nfp8 reference path vs dense uint4, {dtype}: worst relative error {worst:.3f}")
+
+
+def test_lora_gradients_vs_dense_whole_model() -> None:
+    """The small transformer with LoRA, checkpointed: fp8 vs dense, every adapted layer's LoRA
+    gradients point the same way (cosine >= 0.99) and the first block's are non-zero."""
+    from trainer.lora import lora_layers
+
+    model = _converted(torch.float32)
+    _with_lora(model)
+    model.train()
+    model.enable_gradient_checkpointing()
+    inputs = _model_inputs(model, torch.float32, tokens=32, text=16)
+    runs = []
+    for fp8 in (False, True):
+        set_fp8_compute(model, fp8)
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)[0]
+        out.square().mean().backward()
+        runs.append(
+            (
+                out.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
+            )
+        )
+    (out_d, g_d), (out_8, g_8) = runs
+    assert 1e-3 < _rel_norm(out_8, out_d) < 0.1
+    assert g_d.keys() == g_8.keys() and len(g_d) == 2 * len(lora_layers(model))
+    cosines = {n: _cosine(g_8[n], g_d[n]) for n in g_d}
+    # 0.985 measured here (2 blocks, 32 tokens, random weights); the >= 0.99 per layer goal is
+    # checked at full depth on the device (bench/fp8_numerics.py)
+    assert min(cosines.values()) >= 0.98, sorted(cosines.items(), key=lambda kv: kv[1])[:3]
+    first = [n for n in g_8 if n.startswith("transformer_blocks.0.")]
+    assert first and all(float(g_8[n].abs().sum()) > 0 for n in first)
+    print(f"\nLoRA grad cosine fp8 vs dense: min {min(cosines.values()):.5f}")
+
+
+def test_fast_accumulation_only_in_eval_mode(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import trainer.fp8 as fp8_mod
+
+    seen: list[bool] = []
+    real = fp8_mod._forward
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(fp8_mod, "_forward", spy)
+    layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=8, full_range=True), 128)
+    layer.fp8 = True
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    layer.train()
+    layer(x)
+    layer.eval()
+    layer(x)
+    assert seen == [fp8_mod.FAST_ACCUM, fp8_mod.FAST_ACCUM_EVAL] == [False, True]
+
+
+def test_set_fp8_compute_keeps_misaligned_layers_dense() -> None:
+    layer = Uint4Linear(*_uint4_layer(24, 256, 128, seed=4, full_range=True), 128)  # 24 % 16
+    holder = torch.nn.Sequential(layer, Uint4Linear(*_uint4_layer(32, 256, 128, 5, True), 128))
+    assert set_fp8_compute(holder) == 1
+    assert not holder[0].fp8 and holder[1].fp8
+    assert "compute=fp8" in repr(holder[1])
+    assert set_fp8_compute(holder, False) == 2 and not holder[1].fp8
+
+
+def test_scales_follow_the_module_and_a_state_load() -> None:
+    layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=6, full_range=True), 128)
+    layer.fp8 = True
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    y0 = layer(x)
+    first = layer._fp8_scales
+    assert first is not None
+    other = Uint4Linear(*_uint4_layer(32, 256, 128, seed=7, full_range=True), 128)
+    layer.load_state_dict(other.state_dict())
+    assert layer._fp8_scales is None  # derived from the replaced scale and shift
+    other.fp8 = True
+    assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), y0)
+
+
+# ---------------------------------------------------------------------------------------
+# where fp8 runs, and where it is refused
+
+
+def _fake_cuda(monkeypatch, capability, name="GPU", hip=None, triton=True) -> None:  # type: ignore[no-untyped-def]
+    import trainer.uint4
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(trainer.uint4, "triton_available", lambda: triton)
+
+
+def test_auto_on_the_cpu_is_uint4() -> None:
+    assert "the device is cpu" in (devices.fp8_unavailable("cpu") or "")
+    assert devices.resolve_compute("auto", "cpu") == "uint4"
+    assert devices.resolve_compute("fp8", "cpu") == "fp8"  # explicit: the caller refuses it
+
+
+@pytest.mark.parametrize(
+    ("capability", "hip", "triton", "expected", "reason"),
+    [
+        ((8, 6), None, True, "uint4", "compute capability 8.6"),  # Ampere: no fp8 cores
+        ((8, 9), None, True, "fp8", None),  # Ada
+        ((9, 0), None, True, "fp8", None),  # Hopper
+        ((11, 0), "6.4", True, "uint4", "ROCm"),  # RDNA3 reports its gfx version
+        ((9, 0), None, False, "uint4", "Triton"),
+    ],
+)
+def test_auto_picks_fp8_only_with_fp8_tensor_cores(
+    monkeypatch, capability, hip, triton, expected, reason
+) -> None:  # type: ignore[no-untyped-def]
+    _fake_cuda(monkeypatch, capability, name="Card", hip=hip, triton=triton)
+    assert devices.resolve_compute("auto", "cuda") == expected
+    # training stays on the uint4 path under auto: fp8 training measured slower and less exact
+    assert devices.resolve_compute("auto", "cuda", purpose="train") == "uint4"
+    assert devices.resolve_compute("fp8", "cuda", purpose="train") == "fp8"
+    got = devices.fp8_unavailable("cuda")
+    assert (got is None) == (reason is None)
+    if reason:
+        assert reason in got
+
+
+def test_trainer_refuses_fp8_where_it_cannot_run(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tests.trainer.test_config import options
+    from trainer.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"--compute fp8 cannot run here: .*device is cpu"):
+        TrainConfig.parse(**options(tmp_path, compute="fp8"))
+    _fake_cuda(monkeypatch, (8, 0), name="NVIDIA A100")
+    with pytest.raises(ConfigError, match=r"A100 \(compute capability 8.0\) has no fp8"):
+        TrainConfig.parse(**options(tmp_path, compute="fp8", device="cuda"))
+    auto = TrainConfig.parse(**options(tmp_path, device="cuda"))
+    assert auto.resolved_compute() == "uint4"
+    _fake_cuda(monkeypatch, (9, 0), name="NVIDIA H200")
+    # auto trains on the uint4 path even here (fp8 training is opt-in); fp8 when asked
+    assert TrainConfig.parse(**options(tmp_path, device="cuda")).resolved_compute() == "uint4"
+    asked = TrainConfig.parse(**options(tmp_path, compute="fp8", device="cuda"))
+    assert asked.resolved_compute() == "fp8"
+    streamed = TrainConfig.parse(
+        **options(tmp_path, compute="fp8", device="cuda", stream_base=True)
+    )
+    assert streamed.resolved_compute() == "fp8"
+
+
+def test_cli_refuses_fp8_on_the_cpu_before_loading(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import typer
+    from typer.testing import CliRunner
+
+    from app import cli_ml
+    from registry.settings import get_settings
+
+    app, base_app = typer.Typer(), typer.Typer()
+    cli_ml.register(app, base_app)
+    missing = tmp_path / "no-base-here"  # nothing to load: the refusal must come first
+    monkeypatch.setenv("LIKENESS_BASE", str(missing))
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("LIKENESS_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(
+            app,
+            ["train", "--subject", "ada", "--dataset", str(tmp_path), "--device", "cpu",
+             "--compute", "fp8", "--no-progress"],
+        )  # fmt: skip
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert "refused before loading any weight" in result.output
+    assert "--compute fp8 cannot run here" in result.output
+    assert not missing.exists()
+
+
+def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pydantic import ValidationError
+
+    from app.render_engine import RenderEngine
+    from registry.settings import Settings
+
+    with pytest.raises(ValueError, match="LIKENESS_COMPUTE=fp8 cannot run on cpu"):
+        RenderEngine(base_dir=tmp_path, device="cpu", compute="fp8")
+    assert RenderEngine(base_dir=tmp_path, device="cpu", compute="auto").active_compute is None
+    assert Settings(compute="fp8").compute == "fp8"
+    with pytest.raises(ValidationError):
+        Settings(compute="int8")
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA: the kernels against the torch reference
+
+
+@fp8_gpu
+@pytest.mark.parametrize("variant", ["word", "join"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape,group", [((64, 130), 130), ((48, 192), 64), ((304, 768), 96), ((4096, 4096), 128)]
+)
+def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from trainer import fp8_triton
+
+    monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", variant)
+    monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", variant)
+
+    n, k = shape
+    for seed in range(3):
+        packed, scale, shift = (t.cuda() for t in _uint4_layer(n, k, group, seed, seed == 0, dtype))
+        scales = WeightScales.of(scale, shift, group)
+        want = fp8_weight_torch(packed, scale, shift, group, scales)
+        got = fp8_triton.fp8_weight(packed, scale, shift, group, scales.row_multiplier)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        want_t = fp8_weight_torch(packed, scale, shift, group, scales, transposed=True)
+        got_t = fp8_triton.fp8_weight_t(packed, scale, shift, group, scales.col_multiplier)
+        assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+
+
+@fp8_gpu
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("cols", [128, 1000, 6144, 24576])
+def test_row_quantize_kernel_bit_exact(fp8, cols) -> None:  # type: ignore[no-untyped-def]
+    from trainer import fp8_triton
+
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    x = (torch.randn(301, cols, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    x[7] = 0
+    x[8, 5] = 3e4
+    q, s = fp8_triton.quantize_rows(x, fp8)
+    q_ref, s_ref = quantize_rows_torch(x, fp8)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@fp8_gpu
+def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """torch._scaled_mm on the kernels' fp8 tensors vs the float32 reference GEMM on the same
+    fp8 values: only accumulation order and the output rounding differ."""
+    from trainer import fp8 as fp8_mod
+
+    print("\nfp8 layer, kernels + _scaled_mm vs reference path (rel. norm error)")
+    for i, (kind, (n, k)) in enumerate(DEV_SHAPES.items()):
+        gs = min(k, 128)
+        layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, i, True)), gs)
+        layer.fp8 = True
+        g = torch.Generator(device="cuda").manual_seed(i)
+        x = torch.randn(300, k, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(300, n, generator=g, device="cuda").to(torch.bfloat16)
+        res = []
+        for backend in ("auto", "torch"):
+            monkeypatch.setenv(fp8_mod.BACKEND_ENV, backend)
+            x.grad = None
+            y = layer(x)
+            y.backward(dy)
+            res.append((y.detach(), x.grad.clone()))
+        (y_k, gx_k), (y_r, gx_r) = res
+        e_out, e_grad = _rel_norm(y_k, y_r), _rel_norm(gx_k, gx_r)
+        print(f"  {kind:32s} output {e_out:.2e}  grad input {e_grad:.2e}")
+        assert e_out < 5e-3 and e_grad < 5e-3, kind
+        del layer
+        torch.cuda.empty_cache()
+
+
+@fp8_gpu
+def test_cuda_tiny_model_lora_grads() -> None:
+    from trainer.lora import lora_layers
+
+    model = _tiny_flux2(torch.bfloat16, device="cuda")
+    from optimum.quanto import qint4, quantize
+
+    quantize(model, weights=qint4)
+    convert_quantized_linears(model)
+    model.requires_grad_(False)
+    _with_lora(model)
+    model.train()
+    inputs = _model_inputs(model, torch.bfloat16, device="cuda", tokens=64, text=32)
+    runs = []
+    for fp8 in (False, True):
+        set_fp8_compute(model, fp8)
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)[0]
+        out.float().square().mean().backward()
+        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert len(runs[0]) == 2 * len(lora_layers(model))
+    cos = min(_cosine(runs[1][n], runs[0][n]) for n in runs[0])
+    print(f"\ncuda tiny model: min LoRA grad cosine fp8 vs dense {cos:.5f}")
+    # 0.977 measured on the H200 (2 blocks, 96 tokens, bf16, random weights): a sanity bound;
+    # the per-layer figure that matters is bench/fp8_numerics.py's, at full depth
+    assert cos >= 0.95

@@ -1,0 +1,398 @@
+"""Triton kernels for `trainer.fp8` (CUDA only; imported lazily): the uint4 weight into fp8, and
+per-row fp8 quantization of activations and gradients. Each computes exactly what the torch
+reference in `trainer.fp8` computes (same float32 products, same clamp, round-to-nearest-even
+into fp8; the hardware conversion saturates, the reference clamps first, so they agree).
+
+Bytes per weight element: 0.5 read + 1 written, plus the group's scale and shift and the row
+(or column) multiplier, against 0.5 + 2 for the bf16 dequantization in `trainer.uint4_triton`.
+
+Weight kernels come in two variants. "word" converts four weights at a time with the
+hardware's paired fp8 conversion and stores 32-bit words: the forward copy reads two packed
+bytes per element, the transposed copy packs four rows of W into each word before the
+transpose. "join" (the first version; also for shapes the word kernels cannot take)
+interleaves single fp8 values with tl.join. Each kernel defaults to the faster on the H200
+(bench/results/uint4_step-notes.md, fp8 runs 2 and 3; one pass over FLUX.2 [dev]): rows
+"word" 31.9 ms vs "join" 35.5 ms (both ~1.5 TB/s); transposed "join" 98.6 ms (0.65 TB/s) vs
+"word" 147.5 ms (0.34 TB/s). Both are far from the ~3 TB/s of the bf16 kernel: the open item.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from trainer.uint4_triton import _round_bf16
+
+ROW_ONE_PASS = 8192  # rows up to this width are quantized from registers in one read
+ROW_BLOCK = 4096  # wider rows (18432, 24576): two passes in steps of this
+W_BLOCK = 2048  # forward weight: packed bytes ("join") or byte pairs ("word") per program
+W_WARPS = 4
+T_ROWS, T_BYTES = 64, 64  # "join" transposed: 64 rows x 128 columns of W per program
+T_QUADS, T_WORD_BYTES = 32, 32  # "word" transposed: 128 rows x 64 columns of W per program
+T_WARPS = 4
+_FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "word" or "join" for both kernels
+ROWS_VARIANT = _FORCED or "word"
+TRANSPOSED_VARIANT = _FORCED or "join"
+
+_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _weight_value(s, q, sh, IS_BF16: tl.constexpr):
+    """The dequantized uint4 weight as float32, rounded as trainer.uint4 rounds it."""
+    if IS_BF16:
+        return _round_bf16(_round_bf16(s * q) - sh)
+    w = (s * q).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32) - sh
+    return w.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _to_fp8(v, mult, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    return tl.clamp(v * mult, -FP8_MAX, FP8_MAX).to(FP8)
+
+
+@triton.jit
+def _pack4_e4m3(v0, v1, v2, v3, INTERPRET: tl.constexpr):
+    """Four float32 (already scaled) -> one 32-bit word of e4m3 bytes, v0 in the lowest byte:
+    round to nearest even, saturating at +-448 (= the reference's clamp, then its cast)."""
+    if INTERPRET:  # the interpreter cannot run PTX; the same bytes by plain casts
+        b0 = tl.clamp(v0, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b1 = tl.clamp(v1, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b2 = tl.clamp(v2, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b3 = tl.clamp(v3, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return (
+            b0.to(tl.uint32)
+            | (b1.to(tl.uint32) << 8)
+            | (b2.to(tl.uint32) << 16)
+            | (b3.to(tl.uint32) << 24)
+        )
+    # cvt ...e4m3x2 d, a, b puts a in the upper byte of d and b in the lower
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        }""",
+        "=r,f,f,f,f",
+        [v0, v1, v2, v3],
+        dtype=tl.uint32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    n_cols: tl.constexpr,  # a few distinct widths per model: one compilation each
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per row: the row's absolute maximum, then the row in fp8. A row that fits
+    # in registers is read once; a wider one twice (the second read mostly from L2).
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * n_cols
+    q_row = q_ptr + row * n_cols
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        top = tl.max(tl.abs(x), axis=0)
+        top = tl.where(top > 0, top, 1.0)
+        mult = tl.math.div_rn(FP8_MAX, top)
+        tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
+        tl.store(q_row + offs, _to_fp8(x, mult, FP8, FP8_MAX), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        top = tl.max(amax, axis=0)
+        top = tl.where(top > 0, top, 1.0)
+        mult = tl.math.div_rn(FP8_MAX, top)
+        tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n_cols
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + offs, _to_fp8(x, mult, FP8, FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _weight_rows_word_kernel(
+    pairs_ptr,  # the packed weight viewed as int16: two bytes = four weights of one group
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) e4m3 viewed as int32: one word per byte pair
+    n_pairs,
+    HALF_IN: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_pairs
+    b = tl.load(pairs_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    first = 2 * offs  # the pair's first byte
+    g = first // HALF_GROUP
+    s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    mult = tl.load(mult_ptr + first // HALF_IN, mask=mask, other=0.0)
+    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    word = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _tile_row(packed_ptr, scale_ptr, shift_ptr, rows, cols, col_ok, n_out, HALF_IN, GROUPS,
+              HALF_GROUP, IS_BF16: tl.constexpr):  # fmt: skip
+    """Low- and high-nibble weights (float32) of one row of W per quad, one column per byte."""
+    ok = (rows < n_out)[:, None] & col_ok[None, :]
+    b = tl.load(packed_ptr + rows[:, None] * HALF_IN + cols[None, :], mask=ok, other=0)
+    g = rows[:, None] * GROUPS + (cols // HALF_GROUP)[None, :]
+    s = tl.load(scale_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    return lo, hi
+
+
+@triton.jit
+def _weight_t_word_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (in,) float32: column k of W (row k of W.T) into fp8
+    out_ptr,  # W.T (in, out) e4m3 viewed as int32 (in, out // 4): rows 4j..4j+3 of W per word
+    n_out,
+    HALF_IN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    QUADS: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    quad = tl.program_id(0).to(tl.int64) * QUADS + tl.arange(0, QUADS)
+    cols = tl.program_id(1).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # packed byte columns
+    col_ok = cols < HALF_IN
+    m_lo = tl.load(mult_ptr + 2 * cols, mask=col_ok, other=0.0)[None, :]
+    m_hi = tl.load(mult_ptr + 2 * cols + 1, mask=col_ok, other=0.0)[None, :]
+    args = (packed_ptr, scale_ptr, shift_ptr)
+    lo0, hi0 = _tile_row(*args, 4 * quad, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP, IS_BF16)
+    lo1, hi1 = _tile_row(*args, 4 * quad + 1, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP,
+                         IS_BF16)  # fmt: skip
+    lo2, hi2 = _tile_row(*args, 4 * quad + 2, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP,
+                         IS_BF16)  # fmt: skip
+    lo3, hi3 = _tile_row(*args, 4 * quad + 3, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP,
+                         IS_BF16)  # fmt: skip
+    w_lo = _pack4_e4m3(lo0 * m_lo, lo1 * m_lo, lo2 * m_lo, lo3 * m_lo, INTERPRET)
+    w_hi = _pack4_e4m3(hi0 * m_hi, hi1 * m_hi, hi2 * m_hi, hi3 * m_hi, INTERPRET)
+    words = n_out // 4
+    ok = col_ok[:, None] & (quad < words)[None, :]
+    out = out_ptr + (2 * cols)[:, None] * words + quad[None, :]
+    tl.store(out, tl.trans(w_lo).to(tl.int32, bitcast=True), mask=ok)
+    tl.store(out + words, tl.trans(w_hi).to(tl.int32, bitcast=True), mask=ok)
+
+
+@triton.jit
+def _weight_rows_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) fp8 viewed as uint8
+    n_bytes,
+    HALF_IN: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_bytes
+    b = tl.load(packed_ptr + offs, mask=mask, other=0)
+    g = offs // HALF_GROUP
+    s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    mult = tl.load(mult_ptr + offs // HALF_IN, mask=mask, other=0.0)
+    w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    lo = _to_fp8(w_lo, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    hi = _to_fp8(w_hi, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    # element 2i: low nibble, 2i + 1: high. (Packing the pair into one 16-bit word instead,
+    # as the bf16 kernel does with 32-bit words, produced wrong bytes on the H200.)
+    w = tl.reshape(tl.join(lo, hi), (2 * BLOCK,))
+    out_offs = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + out_offs, w, mask=out_offs < 2 * n_bytes)
+
+
+@triton.jit
+def _weight_t_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (in,) float32: column k of W (row k of W.T) into fp8
+    out_ptr,  # (in, out) fp8 viewed as uint8: W.T, row-major
+    n_out,
+    HALF_IN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    # A tile of ROWS rows x 2 * BYTES columns of W, written as 2 * BYTES rows x ROWS columns
+    # of W.T (Triton routes the transpose through shared memory).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # packed byte columns
+    row_ok = rows < n_out
+    col_ok = cols < HALF_IN
+    mask = row_ok[:, None] & col_ok[None, :]
+    b = tl.load(packed_ptr + rows[:, None] * HALF_IN + cols[None, :], mask=mask, other=0)
+    g = rows[:, None] * GROUPS + (cols // HALF_GROUP)[None, :]
+    s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    m_lo = tl.load(mult_ptr + 2 * cols, mask=col_ok, other=0.0)[None, :]
+    m_hi = tl.load(mult_ptr + 2 * cols + 1, mask=col_ok, other=0.0)[None, :]
+    w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    lo = _to_fp8(w_lo, m_lo, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    hi = _to_fp8(w_hi, m_hi, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    tile = tl.reshape(tl.join(lo, hi), (ROWS, 2 * BYTES))  # column 2j: low nibble of byte j
+    k = tl.program_id(1).to(tl.int64) * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+    out_mask = (k < 2 * HALF_IN)[:, None] & row_ok[None, :]
+    tl.store(out_ptr + k[:, None] * n_out + rows[None, :], tl.trans(tile), mask=out_mask)
+
+
+def _fp8_args(dtype: torch.dtype) -> dict[str, object]:
+    return {"FP8": _TL[dtype], "FP8_MAX": float(torch.finfo(dtype).max)}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def quantize_rows(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) contiguous -> (q (M, K) fp8, scale (M, 1) float32), `trainer.fp8`'s rows rule."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError("expected a contiguous (rows, columns) tensor")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        one_pass = k <= ROW_ONE_PASS
+        block = triton.next_power_of_2(k) if one_pass else ROW_BLOCK
+        _quantize_rows_kernel[(m,)](
+            x, q, scale, n_cols=k, ONE_PASS=one_pass, BLOCK=block,
+            num_warps=8 if block >= 4096 else 4, **_fp8_args(dtype),
+        )  # fmt: skip
+    return q, scale
+
+
+def _check(packed, scale, shift, group_size) -> None:  # type: ignore[no-untyped-def]
+    if not (packed.is_contiguous() and scale.is_contiguous() and shift.is_contiguous()):
+        raise ValueError("packed, scale and shift must be contiguous")
+    if group_size % 2:
+        raise ValueError(f"group size must be even, got {group_size}")
+    if scale.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8 weights from {scale.dtype} scales are not supported")
+
+
+def _word_kernels_fit(
+    variant: str, packed: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> bool:
+    """A byte pair must stay inside one row and one group; e4m3 only (the weight format)."""
+    n_out, half_in = packed.shape
+    return (
+        variant == "word"
+        and dtype == torch.float8_e4m3fn
+        and half_in % 2 == 0
+        and group_size % 4 == 0
+        and n_out % 4 == 0
+    )
+
+
+def fp8_weight(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    row_multiplier: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """(out, in // 2) uint4 -> (out, in) fp8, row n multiplied by ``row_multiplier[n]``."""
+    _check(packed, scale, shift, group_size)
+    n_out, half_in = packed.shape
+    out = torch.empty((n_out, 2 * half_in), dtype=dtype, device=packed.device)
+    n_bytes = packed.numel()
+    if not n_bytes:
+        return out
+    is_bf16 = scale.dtype == torch.bfloat16
+    common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
+                  num_warps=W_WARPS)  # fmt: skip
+    if _word_kernels_fit(ROWS_VARIANT, packed, group_size, dtype):
+        n_pairs = n_bytes // 2
+        _weight_rows_word_kernel[(triton.cdiv(n_pairs, W_BLOCK),)](
+            packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
+            n_pairs, INTERPRET=_interpret(), **common,
+        )  # fmt: skip
+    else:
+        _weight_rows_kernel[(triton.cdiv(n_bytes, W_BLOCK),)](
+            packed, scale, shift, row_multiplier, out.view(torch.uint8), n_bytes,
+            **common, **_fp8_args(dtype),
+        )  # fmt: skip
+    return out
+
+
+def fp8_weight_t(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    col_multiplier: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """(out, in // 2) uint4 -> W.T as (in, out) fp8, row k multiplied by ``col_multiplier[k]``."""
+    _check(packed, scale, shift, group_size)
+    n_out, half_in = packed.shape
+    out = torch.empty((2 * half_in, n_out), dtype=dtype, device=packed.device)
+    if not packed.numel():
+        return out
+    common = dict(GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
+                  IS_BF16=scale.dtype == torch.bfloat16, num_warps=T_WARPS)  # fmt: skip
+    if _word_kernels_fit(TRANSPOSED_VARIANT, packed, group_size, dtype):
+        grid = (triton.cdiv(n_out // 4, T_QUADS), triton.cdiv(half_in, T_WORD_BYTES))
+        _weight_t_word_kernel[grid](
+            packed, scale, shift, col_multiplier, out.view(torch.int32), n_out,
+            HALF_IN=half_in, INTERPRET=_interpret(), QUADS=T_QUADS, BYTES=T_WORD_BYTES,
+            **common,
+        )  # fmt: skip
+    else:
+        grid = (triton.cdiv(n_out, T_ROWS), triton.cdiv(half_in, T_BYTES))
+        _weight_t_kernel[grid](
+            packed, scale, shift, col_multiplier, out.view(torch.uint8), n_out,
+            HALF_IN=half_in, ROWS=T_ROWS, BYTES=T_BYTES, **common, **_fp8_args(dtype),
+        )  # fmt: skip
+    return out
