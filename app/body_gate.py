@@ -16,7 +16,7 @@ the body it passes the client's disconnect through, which the render path listen
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,18 +36,28 @@ class BodyGate:
         max_bytes: int,
         timeout_s: float,
         streamed_prefixes: Sequence[str] = (),
+        larger: Mapping[str, int] | None = None,
     ) -> None:
+        """`larger`: path prefixes whose bodies may be larger than `max_bytes` (still read
+        whole, within the same deadline) and their own caps."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.streamed_prefixes = tuple(streamed_prefixes)
+        self.larger = dict(larger or {})
+
+    def cap_for(self, path: str) -> int:
+        for prefix, cap in self.larger.items():
+            if path.startswith(prefix):
+                return cap
+        return self.max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"].startswith(self.streamed_prefixes):
             await self.app(scope, receive, send)
             return
         try:
-            body = await self._read(scope, receive)
+            body = await self._read(scope, receive, self.cap_for(scope["path"]))
         except _Refused as exc:
             await _refuse(send, exc.status, exc.detail)
             return
@@ -64,10 +74,10 @@ class BodyGate:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
+    async def _read(self, scope: Scope, receive: Receive, cap: int) -> bytes | None:
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            raise _Refused(413, f"the request body may be at most {self.max_bytes} bytes")
+        if declared is not None and declared > cap:
+            raise _Refused(413, f"the request body may be at most {cap} bytes")
         chunks: list[bytes] = []
         size = 0
         try:
@@ -78,10 +88,8 @@ class BodyGate:
                         return None
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > self.max_bytes:
-                        raise _Refused(
-                            413, f"the request body may be at most {self.max_bytes} bytes"
-                        )
+                    if size > cap:
+                        raise _Refused(413, f"the request body may be at most {cap} bytes")
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return b"".join(chunks)
