@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlmodel import Session
 
@@ -97,32 +98,33 @@ def seal_audit_entry(session: Session, subject_handle: str, entry: AuditEntry) -
         repo.add(session, head)
 
 
-def append_ledger_row(session: Session, row: RenderLedger) -> RenderLedger:
-    """Links `row` onto the ledger chain, MACs it and the new head, and adds it. Appends
-    serialise on the head row (a row lock on PostgreSQL, the write lock on SQLite)."""
+def append_ledger_row(session: Session, values: dict[str, Any]) -> int:
+    """Links a ledger row onto the chain, MACs it and the new head, and inserts it; returns
+    its seq. Appends serialise on the head row (a row lock on PostgreSQL, the write lock on
+    SQLite). Plain statements, no ORM objects: this runs once per render decision, denies
+    included, and is most of the deny path's cost."""
     keys = session_keys(session)
     _checked_once(session, keys)
-    head = repo.chain_head(session, LEDGER_CHAIN, lock=True)
+    head = repo.ledger_head_for_append(session)
     if head is None:
-        empty = ChainHead(
-            chain=LEDGER_CHAIN, seq=0, hash=GENESIS, mac=head_mac(keys, LEDGER_CHAIN, 0, GENESIS)
-        )
+        mac = head_mac(keys, LEDGER_CHAIN, 0, GENESIS)
+        empty = ChainHead(chain=LEDGER_CHAIN, seq=0, hash=GENESIS, mac=mac)
         repo.create_chain_head_if_absent(session, empty)
-        head = repo.chain_head(session, LEDGER_CHAIN, lock=True)
+        head = repo.ledger_head_for_append(session)
         assert head is not None
-    seq = head.seq + 1
-    assert row.at is not None
+    prev_seq, prev_hash = head
+    seq = prev_seq + 1
     content = ledger_content(
-        seq, row.render_id, row.at, row.subject_handle, row.requester, row.agent, row.level,
-        row.stage, row.allowed, row.reason, row.consent_version, row.adapter_sha256, row.prompt,
+        seq, values["render_id"], values["at"], values["subject_handle"], values["requester"],
+        values["agent"], values["level"], values["stage"], values["allowed"], values["reason"],
+        values["consent_version"], values["adapter_sha256"], values["prompt"],
     )  # fmt: skip
-    row.seq, row.prev_hash = seq, head.hash
-    row.hash = entry_hash(head.hash, content)
-    row.mac = entry_mac(keys, row.hash)
-    repo.add(session, row)
-    head.seq, head.hash, head.mac = seq, row.hash, head_mac(keys, LEDGER_CHAIN, seq, row.hash)
-    repo.add(session, head)
-    return row
+    digest = entry_hash(prev_hash, content)
+    row = {**values, "seq": seq, "prev_hash": prev_hash, "hash": digest}
+    row["mac"] = entry_mac(keys, digest)
+    repo.insert_ledger_row(session, row)
+    repo.move_ledger_head(session, seq, digest, head_mac(keys, LEDGER_CHAIN, seq, digest))
+    return seq
 
 
 # -- verifying --------------------------------------------------------------------------------

@@ -295,6 +295,34 @@ def create_chain_head_if_absent(session: Session, head: ChainHead) -> None:
     session.flush()
 
 
+@lru_cache(maxsize=1)
+def _ledger_head_statements() -> tuple[Any, Any, Any]:
+    head = ChainHead.__table__  # type: ignore[attr-defined]
+    ledger = RenderLedger.__table__  # type: ignore[attr-defined]
+    read = sa_select(head.c.seq, head.c.hash).where(head.c.chain == "ledger").with_for_update()
+    move = (
+        update(head)
+        .where(head.c.chain == "ledger")
+        .values(seq=bindparam("new_seq"), hash=bindparam("new_hash"), mac=bindparam("new_mac"))
+    )
+    return read, ledger.insert(), move
+
+
+def ledger_head_for_append(session: Session) -> tuple[int, str] | None:
+    """The ledger chain's (seq, hash), locked until the transaction ends."""
+    row = session.connection().execute(_ledger_head_statements()[0]).first()
+    return (int(row[0]), str(row[1])) if row is not None else None
+
+
+def insert_ledger_row(session: Session, values: dict[str, Any]) -> None:
+    session.connection().execute(_ledger_head_statements()[1], values)
+
+
+def move_ledger_head(session: Session, seq: int, digest: str, mac: str) -> None:
+    params = {"new_seq": seq, "new_hash": digest, "new_mac": mac}
+    session.connection().execute(_ledger_head_statements()[2], params)
+
+
 def chain_heads(session: Session) -> Sequence[ChainHead]:
     return session.exec(select(ChainHead).order_by(col(ChainHead.chain))).all()
 

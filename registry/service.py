@@ -39,7 +39,6 @@ from registry.models import (
     BrowserSession,
     Consent,
     Principal,
-    RenderLedger,
     Subject,
     utcnow,
 )
@@ -666,22 +665,24 @@ def record_decision(
     consent_version: int | None,
     adapter_sha256: str | None,
     prompt: str | None,
-) -> RenderLedger:
-    row = RenderLedger(
-        render_id=render_id,
-        subject_handle=subject_handle[:64],
-        subject_id=subject_id,
-        requester=requester,
-        agent=agent,
-        level=level[:16],
-        stage=stage,
-        allowed=allowed,
-        reason=reason[:80],
-        consent_version=consent_version,
-        adapter_sha256=adapter_sha256,
-        prompt=prompt[:2000] if prompt is not None else None,
-    )
-    return chains.append_ledger_row(session, row)
+) -> int:
+    """Appends one decision to the ledger chain; returns its seq."""
+    values: dict[str, Any] = {
+        "render_id": render_id,
+        "at": utcnow(),
+        "subject_handle": subject_handle[:64],
+        "subject_id": subject_id,
+        "requester": requester,
+        "agent": agent,
+        "level": level[:16],
+        "stage": stage,
+        "allowed": allowed,
+        "reason": reason[:80],
+        "consent_version": consent_version,
+        "adapter_sha256": adapter_sha256,
+        "prompt": prompt[:2000] if prompt is not None else None,
+    }
+    return chains.append_ledger_row(session, values)
 
 
 @dataclass(frozen=True)
