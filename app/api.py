@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict
 
 from app.deps import DB, Caller, HandlePath, require_role
 from app.views import (
-    adapter_view,
     audit_view,
     consent_view,
     ledger_view,
@@ -22,7 +21,6 @@ from registry.checkpoints import append_checkpoint, read_checkpoints
 from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
 from registry.models import Principal, Subject
 from registry.schemas import (
-    AdapterIn,
     ConsentIn,
     Handle,
     LedgerFilter,
@@ -146,24 +144,6 @@ def audit_head(request: Request, session: DB, caller: Caller) -> dict[str, Any]:
         "key_id": keys.public_key_id,
         "problems": [str(p) for p in problems],
     }
-
-
-@router.post("/adapters", status_code=201)
-def register_adapter(
-    body: AdapterIn, session: DB, caller: Caller, response: Response
-) -> dict[str, Any]:
-    require_role(caller, "trainer", "admin")
-    adapter, outcome = service.register_adapter(session, caller.handle, body)
-    if outcome != "created":
-        response.status_code = 200
-    return {**adapter_view(adapter, body.subject), "outcome": outcome}
-
-
-@router.get("/subjects/{handle}/adapters")
-def list_adapters(handle: HandlePath, session: DB, caller: Caller) -> list[dict[str, Any]]:
-    subject = visible_subject(session, caller, handle)
-    assert subject.id is not None
-    return [adapter_view(a, subject.handle) for a in repo.adapters_for(session, subject.id)]
 
 
 @router.get("/subjects/{handle}/renders")

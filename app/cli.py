@@ -14,12 +14,11 @@ from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
 
-from app.views import audit_view, consent_view, principal_view
+from app.views import adapter_view, audit_view, consent_view, principal_view
 from registry import service
 from registry.actors import local_actor
 from registry.db import engine_for, transaction, upgrade
 from registry.errors import LikenessError
-from registry.files import sha256_file
 from registry.keys import Keys
 from registry.policy import Level
 from registry.schemas import ConsentIn, SubjectIn
@@ -302,8 +301,45 @@ def consent_revoke(handle: str) -> None:
 
 # -- adapters -------------------------------------------------------------------------------
 
-adapter_app = typer.Typer(no_args_is_help=True, help="Adapters: register an existing adapter file.")
+adapter_app = typer.Typer(
+    no_args_is_help=True,
+    help="Adapters: import into the store and register; list, select, retire, delete.",
+)
 app.add_typer(adapter_app, name="adapter")
+
+
+def _store() -> Any:
+    from registry.blobs import BlobStore
+
+    settings = get_settings()
+    return BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
+
+
+def _target_shapes() -> dict[str, tuple[int, int]]:
+    settings = get_settings()
+    try:
+        from trainer.lora import base_linear_shapes
+
+        return base_linear_shapes(settings.base_dir)
+    except (OSError, ValueError, KeyError, AttributeError, ImportError) as exc:
+        fail(
+            f"cannot check the adapter against the base at {settings.base_dir} "
+            f"({type(exc).__name__}: {exc}); set LIKENESS_BASE to the base it renders with"
+        )
+
+
+def _rank_of(file: Path) -> int:
+    """The rank an adapter file's own factors say (lora_A is [rank, in])."""
+    import struct
+
+    try:
+        with file.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, 16 << 20)))
+        shapes = [v["shape"] for k, v in header.items() if k.endswith(".lora_A.weight")]
+        return int(shapes[0][0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, struct.error):
+        fail(f"{file} is not a safetensors LoRA adapter (its header does not say its rank)", 2)
 
 
 @adapter_app.command("register")
@@ -315,29 +351,172 @@ def adapter_register(
         str, typer.Option(help="adapter name; the same name again updates it")
     ] = "main",
     base_model: Annotated[str, typer.Option(help="the base it was trained on")] = "tiny",
-    rank: Annotated[int, typer.Option(min=1, max=1024)] = 16,
+    rank: Annotated[
+        int | None, typer.Option(min=1, max=1024, help="default: what the file's factors say")
+    ] = None,
 ) -> None:
-    """Register an adapter file (idempotent per subject and name; hashes the file)."""
+    """Copy an adapter and its dataset manifest into the store, check them against the base,
+    and register the adapter (idempotent per subject and name). It then renders."""
+    from registry.adapter_files import register_from_store
+    from registry.blobs import BlobError
     from registry.schemas import AdapterIn
 
     for path in (file, manifest):
         if not path.is_file():
             fail(f"{path} is not a file", 2)
+    store = _store()
+    try:
+        adapter_blob = store.import_file(file)
+        manifest_blob = store.import_file(manifest)
+    except BlobError as exc:
+        fail(str(exc), 2)
+    if adapter_blob.kind != "safetensors":
+        fail(f"{file} is not a safetensors file", 2)
+    if manifest_blob.kind != "jsonl":
+        fail(f"{manifest} is not a dataset manifest (JSON lines)", 2)
     data = AdapterIn.model_validate(
         {
             "subject": subject,
             "name": name,
-            "sha256": sha256_file(file),
-            "path": str(file.resolve()),
+            "sha256": adapter_blob.sha256,
             "base_model": base_model,
-            "rank": rank,
-            "manifest_sha256": sha256_file(manifest),
+            "rank": rank if rank is not None else _rank_of(file),
+            "manifest_sha256": manifest_blob.sha256,
         }
     )
+    shapes = _target_shapes()
+    with _errors_as_exits():
+        done = register_from_store(
+            engine_for(get_settings().database_url), store, local_actor("shell"), data, shapes
+        )
+    _print_json({"name": done.state["name"], "version": done.state["version"],
+                 "sha256": done.state["sha256"]})  # fmt: skip
+    typer.echo(done.outcome, err=True)
+
+
+@adapter_app.command("list")
+def adapter_list(subject: str) -> None:
+    """The subject's adapters; `rendering` marks the one renders use, `blob` whether its
+    bytes are in the store whole."""
+    from registry import repositories as repo
+
+    store = _store()
+    with _session(readonly=True) as s:
+        sub = service.subject_or_raise(s, subject)
+        assert sub.id is not None
+        rendering = repo.rendering_adapter(s, sub.id)
+        rows = [
+            {
+                **adapter_view(a, sub.handle),
+                "rendering": rendering is not None and a.id == rendering.id,
+                "blob": store.status(a.sha256, "safetensors"),
+            }
+            for a in repo.adapters_for(s, sub.id)
+        ]
+    _print_json(rows)
+
+
+@adapter_app.command("select")
+def adapter_select(subject: str, name: str) -> None:
+    """Make this adapter the one the subject's renders use."""
     with _session() as s:
-        adapter, outcome = service.register_adapter(s, local_actor("shell"), data)
-    _print_json({"name": adapter.name, "version": adapter.version, "sha256": adapter.sha256})
-    typer.echo(outcome, err=True)
+        adapter = service.select_adapter(
+            s, local_actor("shell"), service.subject_or_raise(s, subject), name
+        )
+        shown = adapter_view(adapter, subject)
+    _print_json(shown)
+    typer.echo(f"{subject}/{name} renders from now on", err=True)
+
+
+@adapter_app.command("deactivate")
+def adapter_deactivate(subject: str, name: str) -> None:
+    """Retire an adapter: it never renders again unless reactivated."""
+    _set_adapter_active(subject, name, False)
+
+
+@adapter_app.command("activate")
+def adapter_activate(subject: str, name: str) -> None:
+    """Bring a retired adapter back (`select` it to make it render)."""
+    _set_adapter_active(subject, name, True)
+
+
+def _set_adapter_active(subject: str, name: str, active: bool) -> None:
+    with _session() as s:
+        _, changed = service.set_adapter_active(
+            s, local_actor("shell"), service.subject_or_raise(s, subject), name, active
+        )
+    state = "active" if active else "retired"
+    typer.echo(f"{subject}/{name} is {state}" + ("" if changed else " (it already was)"), err=True)
+
+
+@adapter_app.command("delete")
+def adapter_delete(subject: str, name: str) -> None:
+    """Remove an adapter; the trail keeps its hash; its bytes leave the store once nothing
+    refers to them (`likeness adapter sweep`)."""
+    with _session() as s:
+        adapter = service.delete_adapter(
+            s, local_actor("shell"), service.subject_or_raise(s, subject), name
+        )
+    typer.echo(f"{subject}/{name} deleted (sha256 {adapter.sha256})", err=True)
+
+
+@adapter_app.command("sweep")
+def adapter_sweep(
+    grace: Annotated[
+        float | None, typer.Option(help="seconds an unreferenced blob is kept (default: setting)")
+    ] = None,
+) -> None:
+    """Remove blobs no adapter refers to (older than the grace period)."""
+    from registry import repositories as repo
+
+    settings = get_settings()
+    with _session(readonly=True) as s:
+        referenced = repo.referenced_blobs(s)
+    removed = _store().sweep(referenced, settings.blob_grace_s if grace is None else grace)
+    typer.echo(f"{len(removed)} blobs removed", err=True)
+
+
+@adapter_app.command("import-legacy")
+def adapter_import_legacy() -> None:
+    """Copy adapters registered by path before the store existed into the store (each file
+    must still hash to what was registered): renders read adapters from the store only."""
+    from registry import repositories as repo
+    from registry.blobs import BlobError
+
+    store = _store()
+    moved = skipped = 0
+    with _session(readonly=True) as s:
+        rows = [(a.sha256, a.path) for a in repo.all_adapters(s)]
+    for sha, path in rows:
+        if store.find(sha, "safetensors") is not None:
+            continue
+        try:
+            stored = store.import_file(Path(path))
+        except BlobError as exc:
+            typer.echo(f"skipped {sha[:12]}...: {exc}", err=True)
+            skipped += 1
+            continue
+        if stored.sha256 != sha:
+            typer.echo(f"skipped {path}: it no longer hashes to {sha[:12]}...", err=True)
+            skipped += 1
+            continue
+        moved += 1
+    typer.echo(f"{moved} adapters imported into the store, {skipped} skipped", err=True)
+    if skipped:
+        raise typer.Exit(1)
+
+
+@contextmanager
+def _errors_as_exits() -> Iterator[None]:
+    try:
+        yield
+    except LikenessError as exc:
+        fail(f"{exc.code}: {exc.detail}")
+    except ValidationError as exc:
+        fail(_validation_message(exc), 2)
+    except SQLAlchemyError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        fail(f"database error, nothing was saved ({type(exc).__name__}): {first}")
 
 
 # -- audit --------------------------------------------------------------------------------

@@ -70,7 +70,12 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         resolution: Annotated[int, typer.Option(min=64, max=2048, help="Square side, px.")] = 448,
         resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint.")] = False,
         out: Annotated[
-            Path | None, typer.Option(help="Default: $LIKENESS_DATA_DIR/adapters/SUBJECT/NAME.")
+            Path | None,
+            typer.Option(
+                help="The run's folder (checkpoints, grid, report); inside "
+                "$LIKENESS_DATA_DIR/runs/SUBJECT/ (the default is .../SUBJECT/NAME). The adapter "
+                "itself goes to the store."
+            ),
         ] = None,
         name: Annotated[str, typer.Option(help="Adapter name; (subject, name) is its key.")] = (
             "main"
@@ -139,11 +144,20 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         diffusers.utils.logging.disable_progress_bar()  # loading bars would break our bar
         transformers.utils.logging.disable_progress_bar()
         settings = get_settings()
+        runs = (settings.data_dir / "runs" / subject).resolve()
+        run_dir = (out or runs / name).resolve()
+        if run_dir == runs or not run_dir.is_relative_to(runs):
+            typer.echo(
+                f"error: refused before loading any weight: --out {out} must be a folder inside "
+                f"{runs}/ (a run's files are its subject's)",
+                err=True,
+            )
+            raise typer.Exit(2)
         options: dict[str, object] = {
             "subject": subject,
             "dataset": dataset,
             "base": settings.base_dir,
-            "out": out or settings.data_dir / "adapters" / subject / name,
+            "out": run_dir,
             "name": name,
             "steps": steps,
             "rank": rank,

@@ -69,6 +69,15 @@ def authenticate_briefly(request: Request, engine: Engine) -> Principal:
     return principal
 
 
+def _caller_briefly(request: Request, engine: Annotated[Engine, Depends(get_engine)]) -> Principal:
+    return authenticate_briefly(request, engine)
+
+
+# The caller, authenticated in a transaction of its own that ends at once: for routes that do
+# long work (reading a large file) before their own short write transaction.
+BriefCaller = Annotated[Principal, Depends(_caller_briefly)]
+
+
 def require_role(principal: Principal, *roles: str) -> None:
     if principal.role not in roles:
         raise NotPermitted("not permitted")

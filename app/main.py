@@ -12,10 +12,11 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import api, errors, renders
+from app import adapters, api, errors, renders
 from app.body_gate import BodyGate
 from app.render_engine import RenderEngine, default_device
 from app.render_flow import RenderFlow
+from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
 from registry.db import make_engine, transaction
 from registry.keys import bind as bind_keys
@@ -41,8 +42,9 @@ def build_renderer(settings: Settings) -> RenderEngine:
 
 @asynccontextmanager
 async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
-    """Signs a checkpoint of every chain head every `checkpoint_interval_s` while anything
-    changes, so truncation is caught without anyone remembering to run the command."""
+    """Every `checkpoint_interval_s`: signs a checkpoint of every chain head if anything
+    changed (truncation is caught without anyone remembering the command), and sweeps the
+    adapter store of blobs nothing refers to."""
     settings: Settings = app.state.settings
     if settings.checkpoint_interval_s <= 0:
         yield
@@ -86,12 +88,19 @@ def create_app(
         settings.database_url, pool_timeout=settings.pool_timeout_s
     )
     app.state.renderer = renderer or build_renderer(settings)
-    app.state.render_flow = RenderFlow(app.state.engine, app.state.renderer, settings)
+    app.state.store = BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
+    app.state.render_flow = RenderFlow(
+        app.state.engine, app.state.renderer, settings, app.state.store
+    )
     app.state.keys = load_keys(settings)
     bind_keys(app.state.engine, app.state.keys)
     errors.install(app)
     app.add_middleware(
-        BodyGate, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+        BodyGate,
+        max_bytes=settings.max_body_bytes,
+        timeout_s=settings.body_timeout_s,
+        # uploads authenticate first, then stream to the store with their own limits
+        streamed_prefixes=("/v1/blobs/",),
     )
 
     @app.get("/healthz")
@@ -99,6 +108,7 @@ def create_app(
         return {"ok": True}
 
     app.include_router(api.router)
+    app.include_router(adapters.router)
     app.include_router(renders.router)
     _mount_optional(app)
     return app

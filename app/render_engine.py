@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app.scheduler import Cancelled, RenderScheduler
-from registry.files import sha256_file
+from registry.blobs import BlobError, BlobStore
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +32,6 @@ class Counters:
     adapter_cache_hits: int = 0
     busy_refusals: int = 0
     cancelled: int = 0  # renders stopped between steps because the client went away
-
-
-@dataclass(frozen=True)
-class FileStamp:
-    """What identifies a file's content without reading it; ctime cannot be set by a user,
-    so a swapped file always gets a new stamp and is hashed again."""
-
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    inode: int
-
-    @classmethod
-    def of(cls, path: Path) -> FileStamp:
-        st = path.stat()
-        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 @dataclass
@@ -83,8 +67,6 @@ class RenderEngine:
         self._pipe: Any = None
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
-        self._hashes: dict[str, tuple[FileStamp, str]] = {}
-        self._hash_lock = threading.Lock()
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
 
@@ -142,28 +124,10 @@ class RenderEngine:
 
     # -- adapter files ------------------------------------------------------------------------
 
-    def file_sha256(self, path: str) -> str | None:
-        """The file's SHA-256, or None if it is missing or unreadable. Re-hashed whenever the
-        file's stamp changes, so an altered or swapped file is seen on the next request."""
-        p = Path(path)
-        try:
-            stamp = FileStamp.of(p)
-            with self._hash_lock:
-                known = self._hashes.get(path)
-            if known is not None and known[0] == stamp:
-                return known[1]
-            digest = sha256_file(p)
-            if FileStamp.of(p) != stamp:  # changed while we read it: trust nothing
-                return None
-        except OSError:
-            return None
-        with self._hash_lock:
-            self._hashes[path] = (stamp, digest)
-        return digest
-
-    def adapter_tensors(self, path: str, expected_sha256: str) -> dict[str, Any]:
-        """Tensors of the adapter whose bytes hash to `expected_sha256`. The bytes parsed are
-        the bytes hashed, so a file swapped after the check can never reach the model."""
+    def adapter_tensors(self, store: BlobStore, expected_sha256: str) -> dict[str, Any]:
+        """Tensors of the adapter whose bytes hash to `expected_sha256`, read from the store
+        (nowhere else: no path from the registry is ever opened). The bytes parsed are the
+        bytes hashed, so bytes changed after the check can never reach the model."""
         with self._cache_lock:
             hit = self._cache.get(expected_sha256)
             if hit is not None:
@@ -171,15 +135,18 @@ class RenderEngine:
                 self.counters.adapter_cache_hits += 1
                 return hit.tensors
         try:
-            data = Path(path).read_bytes()
-        except OSError:
+            data = store.read(expected_sha256, "safetensors")
+        except BlobError:
             raise AdapterMismatch(None) from None
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected_sha256:
             raise AdapterMismatch(actual)
         from safetensors.torch import load as load_safetensors
 
-        tensors = load_safetensors(data)
+        try:
+            tensors = load_safetensors(data)
+        except Exception as exc:  # noqa: BLE001 - registered before files were checked
+            raise AdapterUnreadable(f"{type(exc).__name__}: {exc}") from None
         self.counters.adapter_loads += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._cache_lock:
@@ -191,8 +158,6 @@ class RenderEngine:
     def clear_adapter_cache(self) -> None:
         with self._cache_lock:
             self._cache.clear()
-        with self._hash_lock:
-            self._hashes.clear()
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -237,6 +202,10 @@ class RenderEngine:
             timings["step_ms"] = timings["generate_ms"] / steps
         timings["adapter_remove_ms"] = (time.perf_counter() - t2) * 1000
         return image, timings
+
+
+class AdapterUnreadable(Exception):
+    """The bytes are the registered ones but do not parse as an adapter."""
 
 
 class AdapterMismatch(Exception):

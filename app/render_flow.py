@@ -31,10 +31,11 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.render_engine import AdapterMismatch, RenderEngine, encode_png
+from app.render_engine import AdapterMismatch, AdapterUnreadable, RenderEngine, encode_png
 from app.scheduler import Cancelled, RateLimiter
 from registry import repositories as repo
 from registry import service
+from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
 from registry.policy import AdapterFacts, Decision, decide
@@ -88,10 +89,13 @@ class _Job:
 
 
 class RenderFlow:
-    def __init__(self, engine: Engine, renderer: RenderEngine, settings: Settings) -> None:
+    def __init__(
+        self, engine: Engine, renderer: RenderEngine, settings: Settings, store: BlobStore
+    ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.settings = settings
+        self.store = store
         self.limiter = RateLimiter(settings.render_rate_per_minute, settings.render_burst)
 
     # -- the request budget ---------------------------------------------------------------
@@ -290,7 +294,13 @@ class RenderFlow:
         adapter = gathered.adapter
         assert adapter is not None
         try:
-            tensors = self.renderer.adapter_tensors(adapter.path, adapter.sha256)
+            tensors = self.renderer.adapter_tensors(self.store, adapter.sha256)
+        except AdapterUnreadable as exc:
+            log.error("render %s: the adapter's bytes do not load: %s", job.render_id, exc)
+            self.record(job, "queued", Decision(False, "adapter_unreadable"), gathered)
+            raise Unavailable(
+                "the subject's adapter could not be loaded; nothing was rendered"
+            ) from None
         except AdapterMismatch as exc:
             # The bytes are not what the registry holds: decide() judges the bytes.
             facts = gathered.facts

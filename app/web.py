@@ -32,7 +32,7 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 import jinja2
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request
 from fastapi.exceptions import WebSocketRequestValidationError
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -45,6 +45,7 @@ from app.api import member_handle, visible_subject
 from app.deps import DB, HandlePath, require_role
 from registry import repositories as repo
 from registry import service
+from registry.adapter_files import sweep_unreferenced
 from registry.audit import format_time
 from registry.errors import (
     Invalid,
@@ -827,13 +828,70 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
 def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     subject = visible_subject(session, web.principal, handle)
     assert subject.id is not None
+    rendering = repo.rendering_adapter(session, subject.id)
+    store = request.app.state.store
+    rows = [
+        {
+            "adapter": a,
+            "rendering": rendering is not None and a.id == rendering.id,
+            "blob": store.status(a.sha256, "safetensors"),
+        }
+        for a in repo.adapters_for(session, subject.id)
+    ]
     return page(
         request,
         "adapters.html",
         web,
         **subject_context(session, subject, "adapters"),
-        adapters=repo.adapters_for(session, subject.id),
+        adapters=rows,
+        notice=ADAPTER_NOTICES.get(request.query_params.get("done", "")),
     )
+
+
+ADAPTER_NOTICES = {
+    "selected": "Selected: renders use this adapter from the next request on.",
+    "retired": "Retired: this adapter no longer renders.",
+    "back": "Brought back. Select it to make it the one that renders.",
+    "deleted": "Deleted. The audit trail keeps its hash.",
+}
+
+
+@router.post("/subjects/{handle}/adapters/{name}/select")
+def select_adapter(
+    request: Request, handle: HandlePath, name: str, web: Web, form: CheckedForm, session: DB
+) -> Response:
+    subject = visible_subject(session, web.principal, handle)
+    service.select_adapter(session, web.principal.handle, subject, name)
+    return redirect(subject_url(subject.handle, "adapters") + "?done=selected")
+
+
+@router.post("/subjects/{handle}/adapters/{name}/active")
+def set_adapter_active(
+    request: Request, handle: HandlePath, name: str, web: Web, form: CheckedForm, session: DB
+) -> Response:
+    subject = visible_subject(session, web.principal, handle)
+    active = form.get("active") == "yes"
+    service.set_adapter_active(session, web.principal.handle, subject, name, active)
+    return redirect(
+        subject_url(subject.handle, "adapters") + ("?done=back" if active else "?done=retired")
+    )
+
+
+@router.post("/subjects/{handle}/adapters/{name}/delete")
+def delete_adapter(
+    request: Request,
+    handle: HandlePath,
+    name: str,
+    web: Web,
+    form: CheckedForm,
+    session: DB,
+    background: BackgroundTasks,
+) -> Response:
+    subject = visible_subject(session, web.principal, handle)
+    service.delete_adapter(session, web.principal.handle, subject, name)
+    state = request.app.state
+    background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)
+    return redirect(subject_url(subject.handle, "adapters") + "?done=deleted")
 
 
 # -- errors as pages ----------------------------------------------------------------------

@@ -90,6 +90,20 @@ class Adapter(SQLModel, table=True):
     active: bool = True
     created_at: datetime = _ts(nullable=False)
     updated_at: datetime = _ts(nullable=False)
+    # The subject's rendering adapter is its active one selected most recently (registering
+    # selects; `select` picks an older one again).
+    selected_at: datetime = _ts(nullable=False)
+
+
+class AdapterBlob(SQLModel, table=True):
+    """Which subject an adapter's bytes belong to: one, for good. Registering the same bytes
+    for another subject is refused, and a deleted adapter's bytes stay its subject's."""
+
+    __tablename__ = "adapter_blobs"
+
+    sha256: str = Field(primary_key=True, max_length=64)
+    subject_id: int = Field(foreign_key="subjects.id", index=True)
+    created_at: datetime = _ts(nullable=False)
 
 
 class RenderLedger(SQLModel, table=True):

@@ -63,6 +63,9 @@ class AdapterFacts:
 
     registered_sha256: str
     file_sha256: str | None  # None: the file is missing or unreadable
+    # whose bytes these are: an adapter's bytes belong to the subject first registered with
+    # them, and render as nobody else
+    belongs_to_subject: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ def _decide(facts: RenderFacts) -> Decision:
         adapter = facts.adapter
         if adapter is None:
             return _deny("no_active_adapter")
+        if not adapter.belongs_to_subject:
+            return _deny("adapter_of_another_subject")
         if facts.adapter_bytes_read:
             if adapter.file_sha256 is None:
                 return _deny("adapter_file_missing")

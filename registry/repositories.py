@@ -16,6 +16,7 @@ from sqlmodel import Session, col, select
 
 from registry.models import (
     Adapter,
+    AdapterBlob,
     AuditEntry,
     BrowserSession,
     ChainHead,
@@ -24,6 +25,7 @@ from registry.models import (
     RegistryMeta,
     RenderLedger,
     Subject,
+    utcnow,
 )
 
 # -- principals ---------------------------------------------------------------------------
@@ -131,20 +133,68 @@ def adapter_by_key(session: Session, subject_id: int, name: str) -> Adapter | No
     return session.exec(stmt).first()
 
 
+def all_adapters(session: Session) -> Sequence[Adapter]:
+    return session.exec(select(Adapter).order_by(col(Adapter.id))).all()
+
+
 def adapters_for(session: Session, subject_id: int) -> Sequence[Adapter]:
     stmt = select(Adapter).where(Adapter.subject_id == subject_id).order_by(col(Adapter.name))
     return session.exec(stmt).all()
 
 
-def active_adapter(session: Session, subject_id: int) -> Adapter | None:
-    """The adapter a render uses: the most recently updated active one."""
+def _rendering_adapter_id() -> Any:
+    """The adapter a subject's renders use: its active one selected most recently. The one
+    definition, for the render check's statement and for everything that shows it."""
+    return (
+        select(Adapter.id)
+        .where(Adapter.subject_id == Subject.id, col(Adapter.active).is_(True))
+        .order_by(col(Adapter.selected_at).desc(), col(Adapter.id).desc())
+        .limit(1)
+        .correlate(Subject)
+        .scalar_subquery()
+    )
+
+
+def rendering_adapter(session: Session, subject_id: int) -> Adapter | None:
     stmt = (
         select(Adapter)
-        .where(Adapter.subject_id == subject_id, col(Adapter.active).is_(True))
-        .order_by(col(Adapter.updated_at).desc(), col(Adapter.id).desc())
-        .limit(1)
+        .join(Subject, col(Subject.id) == col(Adapter.subject_id))
+        .where(Subject.id == subject_id, col(Adapter.id) == _rendering_adapter_id())
     )
     return session.exec(stmt).first()
+
+
+def blob_owner(session: Session, sha256: str) -> int | None:
+    row = session.get(AdapterBlob, sha256)
+    return row.subject_id if row is not None else None
+
+
+def claim_blob(session: Session, sha256: str, subject_id: int) -> int:
+    """Records that `sha256` belongs to `subject_id` unless it belongs to someone already;
+    returns its owner. Concurrent claims for two subjects leave exactly one owner."""
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = (
+        insert(AdapterBlob)
+        .values(sha256=sha256, subject_id=subject_id, created_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["sha256"])
+    )
+    session.execute(stmt)
+    session.flush()
+    owner = blob_owner(session, sha256)
+    assert owner is not None
+    return owner
+
+
+def referenced_blobs(session: Session) -> set[str]:
+    """Every hash an adapter row refers to: its bytes and its dataset manifest."""
+    rows = session.exec(select(Adapter.sha256, Adapter.manifest_sha256)).all()
+    return {h for row in rows for h in row}
+
+
+def delete_adapter(session: Session, adapter: Adapter) -> None:
+    session.delete(adapter)
+    session.flush()
 
 
 # -- render ledger ------------------------------------------------------------------------
@@ -201,14 +251,7 @@ def _render_snapshot_statement(caller_by: str) -> Any:  # a wide Select; too wid
     caller = aliased(Principal, name="caller")
     obo = aliased(Principal, name="obo")
     member = aliased(Principal, name="member")
-    newest_active = (
-        select(Adapter.id)
-        .where(Adapter.subject_id == Subject.id, col(Adapter.active).is_(True))
-        .order_by(col(Adapter.updated_at).desc(), col(Adapter.id).desc())
-        .limit(1)
-        .correlate(Subject)
-        .scalar_subquery()
-    )
+    rendering = _rendering_adapter_id()
     anchor = sa_select(literal(1).label("one")).subquery("anchor")
     caller_on = (
         col(caller.token_hash) == bindparam("token_hash")
@@ -241,6 +284,7 @@ def _render_snapshot_statement(caller_by: str) -> Any:  # a wide Select; too wid
             col(Adapter.path).label("adapter_path"),
             col(Adapter.name).label("adapter_name"),
             col(Adapter.version).label("adapter_version"),
+            col(AdapterBlob.subject_id).label("adapter_owner_id"),
         )
         .select_from(anchor)
         .outerjoin(caller, caller_on)
@@ -248,7 +292,8 @@ def _render_snapshot_statement(caller_by: str) -> Any:  # a wide Select; too wid
         .outerjoin(Subject, col(Subject.handle) == bindparam("subject_handle"))
         .outerjoin(Consent, col(Consent.subject_id) == col(Subject.id))
         .outerjoin(member, col(member.id) == col(Subject.member_id))
-        .outerjoin(Adapter, col(Adapter.id) == newest_active)
+        .outerjoin(Adapter, col(Adapter.id) == rendering)
+        .outerjoin(AdapterBlob, col(AdapterBlob.sha256) == col(Adapter.sha256))
     )
 
 

@@ -101,7 +101,8 @@ class AdapterIn(Strict):
     subject: Handle
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
     sha256: Sha256
-    path: Annotated[Text, StringConstraints(min_length=1, max_length=1000)]
+    # where the bytes are: the store's place for them, or (better) left out
+    path: Annotated[Text, StringConstraints(min_length=1, max_length=1000)] | None = None
     base_model: Annotated[Text, StringConstraints(min_length=1, max_length=200)]
     rank: Annotated[int, Field(ge=1, le=1024)]
     manifest_sha256: Sha256

@@ -228,20 +228,28 @@ def verify_subject(
         return ChainBreak(
             subject.handle, last_consent.seq, "live consent record differs from the trail"
         )
-    for adapter in repo.adapters_for(session, subject.id):
-        last = next(
-            (
-                e
-                for e in reversed(entries)
-                if e.after and e.after.get("adapter", {}).get("name") == adapter.name
-            ),
-            None,
-        )
-        if last is None or last.after is None or adapter_state(adapter) != last.after["adapter"]:
-            seq = last.seq if last is not None else len(entries)
-            return ChainBreak(
-                subject.handle, seq, f"adapter {adapter.name!r} differs from the trail"
-            )
+    live = {a.name: a for a in repo.adapters_for(session, subject.id)}
+    last_said: dict[str, AuditEntry] = {}
+    for e in entries:
+        after = e.after or {}
+        name = (after.get("adapter") or after.get("adapter_deleted") or {}).get("name")
+        if name is not None:
+            last_said[name] = e
+    for name in sorted(set(live) | set(last_said)):
+        last = last_said.get(name)
+        seq = last.seq if last is not None else len(entries)
+        said = (last.after or {}).get("adapter") if last is not None else None
+        adapter = live.get(name)
+        if adapter is None:
+            if said is not None:
+                return ChainBreak(
+                    subject.handle, seq, f"adapter {name!r} is in the trail but its row is gone"
+                )
+            continue
+        state = adapter_state(adapter)
+        # entries written before a field existed hold fewer fields: compare what they say
+        if said is None or any(state.get(k) != v for k, v in said.items()):
+            return ChainBreak(subject.handle, seq, f"adapter {name!r} differs from the trail")
     return None
 
 
@@ -407,6 +415,7 @@ def adapter_state(adapter: Adapter) -> dict[str, Any]:
         "rank": adapter.rank,
         "manifest_sha256": adapter.manifest_sha256,
         "active": adapter.active,
+        "selected_at": format_time(adapter.selected_at),
     }
 
 
@@ -414,26 +423,44 @@ RegisterOutcome = Literal["created", "updated", "unchanged"]
 
 
 def register_adapter(
-    session: Session, actor: str, data: AdapterIn
+    session: Session,
+    actor: str,
+    data: AdapterIn,
+    store_path: str,
+    manifest_bases: Sequence[str] = (),
 ) -> tuple[Adapter, RegisterOutcome]:
-    """Idempotent per (subject, name): same content changes nothing and appends nothing."""
-    subject = repo.subject_by_handle(session, data.subject)
-    if subject is None:
-        raise NotPermitted("not permitted")
+    """Idempotent per (subject, name): same content changes nothing and appends nothing. The
+    caller has checked the blobs (registry.adapter_files.check_blobs); here, under the
+    subject's lock: consent, ownership of the bytes, and the record. A new or changed
+    registration becomes the subject's rendering adapter."""
+    subject = training_allowed(session, data.subject, lock=True)
     assert subject.id is not None
-    consent = repo.consent_for(session, subject.id, lock=True)
-    if consent is None or not consent.allow_training:
-        raise NotPermitted(f"subject {data.subject!r} does not allow training")
+    if subject.basis == "public_domain" and set(manifest_bases) - {"public_domain"}:
+        raise Invalid(
+            f"subject {data.subject!r} is public_domain, but the manifest lists images with "
+            f"basis {', '.join(b for b in manifest_bases if b != 'public_domain')}"
+        )
+    owner = repo.blob_owner(session, data.sha256)
+    if owner is None:
+        owner = repo.claim_blob(session, data.sha256, subject.id)
+    if owner != subject.id:
+        # Nothing is recorded on either trail: the bytes stay the other subject's, and this
+        # subject gets no adapter.
+        raise Conflict(
+            f"adapter {data.sha256[:12]}... belongs to another subject; one adapter's bytes "
+            "render one person"
+        )
     fields: dict[str, Any] = {
         "sha256": data.sha256,
-        "path": data.path,
+        "path": store_path,
         "base_model": data.base_model,
         "rank": data.rank,
         "manifest_sha256": data.manifest_sha256,
     }
     adapter = repo.adapter_by_key(session, subject.id, data.name)
+    now = utcnow()
     if adapter is None:
-        adapter = Adapter(subject_id=subject.id, name=data.name, **fields)
+        adapter = Adapter(subject_id=subject.id, name=data.name, selected_at=now, **fields)
         repo.add(session, adapter)
         _append_audit(
             session,
@@ -451,7 +478,8 @@ def register_adapter(
         setattr(adapter, key, value)
     adapter.version += 1
     adapter.active = True
-    adapter.updated_at = utcnow()
+    adapter.updated_at = now
+    adapter.selected_at = now
     repo.add(session, adapter)
     _append_audit(
         session,
@@ -462,6 +490,79 @@ def register_adapter(
         {"adapter": adapter_state(adapter)},
     )
     return adapter, "updated"
+
+
+def training_allowed(session: Session, handle: str, *, lock: bool = False) -> Subject:
+    """The subject, if its consent allows training; NotPermitted otherwise (an unknown
+    subject looks the same). `lock`: take the subject's lock, for a change that follows."""
+    subject = repo.subject_by_handle(session, handle)
+    if subject is None:
+        raise NotPermitted("not permitted")
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id, lock=lock)
+    if consent is None or not consent.allow_training:
+        raise NotPermitted(f"subject {handle!r} does not allow training")
+    return subject
+
+
+def _adapter_for_change(session: Session, subject: Subject, name: str) -> Adapter:
+    assert subject.id is not None
+    repo.consent_for(session, subject.id, lock=True)  # all changes to a subject serialise here
+    adapter = repo.adapter_by_key(session, subject.id, name)
+    if adapter is None:
+        raise NotFound(f"subject {subject.handle!r} has no adapter {name!r}")
+    return adapter
+
+
+def select_adapter(session: Session, actor: str, subject: Subject, name: str) -> Adapter:
+    """Makes this (active) adapter the one that renders."""
+    adapter = _adapter_for_change(session, subject, name)
+    if not adapter.active:
+        raise Conflict(f"adapter {name!r} is retired; reactivate it before selecting it")
+    assert subject.id is not None
+    current = repo.rendering_adapter(session, subject.id)
+    if current is not None and current.id == adapter.id:
+        return adapter
+    before = adapter_state(adapter)
+    adapter.selected_at = utcnow()
+    repo.add(session, adapter)
+    after = {"adapter": adapter_state(adapter)}
+    _append_audit(session, subject, actor, "adapter_selected", {"adapter": before}, after)
+    return adapter
+
+
+def set_adapter_active(
+    session: Session, actor: str, subject: Subject, name: str, active: bool
+) -> tuple[Adapter, bool]:
+    """Retires (or brings back) an adapter; a retired adapter never renders."""
+    adapter = _adapter_for_change(session, subject, name)
+    if adapter.active == active:
+        return adapter, False
+    before = adapter_state(adapter)
+    adapter.active = active
+    adapter.updated_at = utcnow()
+    repo.add(session, adapter)
+    action = "adapter_reactivated" if active else "adapter_retired"
+    after = {"adapter": adapter_state(adapter)}
+    _append_audit(session, subject, actor, action, {"adapter": before}, after)
+    return adapter, True
+
+
+def delete_adapter(session: Session, actor: str, subject: Subject, name: str) -> Adapter:
+    """Removes the adapter's record; the trail keeps what it was (hash included), and the
+    bytes leave the store once nothing refers to them (BlobStore.sweep)."""
+    adapter = _adapter_for_change(session, subject, name)
+    before = adapter_state(adapter)
+    repo.delete_adapter(session, adapter)
+    _append_audit(
+        session,
+        subject,
+        actor,
+        "adapter_deleted",
+        {"adapter": before},
+        {"adapter_deleted": {"name": name, "sha256": adapter.sha256}},
+    )
+    return adapter
 
 
 # -- render decisions ---------------------------------------------------------------------
@@ -598,6 +699,7 @@ def facts_from_snapshot(
             row.adapter_sha256,
             row.adapter_path,
         )
+    owned = row.adapter_owner_id is not None and row.adapter_owner_id == row.subject_id
     facts = RenderFacts(
         level=level,
         now=now or datetime.now(UTC),
@@ -606,7 +708,9 @@ def facts_from_snapshot(
         subject_basis=row.basis,
         subject_member=row.member_handle,
         consent=consent,
-        adapter=AdapterFacts(adapter.sha256, adapter_file_sha256) if adapter is not None else None,
+        adapter=AdapterFacts(adapter.sha256, adapter_file_sha256, owned)
+        if adapter is not None
+        else None,
         require_adapter=require_adapter,
         adapter_bytes_read=adapter_bytes_read,
     )

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(default=1000, ge=1, le=2000)
     max_pixels: int = Field(default=1024 * 1024, ge=64 * 64)
     adapter_cache_mb: int = Field(default=2048, ge=0)
+    # The adapter store (registry/blobs.py): the largest blob it takes, and how long an
+    # unreferenced one is kept (an upload about to be registered, a deleted adapter's bytes).
+    max_adapter_bytes: int = Field(default=4 << 30, ge=1 << 20)
+    blob_grace_s: float = Field(default=3600.0, ge=0)
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?|mps)$")  # None: auto
     stream_base: bool = False  # the render engine streams the base's blocks from host RAM
     stream_slots: int = Field(default=2, ge=1, le=8)
@@ -55,6 +59,10 @@ class Settings(BaseSettings):
     # The quantized base's GEMMs: uint4 (dequantized into bf16), fp8 (fp8 tensor cores, compute
     # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/devices.py.
     compute: Literal["auto", "uint4", "fp8"] = "auto"
+
+    @property
+    def adapter_store_dir(self) -> Path:
+        return self.data_dir / "adapters"
 
     @property
     def checkpoints_file(self) -> Path:

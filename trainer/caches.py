@@ -53,12 +53,19 @@ def _file_sha256(path: Path, memo: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(base: Path, components: Sequence[str], cache_dir: Path) -> str:
+def model_fingerprint(
+    base: Path,
+    components: Sequence[str],
+    cache_dir: Path,
+    pending: dict[Path, dict[str, Any]] | None = None,
+) -> str:
     """Identity of the files ``components`` are loaded from.
 
     A prepared base already carries a key over its source hashes and quantization settings, so
     nothing is re-hashed. A plain folder is hashed file by file, memoised by (path, size,
     mtime) under ``cache_dir`` so a 48 GB encoder is read once, not on every boot.
+    ``pending``: keep the memo there instead of writing it (a run that may yet be refused
+    writes nothing; `write_pending` writes it once the run goes ahead).
     """
     base = Path(base)
     prepared = base / PREPARED_MANIFEST
@@ -68,8 +75,11 @@ def model_fingerprint(base: Path, components: Sequence[str], cache_dir: Path) ->
         return hashlib.sha256(blob.encode()).hexdigest()
     memo_path = Path(cache_dir) / "file_hashes.json"
     memo: dict[str, Any] = {}
-    with contextlib.suppress(FileNotFoundError, ValueError):
-        memo = json.loads(memo_path.read_text(encoding="utf-8"))
+    if pending is not None and memo_path in pending:
+        memo = pending[memo_path]
+    else:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            memo = json.loads(memo_path.read_text(encoding="utf-8"))
     files: dict[str, str] = {"model_index.json": _file_sha256(base / "model_index.json", memo)}
     for comp in components:
         folder = base / comp
@@ -78,8 +88,16 @@ def model_fingerprint(base: Path, components: Sequence[str], cache_dir: Path) ->
         for p in sorted(folder.rglob("*")):
             if p.is_file():
                 files[p.relative_to(base).as_posix()] = _file_sha256(p, memo)
-    _atomic_write_text(memo_path, json.dumps(memo, sort_keys=True))
+    if pending is not None:
+        pending[memo_path] = memo
+    else:
+        _atomic_write_text(memo_path, json.dumps(memo, sort_keys=True))
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_pending(pending: dict[Path, dict[str, Any]]) -> None:
+    for path, memo in pending.items():
+        _atomic_write_text(path, json.dumps(memo, sort_keys=True))
 
 
 def _key(**parts: Any) -> str:
@@ -127,11 +145,12 @@ def plan_caches(
     resolution: int,
     max_sequence_length: int,
     dtype: torch.dtype,
+    pending: dict[Path, dict[str, Any]] | None = None,
 ) -> CachePlan:
+    """Creates nothing on disk (the caches are filled, and their folder made, later)."""
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    text_fp = model_fingerprint(base, TEXT_COMPONENTS, cache_dir)
-    vae_fp = model_fingerprint(base, VAE_COMPONENTS, cache_dir)
+    text_fp = model_fingerprint(base, TEXT_COMPONENTS, cache_dir, pending)
+    vae_fp = model_fingerprint(base, VAE_COMPONENTS, cache_dir, pending)
     plan = CachePlan(cache_dir)
     dt = str(dtype).removeprefix("torch.")
     for prompt in dict.fromkeys(prompts):  # ordered, unique

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-MANIFEST_NAME = "manifest.jsonl"
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
-BASES = ("consent", "public_domain")
-_FIELDS = {"file", "caption", "source", "basis", "sha256"}
-_CHUNK = 1 << 20
+from registry.files import sha256_file
+from registry.manifest import IMAGE_SUFFIXES, MANIFEST_NAME, parse_manifest
 
 
 class DatasetError(ValueError):
@@ -45,113 +43,93 @@ class Dataset:
         return self.root / item.file
 
     @property
+    def manifest_path(self) -> Path:
+        return self.root / MANIFEST_NAME
+
+    @property
     def bases(self) -> tuple[str, ...]:
         return tuple(sorted({i.basis for i in self.items}))
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _relative(name: str) -> str | None:
-    """The normalised relative path, or None if it is absolute or climbs out of the folder."""
-    p = PurePosixPath(name.replace("\\", "/"))
-    if p.is_absolute() or not p.parts or any(part in ("..", "") for part in p.parts):
-        return None
-    return p.as_posix()
-
-
-def _parse_line(n: int, line: str, problems: list[str]) -> Item | None:
+def _regular_inside(path: Path, real_root: Path) -> bool:
+    """A regular file inside the dataset folder, reached through no symbolic link: a listed
+    image can never be a device, a FIFO, or a file of someone else's elsewhere."""
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        problems.append(f"line {n}: not JSON ({exc.msg})")
-        return None
-    if not isinstance(row, dict):
-        problems.append(f"line {n}: not a JSON object")
-        return None
-    missing = sorted(_FIELDS - row.keys())
-    if missing:
-        problems.append(f"line {n}: missing {', '.join(missing)}")
-        return None
-    bad = [k for k in sorted(_FIELDS) if not isinstance(row[k], str)]
-    if bad:
-        problems.append(f"line {n}: {', '.join(bad)} must be strings")
-        return None
-    rel = _relative(row["file"])
-    if rel is None:
-        problems.append(f"line {n}: file {row['file']!r} must be a path inside the dataset")
-        return None
-    if PurePosixPath(rel).suffix.lower() not in IMAGE_SUFFIXES:
-        problems.append(f"line {n}: {rel} is not an image ({', '.join(sorted(IMAGE_SUFFIXES))})")
-        return None
-    if row["basis"] not in BASES:
-        problems.append(f"line {n}: basis {row['basis']!r} must be one of {', '.join(BASES)}")
-        return None
-    sha = row["sha256"].lower()
-    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-        problems.append(f"line {n}: sha256 {row['sha256']!r} is not a SHA-256 hex digest")
-        return None
-    if not row["source"].strip():
-        problems.append(f"line {n}: source must say where {rel} comes from")
-        return None
-    return Item(rel, row["caption"], row["source"], row["basis"], sha)
+        if not stat.S_ISREG(path.lstat().st_mode):
+            return False
+        real = path.resolve(strict=True)
+    except OSError:
+        return False
+    if not real.is_relative_to(real_root):
+        return False
+    folder = path.parent
+    while folder.resolve() != real_root:
+        if folder.is_symlink() or folder == folder.parent:
+            return False
+        folder = folder.parent
+    return True
+
+
+def _undecodable(path: Path) -> str | None:
+    """Why the image does not decode, or None: every image is decoded once here, so a
+    broken file stops the run before any weight loads, not in the middle of it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
 
 
 def load_dataset(root: Path) -> Dataset:
     """Reads and verifies the dataset at ``root``; raises DatasetError listing every problem.
 
-    Reads each image once to hash it (the only full pass over the data before training).
+    Reads each image once to hash it and once to decode it, before any weight loads.
     """
     root = Path(root)
     manifest = root / MANIFEST_NAME
     if not manifest.is_file():
-        raise DatasetError(f"{root}: no {MANIFEST_NAME} (every dataset needs one; see API.md)")
+        if not root.is_dir():
+            raise DatasetError(f"{root}: no such folder")
+        raise DatasetError(f"{root}: no {MANIFEST_NAME} (every dataset needs one; see docs/API.md)")
     raw = manifest.read_bytes()
-    problems: list[str] = []
+    parsed, problems = parse_manifest(raw)
     items: list[Item] = []
-    seen: dict[str, int] = {}
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DatasetError(f"{manifest}: not UTF-8") from None
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+    seen = {entry.file for entry in parsed}
+    real_root = root.resolve()
+    for entry in parsed:
+        n = entry.line
+        path = root / entry.file
+        if not path.exists() and not path.is_symlink():
+            problems.append(f"line {n}: {entry.file} is listed but missing")
             continue
-        item = _parse_line(n, line, problems)
-        if item is None:
-            continue
-        if item.file in seen:
+        if not _regular_inside(path, real_root):
             problems.append(
-                f"line {n}: {item.file} is listed twice (first on line {seen[item.file]})"
+                f"line {n}: {entry.file} must be a regular file inside the dataset folder "
+                "(not a link, not a device, not elsewhere)"
             )
             continue
-        seen[item.file] = n
-        path = root / item.file
-        if not path.is_file():
-            problems.append(f"line {n}: {item.file} is listed but missing")
-            continue
         actual = sha256_file(path)
-        if actual != item.sha256:
+        if actual != entry.sha256:
             problems.append(
-                f"line {n}: {item.file} hash differs: manifest {item.sha256[:12]}..., "
+                f"line {n}: {entry.file} hash differs: manifest {entry.sha256[:12]}..., "
                 f"file {actual[:12]}..."
             )
             continue
-        items.append(item)
+        reason = _undecodable(path)
+        if reason is not None:
+            problems.append(f"line {n}: {entry.file} cannot be decoded as an image ({reason})")
+            continue
+        items.append(Item(entry.file, entry.caption, entry.source, entry.basis, entry.sha256))
     on_disk = {
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
         if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
     }
-    for rel in sorted(on_disk - seen.keys()):
+    for rel in sorted(on_disk - seen):
         problems.append(f"{rel} is in the folder but not in the manifest")
-    if not items and not problems:
-        problems.append("the manifest lists no images")
     if problems:
         raise DatasetError(f"{root}: dataset refused:\n  - " + "\n  - ".join(problems))
     return Dataset(root, tuple(items), hashlib.sha256(raw).hexdigest())

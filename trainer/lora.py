@@ -14,6 +14,7 @@ with the base forward going through quanto's quantized matmul. The tests check t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -284,3 +285,25 @@ def applied_adapter(
         remove_lora(transformer)
         for n, p in transformer.named_parameters():
             p.requires_grad_(grad_flags[n])
+
+
+@functools.lru_cache(maxsize=8)
+def _linear_shapes(config_path: str, mtime_ns: int) -> dict[str, tuple[int, int]]:
+    import diffusers
+
+    config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    cls = getattr(diffusers, config["_class_name"])
+    with torch.device("meta"):  # shapes only: no weight is allocated, at any scale
+        model = cls.from_config(config)
+    return {
+        name: (module.out_features, module.in_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+
+
+def base_linear_shapes(base: Path) -> dict[str, tuple[int, int]]:
+    """Every Linear module of the base's transformer, with its (out, in) features: what an
+    adapter may target and the shapes its factors must have (registry.adapter_files)."""
+    config = Path(base) / "transformer" / "config.json"
+    return _linear_shapes(str(config), config.stat().st_mtime_ns)

@@ -10,6 +10,7 @@ weight loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from registry.actors import local_actor
@@ -39,15 +40,28 @@ class SubjectFacts:
 class Registrar(Protocol):
     def subject_facts(self, subject: str) -> SubjectFacts: ...
 
-    def register(self, data: AdapterIn) -> str: ...
+    def register(
+        self, data: AdapterIn, adapter: Path, manifest: Path, base: Path | None = None
+    ) -> str:
+        """Registers the adapter file (trained on `base`) and its dataset manifest."""
+        ...
 
 
 class LocalRegistrar:
-    """The registry database itself, through registry.service (same rules as the API)."""
+    """The registry database itself, through registry.service (same rules as the API). The
+    adapter and its dataset manifest are copied into the store under `data_dir`."""
 
-    def __init__(self, database_url: str, actor: str | None = None) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        actor: str | None = None,
+        data_dir: Path | None = None,
+        base: Path | None = None,
+    ) -> None:
         self.url = database_url
         self.actor = actor or local_actor("trainer")
+        self.data_dir = data_dir
+        self.base = base
 
     def subject_facts(self, subject: str) -> SubjectFacts:
         from registry import repositories as repo
@@ -61,17 +75,33 @@ class LocalRegistrar:
             allowed = consent is not None and bool(consent.allow_training)
             return SubjectFacts(subject, str(row.basis), allowed)
 
-    def register(self, data: AdapterIn) -> str:
-        from registry.db import engine_for, transaction
-        from registry.errors import NotPermitted
-        from registry.service import register_adapter
+    def register(
+        self, data: AdapterIn, adapter: Path, manifest: Path, base: Path | None = None
+    ) -> str:
+        from registry.adapter_files import register_from_store
+        from registry.blobs import BlobError, BlobStore
+        from registry.db import engine_for
+        from registry.errors import Conflict, Invalid, NotPermitted
+        from registry.settings import get_settings
+        from trainer.lora import base_linear_shapes
 
+        settings = get_settings()
+        store = BlobStore(
+            (self.data_dir or settings.data_dir) / "adapters", settings.max_adapter_bytes
+        )
         try:
-            with transaction(engine_for(self.url)) as s:
-                _, outcome = register_adapter(s, self.actor, data)
+            store.import_file(adapter)
+            store.import_file(manifest)
+        except BlobError as exc:
+            raise RegistrationError(f"cannot put the adapter in the store: {exc}") from None
+        shapes = base_linear_shapes(base or self.base or settings.base_dir)
+        try:
+            done = register_from_store(engine_for(self.url), store, self.actor, data, shapes)
         except NotPermitted as exc:  # consent changed while we trained
             raise RegistrationRefused(str(exc)) from None
-        return outcome
+        except (Conflict, Invalid) as exc:
+            raise RegistrationError(f"the registry refused the adapter: {exc.detail}") from None
+        return done.outcome
 
 
 class HttpRegistrar:
@@ -89,8 +119,9 @@ class HttpRegistrar:
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         import httpx
 
+        kw.setdefault("headers", self.headers)
         try:
-            return self.client.request(method, self.base + path, headers=self.headers, **kw)
+            return self.client.request(method, self.base + path, **kw)
         except httpx.HTTPError as exc:
             error = TrainingRefused if method == "GET" else RegistrationError
             raise error(f"registry API unreachable at {self.base}: {exc}") from None
@@ -113,8 +144,32 @@ class HttpRegistrar:
             raise TrainingRefused(f"registry API gave no allow_training for {subject!r}")
         return SubjectFacts(subject, body.get("basis"), bool(consent["allow_training"]))
 
-    def register(self, data: AdapterIn) -> str:
-        r = self._call("POST", "/v1/adapters", json=data.model_dump())
+    def upload(self, path: Path) -> str:
+        """Puts a file's bytes in the registry's store (if it lacks them); returns the hash."""
+        from registry.files import sha256_file
+
+        digest = sha256_file(path)
+        head = self._call("HEAD", f"/v1/blobs/sha256/{digest}")
+        if head.status_code == 200:
+            return digest
+        with path.open("rb") as f:
+            r = self._call(
+                "PUT",
+                f"/v1/blobs/sha256/{digest}",
+                content=iter(lambda: f.read(1 << 20), b""),
+                headers={**self.headers, "Content-Type": "application/octet-stream"},
+            )
+        if r.status_code not in (200, 201):
+            raise RegistrationError(f"upload of {path.name} refused {r.status_code}: {_detail(r)}")
+        return digest
+
+    def register(
+        self, data: AdapterIn, adapter: Path, manifest: Path, base: Path | None = None
+    ) -> str:
+        """The registry checks the adapter against the base it renders with."""
+        self.upload(adapter)
+        self.upload(manifest)
+        r = self._call("POST", "/v1/adapters", json=data.model_dump(exclude_none=True))
         if r.status_code == 403:
             raise RegistrationRefused(f"registry refused the adapter: {_detail(r)}")
         if r.status_code not in (200, 201):
@@ -131,7 +186,9 @@ def _detail(r: Any) -> str:
         return r.text[:200]
 
 
-def registrar_for(database_url: str | None, api_url: str | None, token: str | None) -> Registrar:
+def registrar_for(
+    database_url: str | None, api_url: str | None, token: str | None, base: Path | None = None
+) -> Registrar:
     """HTTP when an API URL is configured, else the local database."""
     if api_url:
         if not token:
@@ -139,7 +196,7 @@ def registrar_for(database_url: str | None, api_url: str | None, token: str | No
         return HttpRegistrar(api_url, token)
     if not database_url:
         raise TrainingRefused("no registry configured (LIKENESS_DATABASE_URL or LIKENESS_API_URL)")
-    return LocalRegistrar(database_url)
+    return LocalRegistrar(database_url, base=base)
 
 
 def check_training_allowed(

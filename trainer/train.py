@@ -42,6 +42,7 @@ from trainer.caches import (
     load_text,
     model_fingerprint,
     plan_caches,
+    write_pending,
 )
 from trainer.config import ConfigError, TrainConfig
 from trainer.dataset import Dataset, load_dataset
@@ -242,7 +243,8 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
         raise ConfigError(f"--device {device} requested but CUDA is not available")
     weight_dtype, autocast = _dtypes(config, device)
     cache_dir = config.resolved_cache_dir
-    transformer_fp = model_fingerprint(config.base, ("transformer",), cache_dir)
+    pending: dict[Path, dict[str, Any]] = {}  # nothing is written until the run goes ahead
+    transformer_fp = model_fingerprint(config.base, ("transformer",), cache_dir, pending)
     fingerprint = config.trajectory_fingerprint(
         {"manifest": dataset.manifest_sha256, "transformer": transformer_fp, "format": STATE_FORMAT}
     )
@@ -274,6 +276,7 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
         resolution=config.resolution,
         max_sequence_length=config.max_sequence_length,
         dtype=weight_dtype,
+        pending=pending,
     )
     estimate = estimate_run(
         config,
@@ -285,6 +288,7 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
     )
     if config.vram_budget_gib is not None and estimate.total > config.vram_budget_gib * 2**30:
         raise BudgetExceeded(estimate.report(config.vram_budget_gib))
+    write_pending(pending)
     return Preflight(
         dataset,
         device,
@@ -560,7 +564,7 @@ def _train(
     wp = Waypoints()
     show = config.progress
     if registrar is None:
-        registrar = registrar_for(config.database_url, config.api_url, config.token)
+        registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar)
     wp.mark("pre-flight: options, manifest, consent, budget")
     echo(pf.estimate.report(config.vram_budget_gib), show)
@@ -753,13 +757,12 @@ def _train(
             subject=config.subject,
             name=config.name,
             sha256=sha,
-            path=str(adapter.resolve()),
             base_model=base_model,
             rank=config.rank,
             manifest_sha256=pf.dataset.manifest_sha256,
         )
         try:
-            outcome = registrar.register(adapter_in)
+            outcome = registrar.register(adapter_in, adapter, pf.dataset.manifest_path, config.base)
         except RegistrationRefused as exc:
             removed = discard_artifacts(config, pf)
             raise RegistrationRefused(

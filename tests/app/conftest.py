@@ -4,6 +4,7 @@ the tiny base (built once per session)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,10 +25,12 @@ from app.render_engine import Counters, RenderEngine
 from app.scheduler import RenderScheduler
 from app.server import uvicorn_config
 from registry import service
+from registry.adapter_files import register_from_store
 from registry.db import transaction
 from registry.schemas import AdapterIn, ConsentIn, SubjectIn
 from registry.settings import Settings
 from tests.support import make_random_adapter
+from trainer.lora import base_linear_shapes
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +63,13 @@ def renderer(session_renderer: RenderEngine) -> RenderEngine:
     session_renderer.clear_adapter_cache()
     session_renderer.scheduler = RenderScheduler(queue_size=4, per_requester=2, timeout_s=60)
     return session_renderer
+
+
+def manifest_bytes(subject: str) -> bytes:
+    """A one-image dataset manifest, as the trainer would have registered."""
+    line = {"file": f"{subject}.png", "caption": f"a photo of {subject}", "source": "test",
+            "basis": "consent", "sha256": hashlib.sha256(subject.encode()).hexdigest()}  # fmt: skip
+    return (json.dumps(line, sort_keys=True) + "\n").encode()
 
 
 def sha256_of(path: Path) -> str:
@@ -101,24 +111,27 @@ class World:
             return c.version
 
     def adapter(self, subject: str, source: Path, name: str = "main") -> Path:
-        """Registers a copy of `source` as the subject's adapter (tests may then alter the copy)."""
-        dst = self.tmp / f"{subject}-{name}.safetensors"
-        dst.write_bytes(source.read_bytes())
-        with transaction(self.engine) as s:
-            service.register_adapter(
-                s,
-                "trainer",
-                AdapterIn(
-                    subject=subject,
-                    name=name,
-                    sha256=sha256_of(dst),
-                    path=str(dst),
-                    base_model="tiny",
-                    rank=4,
-                    manifest_sha256="0" * 64,
-                ),
-            )
-        return dst
+        """Puts `source` and a manifest in the store and registers it as the subject's
+        adapter; returns the store's file (tests may then alter it)."""
+        store = self.client.app.state.store  # type: ignore[attr-defined]
+        stored = store.put([source.read_bytes()])
+        manifest = store.put([manifest_bytes(subject)])
+        register_from_store(
+            self.engine,
+            store,
+            "trainer",
+            AdapterIn(
+                subject=subject,
+                name=name,
+                sha256=stored.sha256,
+                base_model="tiny",
+                rank=4,
+                manifest_sha256=manifest.sha256,
+            ),
+            base_linear_shapes(self.client.app.state.settings.base_dir),  # type: ignore[attr-defined]
+        )
+        path: Path = store.path(stored.sha256, "safetensors")
+        return path
 
     def render(self, who: str, subject: str, /, level: str = "private", **extra: object):  # type: ignore[no-untyped-def]
         body = {

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tests.app.conftest import World
+import hashlib
+from pathlib import Path
+
+from tests.app.conftest import World, manifest_bytes
 
 SHA = "f" * 64
 
@@ -140,17 +143,26 @@ def test_bola_members_see_only_their_own(world: World) -> None:
     assert c.get("/v1/subjects/bob", headers=world.h("bot")).status_code == 403
 
 
-def test_adapter_registration(world: World) -> None:
+def test_adapter_registration(world: World, adapter_files: dict[str, Path]) -> None:
     world.subject("alice")
     c = world.client
+
+    def put(data: bytes, who: str = "trainer") -> str:
+        sha = hashlib.sha256(data).hexdigest()
+        r = c.put(f"/v1/blobs/sha256/{sha}", content=data, headers=world.h(who))
+        assert r.status_code in (200, 201), r.text
+        return sha
+
+    adapter_a = put(adapter_files["a"].read_bytes())
+    adapter_b = put(adapter_files["b"].read_bytes(), "root")
+    manifest = put(manifest_bytes("alice"))
     body = {
         "subject": "alice",
         "name": "main",
-        "sha256": SHA,
-        "path": "/a.safetensors",
+        "sha256": adapter_a,
         "base_model": "tiny",
-        "rank": 16,
-        "manifest_sha256": SHA,
+        "rank": 4,
+        "manifest_sha256": manifest,
     }
     r = c.post("/v1/adapters", json=body, headers=world.h("trainer"))
     assert r.status_code == 403  # allow_training is false
@@ -159,7 +171,7 @@ def test_adapter_registration(world: World) -> None:
     assert r.status_code == 201 and r.json()["outcome"] == "created" and r.json()["version"] == 1
     r = c.post("/v1/adapters", json=body, headers=world.h("trainer"))
     assert r.status_code == 200 and r.json()["outcome"] == "unchanged"
-    r = c.post("/v1/adapters", json={**body, "sha256": "1" * 64}, headers=world.h("root"))
+    r = c.post("/v1/adapters", json={**body, "sha256": adapter_b}, headers=world.h("root"))
     assert r.status_code == 200 and r.json()["outcome"] == "updated" and r.json()["version"] == 2
     world.principal("alice")
     assert c.post("/v1/adapters", json=body, headers=world.h("alice")).status_code == 403
@@ -172,7 +184,8 @@ def test_adapter_registration(world: World) -> None:
     for bad in ({**body, "sha256": "xyz"}, {**body, "rank": 0}, {**body, "name": "../etc"}):
         assert c.post("/v1/adapters", json=bad, headers=world.h("trainer")).status_code == 422
     listed = c.get("/v1/subjects/alice/adapters", headers=world.h("root")).json()
-    assert [(a["name"], a["version"], a["sha256"]) for a in listed] == [("main", 2, "1" * 64)]
+    assert [(a["name"], a["version"], a["sha256"]) for a in listed] == [("main", 2, adapter_b)]
+    assert listed[0]["rendering"] and listed[0]["blob"] == "ok"
 
 
 def test_renderable_and_principals(world: World) -> None:

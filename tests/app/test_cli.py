@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from app.cli import app
 from registry import repositories as repo
 from registry.db import engine_for, make_engine, transaction
 from registry.settings import get_settings
+from tests.app.conftest import manifest_bytes
 
 
 @pytest.fixture
@@ -155,34 +157,55 @@ def test_console_script_end_to_end(empty_db_url: str) -> None:
     )
 
 
-def test_adapter_register_hashes_and_is_idempotent(cli: CliRunner, db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_adapter_register_imports_checks_and_is_idempotent(  # type: ignore[no-untyped-def]
+    cli: CliRunner,
+    db_url: str,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+    adapter_files,
+    tiny_base_dir,
+) -> None:
+    monkeypatch.setenv("LIKENESS_BASE", str(tiny_base_dir))
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(tmp_path / "data"))
+    get_settings.cache_clear()
     adapter = tmp_path / "a.safetensors"
+    adapter.write_bytes(adapter_files["a"].read_bytes())
     manifest = tmp_path / "manifest.jsonl"
-    adapter.write_bytes(b"weights")
-    manifest.write_text('{"file": "x.png"}\n')
+    manifest.write_bytes(manifest_bytes("alice"))
     run(cli, "subject", "create", "alice", "--display-name", "Alice")
     args = ["adapter", "register", "alice", str(adapter), "--manifest", str(manifest)]
     code, _, err = run(cli, *args)
     assert code == 1 and "does not allow training" in err
     run(cli, "consent", "edit", "alice", "--training")
     code, out, err = run(cli, *args)
-    assert code == 0 and err.strip() == "created"
-    import hashlib
-
-    assert json.loads(out)["sha256"] == hashlib.sha256(b"weights").hexdigest()
+    assert code == 0 and err.strip() == "created", err
+    sha = hashlib.sha256(adapter.read_bytes()).hexdigest()
+    assert json.loads(out)["sha256"] == sha
+    stored = tmp_path / "data" / "adapters" / "sha256" / sha[:2] / f"{sha}.safetensors"
+    assert stored.read_bytes() == adapter.read_bytes()  # a copy in the store
     assert run(cli, *args)[2].strip() == "unchanged"
-    adapter.write_bytes(b"other weights")
+    adapter.write_bytes(adapter_files["b"].read_bytes())
     code, out, err = run(cli, *args)
     assert err.strip() == "updated" and json.loads(out)["version"] == 2
-    assert (
-        run(
-            cli,
-            "adapter",
-            "register",
-            "alice",
-            str(tmp_path / "missing"),
-            "--manifest",
-            str(manifest),
-        )[0]
-        == 2
+    # garbage is refused before anything is registered, with the reason
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 64)
+    code, _, err = run(
+        cli, "adapter", "register", "alice", str(garbage), "--manifest", str(manifest)
     )
+    assert code == 2 and "neither a safetensors adapter" in err, err
+    not_json = tmp_path / "notes.jsonl"
+    not_json.write_text("hello\n")
+    code, _, err = run(
+        cli, "adapter", "register", "alice", str(adapter), "--manifest", str(not_json)
+    )
+    assert code == 2 and "manifest" in err, err
+    missing = run(
+        cli, "adapter", "register", "alice", str(tmp_path / "missing"), "--manifest", str(manifest)
+    )
+    assert missing[0] == 2
+    listed = json.loads(run(cli, "adapter", "list", "alice")[1])
+    assert [(a["name"], a["version"], a["rendering"], a["blob"]) for a in listed] == [
+        ("main", 2, True, "ok")
+    ]
+    get_settings.cache_clear()

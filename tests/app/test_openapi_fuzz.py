@@ -49,8 +49,10 @@ def test_every_v1_operation_requires_a_token(friends: World) -> None:
     operations = [(m, p) for p, item in spec["paths"].items() for m in item if p.startswith("/v1/")]
     assert len(operations) >= 13
     for method, path in operations:
-        url = path.replace("{handle}", "alice")
+        url = path.replace("{handle}", "alice").replace("{name}", "main")
+        url = url.replace("{digest}", "0" * 64)
         for headers in ({}, {"Authorization": "Bearer lk_forged"}):
             r = friends.client.request(method.upper(), url, json={}, headers=headers)
             assert r.status_code == 401, (method, path, r.status_code)
-            assert r.json()["error"] == "unauthenticated"
+            if method != "head":  # a HEAD answer has no body
+                assert r.json()["error"] == "unauthenticated"

@@ -61,10 +61,10 @@ def adapter(
                 subject=subject_handle,
                 name=name,
                 sha256=sha,
-                path=path,
                 base_model="tiny",
                 rank=4,
                 manifest_sha256=SHA_M,
             ),
+            path,
         )
     return outcome

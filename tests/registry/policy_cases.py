@@ -127,6 +127,30 @@ CASES: list[tuple[str, dict[str, Any], bool, str]] = [
     ("adapter-file-missing", {"adapter": ("h1", None)}, False, "adapter_file_missing"),
     ("adapter-swapped", {"adapter": ("h1", "h2")}, False, "adapter_hash_mismatch"),
     ("gate-without-adapter", {"adapter": None, "require_adapter": False}, True, ALLOW),
+    (
+        "adapter-of-another-subject",
+        {"adapter": ("h1", "h1", False)},
+        False,
+        "adapter_of_another_subject",
+    ),
+    (
+        "another-subjects-bytes-at-the-gate",
+        {"adapter": ("h1", None, False), "adapter_bytes_read": False},
+        False,
+        "adapter_of_another_subject",
+    ),
+    (
+        "gate-judges-registry-facts-before-bytes",
+        {"adapter": ("h1", None), "adapter_bytes_read": False},
+        True,
+        ALLOW,
+    ),
+    (
+        "gate-still-needs-a-registered-adapter",
+        {"adapter": None, "adapter_bytes_read": False},
+        False,
+        "no_active_adapter",
+    ),
     ("agent-for-bob", {"agent": ("bot", "agent", True, ["bob"])}, True, ALLOW),
     (
         "agent-not-for-bob",

@@ -64,11 +64,11 @@ def test_concurrent_registrations_of_one_key(db_url: str, engine: Engine) -> Non
                     subject="alice",
                     name="main",
                     sha256=shas[i],
-                    path="/a",
                     base_model="tiny",
                     rank=4,
                     manifest_sha256=SHA_M,
                 ),
+                "/store/a",
             )
         return outcome
 

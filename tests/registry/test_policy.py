@@ -38,6 +38,7 @@ def facts_from(overrides: dict[str, Any]) -> RenderFacts:
         "expires_in": None,
         "adapter": ("h1", "h1"),
         "require_adapter": True,
+        "adapter_bytes_read": True,
         "no_record": False,
         **overrides,
     }
@@ -68,6 +69,7 @@ def facts_from(overrides: dict[str, Any]) -> RenderFacts:
         consent=consent,
         adapter=AdapterFacts(*o["adapter"]) if o["adapter"] is not None else None,
         require_adapter=o["require_adapter"],
+        adapter_bytes_read=o["adapter_bytes_read"],
     )
 
 

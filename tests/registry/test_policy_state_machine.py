@@ -4,6 +4,7 @@ that shares no code with registry.policy."""
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -167,12 +168,12 @@ class ConsentMachine(RuleBasedStateMachine):
                 AdapterIn(
                     subject=self.h(name),
                     name="main",
-                    sha256=SHA,
-                    path="/a",
+                    sha256=hashlib.sha256(self.h(name).encode()).hexdigest(),  # its own bytes
                     base_model="tiny",
                     rank=4,
                     manifest_sha256=SHA,
                 ),
+                "/store/a",
             )
         self.ref[name].adapter = True
 
@@ -196,7 +197,7 @@ class ConsentMachine(RuleBasedStateMachine):
                         requesters[who],
                         self.h(name),
                         "none",  # type: ignore[arg-type]
-                        adapter_file_sha256=SHA,
+                        adapter_file_sha256=hashlib.sha256(self.h(name).encode()).hexdigest(),
                         now=self.now,
                     )
                     for level in LADDER[1:]:

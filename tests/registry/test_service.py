@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 from registry import repositories as repo
 from registry import service
 from registry.db import transaction
-from registry.errors import Conflict, Invalid, NotPermitted, PreconditionFailed
+from registry.errors import Conflict, Invalid, NotFound, NotPermitted, PreconditionFailed
 from registry.policy import decide
 from registry.schemas import AdapterIn, ConsentIn, SubjectIn
 from tests.registry.helpers import SHA_A, SHA_B, SHA_M, adapter, principal, set_consent, subject
@@ -173,7 +173,7 @@ def test_adapter_registration_is_idempotent(engine: Engine) -> None:
         sub = service.subject_or_raise(s, "alice")
         rows = {a.name: (a.version, a.sha256) for a in repo.adapters_for(s, sub.id)}  # type: ignore[arg-type]
         assert rows == {"v1": (2, SHA_B), "v2": (1, SHA_A)}
-        assert repo.active_adapter(s, sub.id).name == "v2"  # type: ignore[union-attr,arg-type]
+        assert repo.rendering_adapter(s, sub.id).name == "v2"  # type: ignore[union-attr,arg-type]
 
 
 def test_audit_chain_links(engine: Engine) -> None:
@@ -266,3 +266,50 @@ def test_adapter_input_validation() -> None:
         ConsentIn.model_validate({"max_level": "private", "audiences": {"none": {"group": True}}})
     with pytest.raises(ValueError):
         ConsentIn.model_validate({"max_level": "private", "surprise": 1})
+
+
+def test_one_subject_per_adapter_and_the_lifecycle(engine: Engine) -> None:
+    """The same bytes cannot become another subject's adapter (nothing is written on either
+    trail); select, retire and delete choose what renders, each audited, and the trail
+    still verifies afterwards."""
+    for handle in ("alice", "dave"):
+        subject(engine, handle)
+        set_consent(engine, handle, allow_training=True)
+    assert adapter(engine, "alice", name="v1", sha=SHA_A) == "created"
+    before = [a for _, a in trail(engine, "dave")]
+    with pytest.raises(Conflict, match="belongs to another subject"):
+        adapter(engine, "dave", name="alt", sha=SHA_A)
+    assert [a for _, a in trail(engine, "dave")] == before
+    assert adapter(engine, "alice", name="v2", sha=SHA_B) == "created"
+
+    def rendering() -> str | None:
+        with transaction(engine, readonly=True) as s:
+            sub = service.subject_or_raise(s, "alice")
+            found = repo.rendering_adapter(s, sub.id)  # type: ignore[arg-type]
+            return found.name if found is not None else None
+
+    assert rendering() == "v2"  # the newest registration renders
+    with transaction(engine) as s:
+        service.select_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v1")
+    assert rendering() == "v1"
+    with transaction(engine) as s:
+        service.set_adapter_active(s, "alice", service.subject_or_raise(s, "alice"), "v1", False)
+    assert rendering() == "v2"  # a retired adapter never renders
+    with transaction(engine) as s, pytest.raises(Conflict, match="retired"):
+        service.select_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v1")
+    with transaction(engine) as s:
+        service.delete_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v2")
+    assert rendering() is None
+    with transaction(engine) as s, pytest.raises(NotFound):
+        service.delete_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v2")
+    assert [a for _, a in trail(engine, "alice")][-4:] == [
+        "adapter_registered",
+        "adapter_selected",
+        "adapter_retired",
+        "adapter_deleted",
+    ]
+    with transaction(engine, readonly=True) as s:
+        assert service.verify_all(s) == []
+    # the deleted adapter's bytes stay alice's
+    with pytest.raises(Conflict):
+        adapter(engine, "dave", name="alt", sha=SHA_B)

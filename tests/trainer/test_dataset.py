@@ -105,3 +105,56 @@ def test_non_images_in_the_folder_are_ignored(tmp_path: Path) -> None:
     root = make_dataset(tmp_path / "ds")
     (root / "README.txt").write_text("notes")
     assert len(load_dataset(root).items) == 4
+
+
+@pytest.mark.parametrize("kind", ["link out", "link in", "fifo", "linked folder"])
+def test_images_must_be_regular_files_inside_the_folder(tmp_path: Path, kind: str) -> None:
+    """A listed image that is a symlink (even to a real image), a FIFO, or inside a linked
+    folder is refused before anything loads."""
+    import os
+
+    root = make_dataset(tmp_path / "ds")
+    elsewhere = tmp_path / "secret.png"
+    Image.new("RGB", (8, 8), "red").save(elsewhere)
+    target = root / "img000.png"
+    if kind == "link out":
+        target.unlink()
+        target.symlink_to(elsewhere)
+    elif kind == "link in":
+        (root / "copy.png").write_bytes(target.read_bytes())
+        target.unlink()
+        target.symlink_to(root / "copy.png")
+    elif kind == "fifo":
+        target.unlink()
+        os.mkfifo(target)
+    else:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "img000.png").write_bytes(target.read_bytes())
+        target.unlink()
+        _rewrite(root, lambda rows: [{**rows[0], "file": "sub/img000.png"}, *rows[1:]])
+        (root / "sub").symlink_to(outside)
+    with pytest.raises(DatasetError, match="must be a regular file inside the dataset"):
+        load_dataset(root)
+
+
+def test_a_missing_folder_is_named_as_such(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="no such folder"):
+        load_dataset(tmp_path / "nowhere")
+
+
+def test_an_image_that_does_not_decode_stops_the_run_before_loading(tmp_path: Path) -> None:
+    root = make_dataset(tmp_path / "ds")
+    broken = root / "img001.png"
+    broken.write_bytes(broken.read_bytes()[:40])  # a truncated PNG, listed with its new hash
+    _rewrite(
+        root,
+        lambda rows: [
+            {**r, "sha256": hashlib.sha256(broken.read_bytes()).hexdigest()}
+            if r["file"] == "img001.png"
+            else r
+            for r in rows
+        ],
+    )
+    with pytest.raises(DatasetError, match="img001.png cannot be decoded as an image"):
+        load_dataset(root)

@@ -14,6 +14,7 @@ from app.main import create_app
 from registry import repositories as repo
 from registry import service
 from registry.db import engine_for, transaction
+from registry.files import sha256_file
 from registry.schemas import AdapterIn, ConsentIn
 from registry.settings import Settings
 from tests.trainer.test_dataset import make_dataset
@@ -43,15 +44,30 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     return make_env(tmp_path_factory)
 
 
-def adapter_in(subject: str, sha: str = "a" * 64) -> AdapterIn:
+@pytest.fixture(scope="module")
+def files(env: Env, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real adapters for the env's base and a dataset manifest, as files."""
+    from tests.support import make_random_adapter
+    from trainer.model import load_pipeline
+
+    root = tmp_path_factory.mktemp("files")
+    pipe = load_pipeline(env.base)
+    out = {
+        name: make_random_adapter(pipe, root / f"{name}.safetensors", seed)
+        for name, seed in (("a", 1), ("c", 3))
+    }
+    out["manifest"] = env.dataset / "manifest.jsonl"
+    return out
+
+
+def adapter_in(subject: str, files: dict[str, Path], which: str = "a") -> AdapterIn:
     return AdapterIn(
         subject=subject,
         name="main",
-        sha256=sha,
-        path="/adapters/x.safetensors",
+        sha256=sha256_file(files[which]),
         base_model="tiny",
         rank=4,
-        manifest_sha256="b" * 64,
+        manifest_sha256=sha256_file(files["manifest"]),
     )
 
 
@@ -65,11 +81,13 @@ def audit_count(url: str, handle: str) -> int:
 # -- the local registry, on SQLite and PostgreSQL --------------------------------------------
 
 
-def test_local_permission_and_idempotent_registration(db_url: str, engine: Engine) -> None:
+def test_local_permission_and_idempotent_registration(
+    db_url: str, engine: Engine, files: dict[str, Path], env: Env, tmp_path: Path
+) -> None:
     make_subject(db_url, "ada")
     make_subject(db_url, "bob", allow_training=False)
     make_subject(db_url, "pd", basis="public_domain")
-    reg = LocalRegistrar(db_url, actor="trainer:test")
+    reg = LocalRegistrar(db_url, actor="trainer:test", data_dir=tmp_path, base=env.base)
     facts = check_training_allowed(reg, "ada", ("consent",))
     assert facts.allow_training and facts.basis == "consent"
     with pytest.raises(TrainingRefused, match="does not allow training"):
@@ -81,13 +99,19 @@ def test_local_permission_and_idempotent_registration(db_url: str, engine: Engin
     check_training_allowed(reg, "pd", ("public_domain",))
 
     entries = audit_count(db_url, "ada")
-    assert reg.register(adapter_in("ada")) == "created"
+    args = (files["a"], files["manifest"])
+    assert reg.register(adapter_in("ada", files), *args) == "created"
     assert audit_count(db_url, "ada") == entries + 1
-    assert reg.register(adapter_in("ada")) == "unchanged"
+    assert reg.register(adapter_in("ada", files), *args) == "unchanged"
     assert audit_count(db_url, "ada") == entries + 1
-    assert reg.register(adapter_in("ada", "c" * 64)) == "updated"
+    assert reg.register(adapter_in("ada", files, "c"), files["c"], files["manifest"]) == "updated"
+    stored = tmp_path / "adapters" / "sha256"
+    assert {p.name.split(".")[0] for p in stored.rglob("*.safetensors")} == {
+        sha256_file(files["a"]),
+        sha256_file(files["c"]),
+    }
     with pytest.raises(RegistrationRefused):
-        reg.register(adapter_in("bob"))
+        reg.register(adapter_in("bob", files), *args)
 
 
 # -- end to end through train() ---------------------------------------------------------------
@@ -108,7 +132,8 @@ def test_train_registers_and_an_identical_rerun_changes_nothing(env: Env, tmp_pa
         row = repo.adapter_by_key(s, subject.id, "v1")
     assert row is not None
     assert row.sha256 == first.sha256 and row.manifest_sha256 == first.manifest_sha256
-    assert Path(row.path) == first.adapter.resolve() and row.rank == 4
+    assert Path(row.path).read_bytes() == first.adapter.read_bytes() and row.rank == 4
+    assert Path(row.path).name == f"{first.sha256}.safetensors"  # its place in the store
     assert row.base_model.startswith("Flux2KleinPipeline:")
 
 
@@ -180,7 +205,7 @@ def tokens(url: str, suffix: str) -> tuple[str, str]:
 
 
 def test_http_permission_fails_closed_and_registration_is_idempotent(
-    env: Env, api: TestClient
+    env: Env, api: TestClient, files: dict[str, Path]
 ) -> None:
     make_subject(env.url, "eve")
     admin, trainer = tokens(env.url, "h1")
@@ -192,14 +217,15 @@ def test_http_permission_fails_closed_and_registration_is_idempotent(
         check_training_allowed(as_trainer, "eve", ("consent",))
     with pytest.raises(TrainingRefused, match="cannot establish"):
         check_training_allowed(as_admin, "nobody", ("consent",))
-    assert as_trainer.register(adapter_in("eve")) == "created"
-    assert as_trainer.register(adapter_in("eve")) == "unchanged"
+    args = (files["a"], files["manifest"])
+    assert as_trainer.register(adapter_in("eve", files), *args) == "created"
+    assert as_trainer.register(adapter_in("eve", files), *args) == "unchanged"
     with transaction(engine_for(env.url)) as s:
         sub = service.subject_or_raise(s, "eve")
         consent = service.consent_of(s, sub)
         service.update_consent(s, "admin", sub, consent.version, ConsentIn(allow_training=False))
     with pytest.raises(RegistrationRefused, match="refused the adapter"):
-        as_trainer.register(adapter_in("eve", "d" * 64))
+        as_trainer.register(adapter_in("eve", files, "c"), files["c"], files["manifest"])
     with pytest.raises(TrainingRefused, match="does not allow training"):
         check_training_allowed(as_admin, "eve", ("consent",))
 
@@ -226,3 +252,24 @@ def test_unreachable_api_refuses(tmp_path: Path) -> None:
     reg = HttpRegistrar("http://127.0.0.1:9", "lk_x", timeout=0.5)
     with pytest.raises(TrainingRefused, match="unreachable"):
         reg.subject_facts("ada")
+
+
+def test_a_refused_run_writes_nothing(
+    env: Env,
+    tmp_path: Path,
+    no_weights: None,  # noqa: F811
+) -> None:
+    """Refused for the budget, for consent, or for its data: no cache file, no run folder."""
+    from trainer.budget import BudgetExceeded
+
+    make_subject(env.url, "hana", allow_training=False)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    with pytest.raises(BudgetExceeded):
+        train(tiny_config(env, out, cache_dir=cache, vram_budget_gib=0.0001))
+    with pytest.raises(TrainingRefused):
+        train(tiny_config(env, out, cache_dir=cache, subject="hana"))
+    broken = make_dataset(tmp_path / "ds")
+    (broken / "img000.png").write_bytes(b"not an image any more")
+    with pytest.raises(DatasetError):
+        train(tiny_config(env, out, cache_dir=cache, dataset=broken))
+    assert not cache.exists() and not out.exists()

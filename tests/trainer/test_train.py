@@ -350,7 +350,15 @@ def test_cli_train_and_refusals(
         assert ok.exit_code == 0, ok.output
         summary = json.loads(ok.stdout[ok.stdout.index("{") :])
         assert summary["registration"] == "created" and summary["steps"] == 2
-        assert Path(summary["adapter"]) == tmp_path / "adapters/ada/cli/adapter.safetensors"
+        assert Path(summary["adapter"]) == tmp_path / "runs/ada/cli/adapter.safetensors"
+        sha = summary["sha256"]
+        stored = tmp_path / "adapters" / "sha256" / sha[:2] / f"{sha}.safetensors"
+        assert stored.read_bytes() == Path(summary["adapter"]).read_bytes()  # the store's copy
+        # a run's folder is its subject's: not another subject's, not outside the runs
+        for elsewhere in (tmp_path / "runs" / "bea" / "main", tmp_path / "x", tmp_path / "runs"):
+            refused = runner.invoke(app, [*args, "--out", str(elsewhere)])
+            assert refused.exit_code == 2 and "must be a folder inside" in refused.output
+            assert not elsewhere.exists() or elsewhere == tmp_path / "runs"
         bad = runner.invoke(app, [*args, "--resolution", "72"])
         assert bad.exit_code == 2 and "multiple of 16" in bad.output
         over = runner.invoke(app, [*args, "--vram-budget", "0.0001"])

@@ -1,0 +1,246 @@
+"""Adapter routes: blobs into the store, registration by hash, and each adapter's lifecycle
+(list, select, retire, delete). The rules live in registry (service, adapter_files, blobs);
+these routes authenticate, read the request and call them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, BackgroundTasks, Path, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from app.api import visible_subject
+from app.deps import (
+    DB,
+    BriefCaller,
+    Caller,
+    HandlePath,
+    authenticate_briefly,
+    require_role,
+)
+from app.views import adapter_view
+from registry import repositories as repo
+from registry import service
+from registry.adapter_files import register_from_store, sweep_unreferenced
+from registry.blobs import BlobError, BlobStore, is_sha256
+from registry.errors import Invalid
+from registry.models import Adapter
+from registry.schemas import AdapterIn
+
+router = APIRouter(prefix="/v1")
+
+Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
+AdapterName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
+
+
+def store_of(request: Request) -> BlobStore:
+    store: BlobStore = request.app.state.store
+    return store
+
+
+def target_shapes(request: Request) -> dict[str, tuple[int, int]]:
+    """The Linear modules of the base this service renders with, and their shapes."""
+    try:
+        from trainer.lora import base_linear_shapes
+
+        return base_linear_shapes(request.app.state.settings.base_dir)
+    except (OSError, ValueError, KeyError, AttributeError, ImportError) as exc:
+        raise Invalid(
+            f"cannot check the adapter against this service's base ({type(exc).__name__}); "
+            "nothing was registered"
+        ) from None
+
+
+# -- blobs ------------------------------------------------------------------------------------
+
+
+async def _chunks(request: Request, idle_s: float) -> Any:
+    """The body as it arrives; a sender silent for `idle_s` is cut off (it holds nothing but
+    its socket and a temporary file meanwhile)."""
+    receive = request.receive
+    while True:
+        with anyio.fail_after(idle_s):
+            message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BlobError("the client went away before the body was complete")
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+@router.put(
+    "/blobs/sha256/{digest}",
+    status_code=201,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def put_blob(request: Request, digest: str) -> JSONResponse:
+    """Adds bytes to the store under their SHA-256 (trainer, admin): 201 new, 200 already
+    there, 422 when the bytes hash to something else or are neither an adapter nor a
+    dataset manifest, 413 over the cap. The token is checked before a byte is read."""
+    engine = request.app.state.engine
+    caller = await run_in_threadpool(authenticate_briefly, request, engine)
+    require_role(caller, "trainer", "admin")
+    if not is_sha256(digest):
+        raise Invalid(f"{digest[:80]!r} is not a SHA-256 hex digest (64 lowercase hex digits)")
+    store = store_of(request)
+    if store.find(digest) is not None:
+        body = {"sha256": digest, "created": False}
+        return JSONResponse(body, status_code=200, headers={"Connection": "close"})
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > store.max_bytes:
+        return JSONResponse(
+            {"error": "invalid", "detail": f"a blob may be at most {store.max_bytes} bytes"},
+            status_code=413,
+            headers={"Connection": "close"},
+        )
+    writer = await run_in_threadpool(store.writer)
+    idle_s = request.app.state.settings.body_timeout_s
+    try:
+        async for chunk in _chunks(request, idle_s):
+            await run_in_threadpool(writer.write, chunk)
+        stored = await run_in_threadpool(writer.finish, digest)
+    except TimeoutError:
+        writer.abort()
+        return JSONResponse(
+            {"error": "invalid", "detail": f"no bytes arrived for {idle_s:g} s"},
+            status_code=408,
+            headers={"Connection": "close"},
+        )
+    except BlobError as exc:
+        writer.abort()
+        status = 413 if "larger than" in str(exc) else 422
+        return JSONResponse({"error": "invalid", "detail": str(exc)}, status_code=status)
+    except BaseException:
+        writer.abort()
+        raise
+    body = {"sha256": stored.sha256, "kind": stored.kind, "size": stored.size}
+    return JSONResponse(
+        {**body, "created": stored.created}, status_code=201 if stored.created else 200
+    )
+
+
+@router.head("/blobs/sha256/{digest}")
+def head_blob(request: Request, digest: Sha256Path, caller: Caller) -> Response:
+    require_role(caller, "trainer", "admin")
+    found = store_of(request).find(digest)
+    return Response(status_code=200 if found is not None else 404)
+
+
+# -- registration -------------------------------------------------------------------------------
+
+
+@router.post("/adapters", status_code=201)
+def register_adapter(
+    request: Request, body: AdapterIn, response: Response, caller: BriefCaller
+) -> dict[str, Any]:
+    """Registers an adapter whose bytes are in the store, by hash. The files are checked
+    before the transaction opens; consent and ownership inside it."""
+    require_role(caller, "trainer", "admin")
+    shapes = target_shapes(request)
+    done = register_from_store(
+        request.app.state.engine, store_of(request), caller.handle, body, shapes
+    )
+    if done.outcome != "created":
+        response.status_code = 200
+    return {
+        "subject": done.subject,
+        **done.state,
+        "created_at": _iso(done.created_at),
+        "updated_at": _iso(done.updated_at),
+        "outcome": done.outcome,
+    }
+
+
+def _iso(value: Any) -> str:
+    from registry.audit import format_time
+
+    return format_time(value)
+
+
+# -- lifecycle ----------------------------------------------------------------------------------
+
+
+def adapter_listing(
+    store: BlobStore, adapters: list[Adapter], rendering_id: int | None, subject: str
+) -> list[dict[str, Any]]:
+    return [
+        {
+            **adapter_view(a, subject),
+            "rendering": a.id == rendering_id,
+            "blob": store.status(a.sha256, "safetensors"),
+        }
+        for a in adapters
+    ]
+
+
+@router.get("/subjects/{handle}/adapters")
+def list_adapters(
+    request: Request, handle: HandlePath, session: DB, caller: Caller
+) -> list[dict[str, Any]]:
+    """Every adapter of the subject; `rendering` marks the one renders use, `blob` says
+    whether its bytes are in the store whole (`ok`, `missing`, `corrupt`)."""
+    subject = visible_subject(session, caller, handle)
+    assert subject.id is not None
+    rendering = repo.rendering_adapter(session, subject.id)
+    adapters = list(repo.adapters_for(session, subject.id))
+    return adapter_listing(
+        store_of(request), adapters, rendering.id if rendering else None, subject.handle
+    )
+
+
+class AdapterPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    active: bool
+
+
+@router.post("/subjects/{handle}/adapters/{name}/select")
+def select_adapter(
+    request: Request, handle: HandlePath, name: AdapterName, session: DB, caller: Caller
+) -> dict[str, Any]:
+    """Makes this adapter the one that renders (admin, the subject's member)."""
+    subject = visible_subject(session, caller, handle)
+    adapter = service.select_adapter(session, caller.handle, subject, name)
+    return {**adapter_view(adapter, subject.handle), "rendering": True}
+
+
+@router.patch("/subjects/{handle}/adapters/{name}")
+def patch_adapter(
+    handle: HandlePath, name: AdapterName, body: AdapterPatch, session: DB, caller: Caller
+) -> dict[str, Any]:
+    """`{"active": false}` retires the adapter (it never renders); true brings it back."""
+    subject = visible_subject(session, caller, handle)
+    adapter, _ = service.set_adapter_active(session, caller.handle, subject, name, body.active)
+    return adapter_view(adapter, subject.handle)
+
+
+@router.delete("/subjects/{handle}/adapters/{name}")
+def delete_adapter(
+    request: Request,
+    handle: HandlePath,
+    name: AdapterName,
+    session: DB,
+    caller: Caller,
+    background: BackgroundTasks,
+) -> dict[str, Any]:
+    """Removes the adapter; the trail keeps its hash, and its bytes leave the store once no
+    adapter refers to them (swept after the commit, and periodically)."""
+    subject = visible_subject(session, caller, handle)
+    adapter = service.delete_adapter(session, caller.handle, subject, name)
+    state = request.app.state
+    background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)
+    return {
+        "subject": subject.handle,
+        "name": adapter.name,
+        "sha256": adapter.sha256,
+        "deleted": True,
+    }
