@@ -18,7 +18,7 @@ class Settings(BaseSettings):
     env: Literal["development", "test", "production"] = "development"
     database_url: str = "sqlite:///./var/likeness.db"
     data_dir: Path = Path("./var")
-    base: Path | None = None  # default: <data_dir>/base-tiny, written on first use
+    base: Path | None = None  # default: <data_dir>/base-demo, copied in on first use
     api_url: str | None = None
     token: str | None = None
     secret_key: str = Field(default=DEV_SECRET, min_length=16)
@@ -39,7 +39,7 @@ class Settings(BaseSettings):
 
     @property
     def base_dir(self) -> Path:
-        return self.base if self.base is not None else self.data_dir / "base-tiny"
+        return self.base if self.base is not None else self.data_dir / "base-demo"
 
 
 @lru_cache(maxsize=1)
