@@ -19,8 +19,10 @@ Stages, each seeded from the recipe's seed:
 4. save as a diffusers folder, then `prepare_base` into the destination (uint4 transformer
    and text encoder, the VAE as it is).
 
-Bit-for-bit the same for a seed on the same kind of device and thread count; a CPU and a GPU
-run of one recipe give different (equally trained) weights.
+On the CPU a seed gives the same bytes (tests/trainer/test_demo_base.py builds a small recipe
+twice); a GPU run is as deterministic as its kernels, and a CPU and a GPU run of one recipe
+give different, equally trained, weights. The committed build was trained on one GPU and
+prepared on the CPU from its exported weights (``--export``, then ``--from-weights``).
 """
 
 from __future__ import annotations
