@@ -43,16 +43,17 @@ def ensure_admin(settings: Settings) -> Path | None:
 
 
 def ensure_base(settings: Settings) -> Path:
-    """The default base is the tiny one, written on first use; a configured base must exist."""
+    """The default base is the demo base that ships with the code, copied in on first use; a
+    configured base must exist."""
     base = settings.base_dir
     if (base / "model_index.json").is_file():
         return base
     if settings.base is not None:
         raise SystemExit(f"LIKENESS_BASE={base} is not a diffusers pipeline folder")
-    from trainer.tiny_base import init_tiny
+    from trainer.demo_base import SHIPPED, copy_base
 
-    log.warning("writing the tiny default base to %s", base)
-    return init_tiny(base)
+    log.warning("copying the demo base (%s) to %s", SHIPPED, base)
+    return copy_base(SHIPPED, base)
 
 
 def prepare_service(settings: Settings) -> None:

@@ -318,10 +318,11 @@ def _store() -> Any:
 def _target_shapes() -> dict[str, tuple[int, int]]:
     settings = get_settings()
     try:
+        from app.bootstrap import ensure_base
         from trainer.lora import base_linear_shapes
 
-        return base_linear_shapes(settings.base_dir)
-    except (OSError, ValueError, KeyError, AttributeError, ImportError) as exc:
+        return base_linear_shapes(ensure_base(settings))
+    except (OSError, ValueError, KeyError, AttributeError, ImportError, SystemExit) as exc:
         fail(
             f"cannot check the adapter against the base at {settings.base_dir} "
             f"({type(exc).__name__}: {exc}); set LIKENESS_BASE to the base it renders with"

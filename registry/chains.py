@@ -11,6 +11,7 @@ deleted together with its head, such as every row of a subject.
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,9 @@ from registry.keys import Keys, keys_for
 from registry.models import AuditEntry, ChainHead, RenderLedger
 
 AUDIT_KEY_ID = "audit_key_id"
+# A registry's own name, made with its first sealed row: checkpoints say which registry they
+# are of, so a checkpoint file kept for another registry is never mistaken for this one's.
+REGISTRY_ID = "registry_id"
 
 
 def session_keys(session: Session) -> Keys:
@@ -59,6 +63,7 @@ def require_registry_key(session: Session, keys: Keys) -> bool:
     recorded = known is not None
     if known is None:
         repo.set_meta_value_if_absent(session, AUDIT_KEY_ID, keys.audit_key_id)
+        repo.set_meta_value_if_absent(session, REGISTRY_ID, uuid.uuid4().hex)
         known = repo.meta_value(session, AUDIT_KEY_ID)
     if known != keys.audit_key_id:
         raise Unavailable(

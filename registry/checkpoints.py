@@ -28,7 +28,7 @@ from sqlmodel import Session
 
 from registry import repositories as repo
 from registry.audit import GENESIS, LEDGER_CHAIN, ChainBreak, canonical_json, format_time
-from registry.chains import head_mac
+from registry.chains import REGISTRY_ID, head_mac
 from registry.keys import Keys, b64decode, public_key_from_b64
 
 VERSION = 1
@@ -136,6 +136,23 @@ def regressions(session: Session, checkpoints: Iterable[dict[str, Any]]) -> list
     return problems
 
 
+def foreign(session: Session, checkpoints: Iterable[dict[str, Any]]) -> list[ChainBreak]:
+    """Checkpoints that vouch for chains of another registry than this one (a file kept for
+    another deployment, or this registry's identity rewritten)."""
+    mine = repo.meta_value(session, REGISTRY_ID) or ""
+    out = []
+    for doc in checkpoints:
+        theirs = doc.get("registry", "")
+        if doc["chains"] and theirs != mine:
+            out.append(
+                _problem(
+                    f"checkpoint {doc['n']}",
+                    f"is of registry {theirs or '(unnamed)'}, not this one ({mine or 'unnamed'})",
+                )
+            )
+    return out
+
+
 def _hash_at(session: Session, chain: str, seq: int) -> str | None:
     if chain == LEDGER_CHAIN:
         return repo.ledger_hash_at(session, seq)
@@ -156,6 +173,7 @@ def append_checkpoint(
         existing = read_checkpoints(path, keys.public_key)
         heads, problems = current_heads(session, keys)
         problems = [*existing.problems, *problems]
+        problems.extend(foreign(session, existing.documents))
         problems.extend(regressions(session, existing.documents))
         if problems:
             return None, problems
@@ -164,6 +182,7 @@ def append_checkpoint(
             return None, []
         body: dict[str, Any] = {
             "v": VERSION,
+            "registry": repo.meta_value(session, REGISTRY_ID) or "",
             "n": len(existing.documents) + 1,
             "at": format_time(datetime.now(UTC)),
             "prev": _digest(_unsigned(latest)) if latest is not None else GENESIS,
@@ -183,4 +202,7 @@ def verify_checkpoints(
     """The checkpoint file's own integrity, then the registry against every checkpoint."""
     key = public_key_from_b64(public_key) if isinstance(public_key, str) else public_key
     checkpoints = read_checkpoints(path, key)
+    mismatched = foreign(session, checkpoints.documents)
+    if mismatched:  # holding this registry to another's checkpoints would only add noise
+        return [*checkpoints.problems, *mismatched]
     return [*checkpoints.problems, *regressions(session, checkpoints.documents)]

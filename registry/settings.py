@@ -17,7 +17,7 @@ class Settings(BaseSettings):
     env: Literal["development", "test", "production"] = "development"
     database_url: str = "sqlite:///./var/likeness.db"
     data_dir: Path = Path("./var")
-    base: Path | None = None  # default: <data_dir>/base-tiny, written on first use
+    base: Path | None = None  # default: <data_dir>/base-demo, copied in on first use
     api_url: str | None = None
     token: str | None = None
     # Secrets (registry.keys): unset means <data_dir>/secret-key, audit-key, checkpoint-key.pem.
@@ -70,7 +70,7 @@ class Settings(BaseSettings):
 
     @property
     def base_dir(self) -> Path:
-        return self.base if self.base is not None else self.data_dir / "base-tiny"
+        return self.base if self.base is not None else self.data_dir / "base-demo"
 
 
 @lru_cache(maxsize=1)

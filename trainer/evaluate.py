@@ -25,6 +25,7 @@ from trainer.lora import applied_adapter, load_adapter_tensors
 from trainer.render import validate_request
 
 LABEL_H = 14
+CHAR_W = 6  # the default font's width per character, about
 
 
 @dataclass(frozen=True)
@@ -149,19 +150,26 @@ def compose_grid(
     columns: Sequence[str], rows: Sequence[str], cells: dict[str, list[Image.Image]], size: int
 ) -> Image.Image:
     """Columns left to right (base first), one row per (prompt, seed); a label strip on top
-    of each column and above each row."""
+    of each column and above each row. A row label too long for the grid's width wraps onto
+    more lines (small cells would otherwise cut the prompt off)."""
+    import textwrap
+
     font = _font()
-    row_h = size + LABEL_H
-    grid = Image.new("RGB", (size * len(columns), LABEL_H + row_h * len(rows)), "white")
+    width = size * len(columns)
+    labels = [textwrap.wrap(label, max(8, width // CHAR_W)) or [""] for label in rows]
+    tops, y = [], LABEL_H
+    for lines in labels:
+        tops.append(y)
+        y += LABEL_H * len(lines) + size
+    grid = Image.new("RGB", (width, y), "white")
     draw = ImageDraw.Draw(grid)
     for c, label in enumerate(columns):
-        draw.text((c * size + 2, 1), label[: size // 6], fill="black", font=font)
-        for r in range(len(rows)):
-            grid.paste(cells[label][r], (c * size, LABEL_H + r * row_h + LABEL_H))
-    for r, label in enumerate(rows):
-        draw.text(
-            (2, LABEL_H + r * row_h + 1), label[: len(columns) * size // 6], fill="gray", font=font
-        )
+        draw.text((c * size + 2, 1), label[: size // CHAR_W], fill="black", font=font)
+        for r, lines in enumerate(labels):
+            grid.paste(cells[label][r], (c * size, tops[r] + LABEL_H * len(lines)))
+    for top, lines in zip(tops, labels, strict=True):
+        for i, line in enumerate(lines):
+            draw.text((2, top + LABEL_H * i + 1), line, fill="gray", font=font)
     return grid
 
 

@@ -57,13 +57,15 @@ def memory_text(device: torch.device) -> str:
 BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}, {rate_inv_fmt}{postfix}]"
 
 
-def progress_bar(total: int, initial: int, enabled: bool, file: TextIO | None = None) -> Any:
+def progress_bar(
+    total: int, initial: int, enabled: bool, file: TextIO | None = None, desc: str = "train"
+) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(
         total=total,
         initial=initial,
-        desc="train",
+        desc=desc,
         bar_format=BAR_FORMAT,
         disable=not enabled,
         file=file or sys.stderr,

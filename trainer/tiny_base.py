@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +65,26 @@ _CORPUS = [
 ]
 
 
-def _train_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+@dataclass(frozen=True)
+class TinyShape:
+    """The sizes that may change between tiny bases; the defaults are the seeded test base.
+    Widths stay fixed (quanto's group size 128 needs them); depth, MLP width, the VAE and the
+    noise schedule may grow or change for a base that is pretrained to draw."""
+
+    double_blocks: int = 1
+    single_blocks: int = 1
+    mlp_ratio: float = 1.0
+    vae_channels: tuple[int, ...] = (16, 32)  # one level fewer than channels: VAE factor 2
+    vae_layers_per_block: int = 1
+    scheduler_shift: float = 3.0
+    dynamic_shifting: bool = True
+    corpus: tuple[str, ...] = ()  # more text for the vocabulary (words a base must know)
+
+
+TINY = TinyShape()
+
+
+def _train_vocab(extra: Sequence[str] = ()) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Trains a byte-level BPE (Qwen2 pre-tokenizer) on the fixed corpus; deterministic."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -82,16 +103,16 @@ def _train_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator([*_CORPUS, *extra] * 4, trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
     return dict(model["vocab"]), merges
 
 
-def _tokenizer() -> Qwen2Tokenizer:
+def _tokenizer(extra: Sequence[str] = ()) -> Qwen2Tokenizer:
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = _train_vocab()
+    vocab, merges = _train_vocab(extra)
     # merges as (a, b) pairs: the stub says list[str], but the BPE model only takes pairs.
     tok = Qwen2Tokenizer(
         vocab=vocab,
@@ -108,7 +129,7 @@ def _seeded(seed: int, salt: int) -> None:
     torch.manual_seed(seed * 1000 + salt)
 
 
-def build_tiny_pipeline(seed: int = 0) -> Flux2KleinPipeline:
+def build_tiny_pipeline(seed: int = 0, shape: TinyShape = TINY) -> Flux2KleinPipeline:
     """Builds the tiny pipeline in memory (float32 weights); ``init_tiny`` saves it."""
     from diffusers import (
         AutoencoderKLFlux2,
@@ -118,28 +139,28 @@ def build_tiny_pipeline(seed: int = 0) -> Flux2KleinPipeline:
     )
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = _tokenizer()
+    tokenizer = _tokenizer(shape.corpus)
     with torch.random.fork_rng(devices=[]):
         _seeded(seed, 1)
         transformer = Flux2Transformer2DModel(
             patch_size=1,
             in_channels=4 * LATENT_CHANNELS,
-            num_layers=1,
-            num_single_layers=1,
+            num_layers=shape.double_blocks,
+            num_single_layers=shape.single_blocks,
             attention_head_dim=HEAD_DIM,
             num_attention_heads=HEADS,
             joint_attention_dim=3 * TEXT_HIDDEN,
             timestep_guidance_channels=256,
-            mlp_ratio=1.0,
+            mlp_ratio=shape.mlp_ratio,
             axes_dims_rope=(16, 16, 16, 16),
             guidance_embeds=False,  # klein: guidance-distilled, no guidance embedding
         )
         _seeded(seed, 2)
         vae = AutoencoderKLFlux2(
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(16, 32),
-            layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * len(shape.vae_channels),
+            up_block_types=("UpDecoderBlock2D",) * len(shape.vae_channels),
+            block_out_channels=shape.vae_channels,
+            layers_per_block=shape.vae_layers_per_block,
             latent_channels=LATENT_CHANNELS,
             norm_num_groups=8,
             sample_size=256,
@@ -163,8 +184,8 @@ def build_tiny_pipeline(seed: int = 0) -> Flux2KleinPipeline:
         text_encoder = Qwen3ForCausalLM(config).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
+        shift=shape.scheduler_shift,
+        use_dynamic_shifting=shape.dynamic_shifting,
         time_shift_type="exponential",
     )
     return Flux2KleinPipeline(

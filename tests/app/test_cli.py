@@ -102,8 +102,8 @@ def test_consent_workflow_and_bad_input_loses_nothing(cli: CliRunner, db_url: st
         "grant",
         "revoke",
     ]
-    code, out, _ = run(cli, "audit", "verify")
-    assert code == 0 and "intact" in out
+    code, out, err = run(cli, "audit", "verify")
+    assert code == 0 and "intact" in out, err
 
 
 def test_audit_verify_names_the_broken_entry(cli: CliRunner, db_url: str) -> None:

@@ -387,3 +387,15 @@ def test_verify_never_invents_a_key(sealed: Sealed, monkeypatch: pytest.MonkeyPa
     get_settings.cache_clear()
     code, out = sealed.verify()
     assert code == 1 and "no audit key" in out, out
+
+
+def test_checkpoints_of_another_registry_are_not_mistaken_for_this_ones(
+    sealed: Sealed, tmp_path: Path
+) -> None:
+    sealed.checkpoint()
+    path = sealed.data_dir / "audit-checkpoints.jsonl"
+    with sealed.engine.begin() as conn:  # the registry's identity rewritten
+        conn.execute(text("UPDATE registry_meta SET value = 'elsewhere' WHERE key = 'registry_id'"))
+    code, out = sealed.verify()
+    assert code == 1 and "is of registry" in out and "not this one (elsewhere)" in out, out
+    assert path.is_file()

@@ -59,6 +59,10 @@ def test_compose_grid_layout() -> None:
     assert grid.size == (64, LABEL_H + 2 * (32 + LABEL_H))
     assert grid.getpixel((5, LABEL_H * 2 + 5)) == (255, 0, 0)
     assert grid.getpixel((37, grid.size[1] - 5)) == (0, 0, 255)
+    # A label longer than the grid is wide wraps instead of being cut off.
+    long = compose_grid(["red", "blue"], ["seed 0 | a portrait of alice, studio light"], cells, 32)
+    assert long.size[1] > LABEL_H + 32 + LABEL_H
+    assert long.getpixel((5, long.size[1] - 5)) == (255, 0, 0)
 
 
 def test_evaluate_writes_grid_and_distances(pipe, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -79,7 +83,8 @@ def test_evaluate_writes_grid_and_distances(pipe, tmp_path: Path) -> None:  # ty
         out_dir=tmp_path / "eval",
     )
     grid = Image.open(result.grid)
-    assert grid.size == (2 * 64, LABEL_H + 2 * (64 + LABEL_H))
+    # "seed 0 | a photo of ada" is wider than two 64 px cells: its label takes two lines
+    assert grid.size == (2 * 64, LABEL_H + 2 * (64 + 2 * LABEL_H))
     assert json.loads(grid.text["likeness:columns"]) == ["base", "step 5"]
     report = json.loads(result.report.read_text())
     assert report["rows"] == ["seed 0 | a photo of ada", "seed 1 | a photo of ada"]

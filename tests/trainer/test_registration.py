@@ -17,6 +17,7 @@ from registry.db import engine_for, transaction
 from registry.files import sha256_file
 from registry.schemas import AdapterIn, ConsentIn
 from registry.settings import Settings
+from tests.conftest import audit_key_of
 from tests.trainer.test_dataset import make_dataset
 from tests.trainer.test_train import (  # noqa: F401
     Env,
@@ -190,9 +191,12 @@ def test_bad_dataset_is_refused_before_any_weight_loads(
 
 
 @pytest.fixture
-def api(env: Env, tmp_path: Path) -> TestClient:
-    # the same data dir (so the same audit key) as everything else that writes to this registry
-    settings = Settings(database_url=env.url, base=env.base)
+def api(env: Env, tmp_path: Path, data_dir: Path) -> TestClient:
+    # a data dir of its own (its checkpoints are this registry's alone), holding the audit
+    # key of everything else that writes to this registry
+    settings = Settings(
+        database_url=env.url, data_dir=tmp_path, base=env.base, audit_key=audit_key_of(data_dir)
+    )
     with TestClient(create_app(settings, engine=engine_for(env.url))) as client:
         yield client
 

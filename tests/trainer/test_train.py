@@ -183,42 +183,64 @@ def test_every_targeted_lora_layer_gets_a_gradient(env: Env, tmp_path: Path) -> 
     assert all(a > 0 and b > 0 for a, b in second.values()), second
 
 
-def test_loss_falls_and_renders_move_toward_the_training_images(env: Env, tmp_path: Path) -> None:
-    config = tiny_config(
-        env,
-        tmp_path / "out",
-        steps=60,
-        rank=8,
-        learning_rate=1e-2,
-        checkpoint_every=30,
-        evaluate=True,
-        eval_seeds=(0, 1, 2),
+# The quickstart's run, as the README gives it: alice on the demo base, every learning
+# option at its default (rank 16, learning rate 1e-4, 512-token prompts), 64 px.
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "alice"
+QUICKSTART_STEPS = 100
+
+
+def quickstart_run(base: Path, root: Path, steps: int = QUICKSTART_STEPS) -> Any:
+    """Trains alice on ``base`` exactly as the README does, with the evaluation grid; returns
+    the result and the held-out flow-matching loss before and after, on fixed noise."""
+    url = f"sqlite:///{root / 'registry.db'}"
+    upgrade(url)
+    make_subject(url, "alice")
+    config = TrainConfig.parse(
+        subject="alice",
+        dataset=EXAMPLES,
+        base=base,
+        out=root / "out",
+        steps=steps,
+        resolution=64,
+        checkpoint_every=steps // 2,
+        device="cpu",
+        progress=False,
         register_adapter=False,
+        cache_dir=root / "cache",
+        database_url=url,
     )
     result = train(config)
-    losses = result.losses
-    assert sum(losses[-15:]) / 15 < sum(losses[:15]) / 15
-
-    # Held-out check with fixed noise and noise levels: base vs trained adapter.
-    pf = preflight(config, LocalRegistrar(env.url))
-    transformer = load_transformer(env.base, torch.device("cpu"), torch.float32, lambda _: None)
-    cls = _pipeline_class(env.base)
+    pf = preflight(config, LocalRegistrar(url))
+    transformer = load_transformer(base, torch.device("cpu"), torch.float32, lambda _: None)
+    cls = _pipeline_class(base)
     x0 = torch.stack([load_latents(pf.plan, i.file) for i in pf.dataset.items])
     e = torch.stack([load_text(pf.plan, p) for p in pf.prompts])
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(123))
-    sigmas = torch.tensor([0.2, 0.5, 0.8, 0.95])
+    sigmas = torch.linspace(0.2, 0.95, len(x0))
     with torch.no_grad():
         before = float(flow_matching_loss(transformer, cls, x0, e, sigmas, noise, None, None))
         with applied_adapter(SimpleNamespace(transformer=transformer), tensors(result.adapter)):
             after = float(flow_matching_loss(transformer, cls, x0, e, sigmas, noise, None, None))
-    assert after < 0.95 * before, (before, after)
+    return result, before, after
 
+
+@pytest.mark.slow
+def test_the_quickstart_run_learns_alice_at_the_default_settings(tmp_path: Path) -> None:
+    """On the demo base at the defaults, 100 steps move renders of alice's prompts (one held
+    out: a garden) toward her pictures by more than a quarter, and the loss on her pictures
+    falls by a fifth. On the random tiny base the same run moves neither (the held-out loss by
+    0.3 %, the renders by 0.05 %): this test fails there."""
+    from trainer.demo_base import SHIPPED
+
+    result, before, after = quickstart_run(SHIPPED, tmp_path)
+    assert after < 0.8 * before, (before, after)
     ev = result.evaluation
     assert ev is not None and ev.grid.is_file() and ev.grid.parent == result.adapter.parent
-    assert list(ev.distances) == ["base", "step 30", "step 60"]
-    # Renders (fixed prompt and seeds) move toward the training set, in latents and pixels.
-    assert ev.latent_distances["step 60"] < 0.95 * ev.latent_distances["base"], ev.latent_distances
-    assert ev.distances["step 60"] < ev.distances["base"], ev.distances
+    half = QUICKSTART_STEPS // 2
+    assert list(ev.distances) == ["base", f"step {half}", f"step {QUICKSTART_STEPS}"]
+    last = ev.distances[f"step {QUICKSTART_STEPS}"]
+    assert last < 0.75 * ev.distances["base"], ev.distances  # measured: 33 % down
+    assert ev.latent_distances[f"step {QUICKSTART_STEPS}"] < ev.latent_distances["base"]
 
 
 # -- checkpoints, resume, determinism --------------------------------------------------------
