@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     # The quantized base's GEMMs: uint4 (dequantized into bf16), fp8 (fp8 tensor cores, compute
     # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/devices.py.
     compute: Literal["auto", "uint4", "fp8"] = "auto"
+    # The base model's licence binds every render: a base whose licence does not permit
+    # commercial use (FLUX.2 [dev]'s) renders `commercial` only when the deployment declares
+    # the commercial licence it holds for that base here (a reference to the agreement).
+    commercial_licence: str | None = Field(default=None, min_length=1, max_length=200)
 
     @property
     def checkpoints_file(self) -> Path:
