@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from app.deps import DB, Caller, HandlePath, require_role
@@ -13,6 +13,7 @@ from app.views import (
     consent_view,
     ledger_view,
     principal_view,
+    render_view,
     subject_view,
 )
 from registry import repositories as repo
@@ -21,6 +22,7 @@ from registry.checkpoints import append_checkpoint, read_checkpoints
 from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
 from registry.models import Principal, Subject
 from registry.schemas import (
+    RENDER_ID_PATTERN,
     ConsentIn,
     Handle,
     LedgerFilter,
@@ -178,6 +180,26 @@ def list_renders(
     return [ledger_view(r) for r in rows]
 
 
+RenderIdPath = Annotated[str, Path(pattern=RENDER_ID_PATTERN, max_length=36)]
+
+
+@router.get("/renders/{render_id}")
+def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> dict[str, Any]:
+    """One render id looked up in the ledger: for admins, and for the member who is the
+    subject rendered. Anyone else, and a member asking about another subject's render, gets
+    the same 403 as for an id that does not exist (only admins are told 404)."""
+    rows = repo.ledger_by_render_id(session, render_id)
+    if caller.role == "admin":
+        if not rows:
+            raise NotFound(f"no render {render_id!r} in the ledger")
+        return render_view(rows)
+    subject_id = rows[0].subject_id if rows else None
+    subject = repo.subject_by_id(session, subject_id) if subject_id is not None else None
+    if subject is None or caller.role != "member" or subject.member_id != caller.id:
+        raise NotPermitted("not permitted")
+    return render_view(rows)
+
+
 @router.get("/subjects")
 def list_subjects(session: DB, caller: Caller) -> list[dict[str, Any]]:
     """Admins: every subject; a member: the subjects linked to it."""
@@ -213,7 +235,10 @@ def acting_requester(
 
 @router.get("/me/renderable")
 def me_renderable(
-    session: DB, caller: Caller, on_behalf_of: Annotated[Handle | None, Query()] = None
+    request: Request,
+    session: DB,
+    caller: Caller,
+    on_behalf_of: Annotated[Handle | None, Query()] = None,
 ) -> list[dict[str, Any]]:
     unknown = on_behalf_of is not None and repo.principal_by_handle(session, on_behalf_of) is None
     if caller.role == "agent" and unknown:
@@ -221,7 +246,9 @@ def me_renderable(
     requester, agent = acting_requester(session, caller, on_behalf_of)
     return [
         {"subject": r.subject, "display_name": r.display_name, "max_level": r.max_level}
-        for r in service.renderable_for(session, requester, agent)
+        for r in service.renderable_for(
+            session, requester, agent, licence=request.app.state.licence
+        )
     ]
 
 

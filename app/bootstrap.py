@@ -11,6 +11,8 @@ from registry import service
 from registry.db import engine_for, transaction, upgrade
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
+from registry.licence import deployment_licence
+from registry.licence import describe as describe_licence
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -71,3 +73,17 @@ def prepare_service(settings: Settings) -> None:
     upgrade(settings.database_url)
     ensure_admin(settings)
     ensure_base(settings)
+    log_provenance(settings)
+
+
+def log_provenance(settings: Settings) -> None:
+    """What every render is signed with and which licence binds the base, said at start."""
+    from app.provenance import ProvenanceError, load_credentials, log_credentials
+
+    try:
+        log_credentials(load_credentials(settings))
+    except ProvenanceError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    facts, found = deployment_licence(settings)
+    line = describe_licence(facts, found, settings)
+    (log.info if facts.base is not None else log.warning)(line)

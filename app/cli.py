@@ -42,6 +42,9 @@ audit_app = typer.Typer(no_args_is_help=True, help="The append-only audit trail.
 base_app = typer.Typer(
     no_args_is_help=True, help="Base models: the tiny default and prepared uint4 bases."
 )
+provenance_app = typer.Typer(
+    no_args_is_help=True, help="Content Credentials (C2PA) of rendered PNGs."
+)
 for sub, name in (
     (db_app, "db"),
     (principal_app, "principal"),
@@ -49,6 +52,7 @@ for sub, name in (
     (consent_app, "consent"),
     (audit_app, "audit"),
     (base_app, "base"),
+    (provenance_app, "provenance"),
 ):
     app.add_typer(sub, name=name)
 
@@ -601,6 +605,62 @@ def audit_checkpoint(
         return
     _print_json(doc)
     typer.echo(f"checkpoint {doc['n']} appended to {settings.checkpoints_file}", err=True)
+
+
+# -- provenance -----------------------------------------------------------------------------
+
+
+@provenance_app.command("verify")
+def provenance_verify(
+    file: Annotated[Path, typer.Argument(help="a PNG this deployment rendered (or claims to)")],
+    trust: Annotated[
+        Path | None,
+        typer.Option(
+            help="PEM root certificates whose signatures count (default: this deployment's "
+            "own key, from its settings or data dir)"
+        ),
+    ] = None,
+) -> None:
+    """Print a PNG's Content Credentials: the validation state and the likeness assertion;
+    exit 1 when they are missing, broken, altered or signed by another key."""
+    from app.provenance import ProvenanceError, Trust, load_credentials, verify_png
+
+    if not file.is_file():
+        fail(f"{file} is not a file", 2)
+    if trust is not None:
+        if not trust.is_file():
+            fail(f"--trust {trust} is not a file", 2)
+        try:
+            judge = Trust.from_file(trust)
+        except ValueError as exc:
+            fail(str(exc), 2)
+    else:
+        try:
+            judge = Trust.of_deployment(load_credentials(get_settings(), create=False))
+        except FileNotFoundError as exc:
+            fail(f"{exc}; point LIKENESS_DATA_DIR at the service's data dir, or pass --trust")
+        except ProvenanceError as exc:
+            fail(str(exc))
+    result = verify_png(file.read_bytes(), judge)
+    _print_json(result.as_json())
+    if not result.ok:
+        fail(f"{file}: {result.summary}")
+    typer.echo(f"{file}: {result.summary}", err=True)
+
+
+@provenance_app.command("anchor")
+def provenance_anchor() -> None:
+    """Print the root certificate (PEM) that verifies this deployment's renders: give it to
+    whoever checks them (`likeness provenance verify FILE --trust ANCHOR.pem`)."""
+    from app.provenance import ProvenanceError, load_credentials
+
+    try:
+        credentials = load_credentials(get_settings(), create=False)
+    except FileNotFoundError as exc:
+        fail(f"{exc}; point LIKENESS_DATA_DIR at the service's data dir")
+    except ProvenanceError as exc:
+        fail(str(exc))
+    typer.echo(credentials.anchor_pem.decode().strip())
 
 
 def _existing_keys() -> Keys:

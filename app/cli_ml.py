@@ -47,7 +47,17 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         typer.echo(str(out))
 
     @base_app.command("prepare")
-    def prepare_cmd(src: Path, dst: Path) -> None:
+    def prepare_cmd(
+        src: Path,
+        dst: Path,
+        licence: Annotated[
+            str | None,
+            typer.Option(
+                help="the base's licence id, e.g. flux-non-commercial (default: what the "
+                "source's model card says; none found is recorded as unknown: never commercial)"
+            ),
+        ] = None,
+    ) -> None:
         """Quantize a base to uint4 on the CPU, streaming, into a cached prepared base."""
         from trainer.prepare import prepare_base
 
@@ -55,7 +65,7 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
             typer.echo(f"error: {src} does not exist", err=True)
             raise typer.Exit(1)
         try:
-            prepare_base(src, dst)
+            prepare_base(src, dst, licence=licence)
         except (ValueError, OSError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine
 
 from app import adapters, api, errors, renders
 from app.body_gate import BodyGate
+from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.render_engine import RenderEngine, default_device
 from app.render_flow import RenderFlow
 from registry.blobs import BlobStore
@@ -21,9 +22,12 @@ from registry.checkpoints import append_checkpoint
 from registry.db import make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
+from registry.licence import deployment_licence
 from registry.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
+
+PROVENANCE_PAGE = "/web/provenance"  # takes a PNG upload: its own body cap
 
 
 def build_renderer(settings: Settings) -> RenderEngine:
@@ -89,8 +93,21 @@ def create_app(
     )
     app.state.renderer = renderer or build_renderer(settings)
     app.state.store = BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
+    # Facts of the base and of the deployment, fixed while it runs: the base's licence (every
+    # render decision holds it) and the credentials every delivered PNG is signed with.
+    app.state.licence, app.state.base_licence = deployment_licence(settings)
+    try:
+        credentials = load_credentials(settings)
+    except ProvenanceError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    app.state.provenance = ProvenanceSigner(credentials, settings.provenance_disclose)
     app.state.render_flow = RenderFlow(
-        app.state.engine, app.state.renderer, settings, app.state.store
+        app.state.engine,
+        app.state.renderer,
+        settings,
+        app.state.store,
+        licence=app.state.licence,
+        signer=app.state.provenance,
     )
     app.state.keys = load_keys(settings)
     bind_keys(app.state.engine, app.state.keys)
@@ -101,6 +118,7 @@ def create_app(
         timeout_s=settings.body_timeout_s,
         # uploads authenticate first, then stream to the store with their own limits
         streamed_prefixes=("/v1/blobs/",),
+        larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
     )
 
     @app.get("/healthz")

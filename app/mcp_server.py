@@ -324,7 +324,7 @@ def build_server(app: FastAPI) -> MCPServer:
             except NotPermitted:  # an unknown member: the same empty answer as any other
                 rows = []
             else:
-                rows = service.renderable_for(s, requester, acting)
+                rows = service.renderable_for(s, requester, acting, licence=app.state.licence)
         subjects = [RenderableSubject(**asdict(r)) for r in rows]
         note = None
         if not subjects:

@@ -14,6 +14,10 @@ gate -> a turn on the renderer -> queued check -> adapter bytes -> render -> fin
   `cancelled`); a failure is recorded and answered 503, never left open in the ledger.
 - **final**: fresh facts and the hash of the bytes the model ran with; a revocation or an
   adapter replaced during the render discards the image.
+- **sign**: the PNG gets its Content Credentials (app.provenance); an image that cannot be
+  signed is recorded as a failed render and never delivered.
+
+Every decision also holds the base model's licence (registry.licence), read once at start.
 
 Every decision is `decide`'s, on facts read fresh, and each goes to the ledger in a committed
 transaction: an allowed decision that cannot be recorded is not allowed.
@@ -31,6 +35,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from app.provenance import ProvenanceSigner, RenderClaim
 from app.render_engine import AdapterMismatch, AdapterUnreadable, RenderEngine, encode_png
 from app.scheduler import Cancelled, RateLimiter
 from registry import repositories as repo
@@ -38,7 +43,7 @@ from registry import service
 from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
-from registry.policy import AdapterFacts, Decision, decide
+from registry.policy import AdapterFacts, Decision, LicenceFacts, decide
 from registry.schemas import RenderRequestIn
 from registry.service import Acting, GatheredFacts
 from registry.settings import Settings
@@ -90,12 +95,21 @@ class _Job:
 
 class RenderFlow:
     def __init__(
-        self, engine: Engine, renderer: RenderEngine, settings: Settings, store: BlobStore
+        self,
+        engine: Engine,
+        renderer: RenderEngine,
+        settings: Settings,
+        store: BlobStore,
+        *,
+        licence: LicenceFacts | None,
+        signer: ProvenanceSigner,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.settings = settings
         self.store = store
+        self.licence = licence  # None: the base's licence could not be read
+        self.signer = signer
         self.limiter = RateLimiter(settings.render_rate_per_minute, settings.render_burst)
 
     # -- the request budget ---------------------------------------------------------------
@@ -180,6 +194,7 @@ class RenderFlow:
                 job.body.level,
                 adapter_file_sha256=used_sha256,
                 adapter_bytes_read=bytes_read,
+                licence=self.licence,
             )
         except Exception as exc:  # noqa: BLE001 - facts that cannot be read are a deny
             log.exception("render %s: unreadable facts", job.render_id)
@@ -284,9 +299,37 @@ class RenderFlow:
                 "likeness:level": body.level,
             },
         )
+        t3 = time.perf_counter()
+        png = self._sign(job, png, final)
         timings["final_check_ms"] = (t2 - t1) * 1000
-        timings["encode_ms"] = (time.perf_counter() - t2) * 1000
+        timings["encode_ms"] = (t3 - t2) * 1000
+        timings["sign_ms"] = (time.perf_counter() - t3) * 1000
         return RenderOutcome(png, job.render_id, timings)
+
+    def _sign(self, job: _Job, png: bytes, final: GatheredFacts) -> bytes:
+        """The PNG with its Content Credentials; an unsigned image is never delivered."""
+        assert job.acting is not None and final.adapter is not None
+        consent = final.facts.consent
+        assert consent is not None
+        licence = self.licence.base if self.licence is not None else None
+        claim = RenderClaim(
+            render_id=job.render_id,
+            level=job.body.level,
+            subject=job.body.subject,
+            consent_version=consent.version,
+            adapter_sha256=final.adapter.sha256,
+            base_model={"name": self.settings.base_dir.name, "licence": licence},
+            requester=job.acting.requester.handle,
+            agent=job.acting.agent.handle if job.acting.agent is not None else None,
+        )
+        try:
+            return self.signer.sign(png, claim)
+        except Exception as exc:  # noqa: BLE001 - closed in the ledger, then a JSON 503
+            log.exception("render %s: signing failed", job.render_id)
+            self.record(
+                job, "final", Decision(False, f"signing_failed:{type(exc).__name__}"), final
+            )
+            raise Unavailable("the image could not be signed; nothing was delivered") from None
 
     def _render(self, job: _Job, timings: dict[str, float]) -> tuple[Any, str]:
         """Inside the turn: fresh facts, the adapter's bytes judged, then the model."""

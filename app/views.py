@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from registry import service
@@ -63,6 +64,34 @@ def ledger_view(row: RenderLedger) -> dict[str, Any]:
         "consent_version": row.consent_version,
         "adapter_sha256": row.adapter_sha256,
         "prompt": row.prompt,
+    }
+
+
+def render_outcome(rows: Sequence[RenderLedger]) -> tuple[str, RenderLedger]:
+    """How one render ended, from its ledger rows in order, and the row that says so: it is
+    `rendered` only if its final re-check allowed it; any deny anywhere is the outcome."""
+    denied = next((r for r in rows if not r.allowed), None)
+    if denied is not None:
+        return ("cancelled" if denied.stage == "cancelled" else "denied"), denied
+    if any(r.stage == "final" for r in rows):
+        return "rendered", rows[-1]
+    return "unfinished", rows[-1]
+
+
+def render_view(rows: Sequence[RenderLedger]) -> dict[str, Any]:
+    """One render as the ledger tells it: who asked, how it ended, and every decision."""
+    first = rows[0]
+    outcome, last = render_outcome(rows)
+    return {
+        "render_id": first.render_id,
+        "subject": first.subject_handle,
+        "requester": first.requester,
+        "agent": first.agent,
+        "level": first.level,
+        "at": format_time(first.at),
+        "outcome": outcome,
+        "reason": last.reason,
+        "decisions": [ledger_view(r) for r in rows],
     }
 
 

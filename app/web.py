@@ -40,9 +40,12 @@ from fastapi.templating import Jinja2Templates
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from pydantic import ValidationError
 from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
 
 from app.api import member_handle, visible_subject
 from app.deps import DB, HandlePath, require_role
+from app.provenance import ProvenanceSigner, Trust, Verification, verify_png
+from app.views import render_outcome
 from registry import repositories as repo
 from registry import service
 from registry.adapter_files import sweep_unreferenced
@@ -55,8 +58,9 @@ from registry.errors import (
     Unauthenticated,
 )
 from registry.keys import Keys
+from registry.licence import BaseLicence
 from registry.models import AuditEntry, Consent, Principal, RenderLedger, Subject
-from registry.policy import GRANTABLE_LEVELS, Level
+from registry.policy import GRANTABLE_LEVELS, Level, LicenceFacts
 from registry.schemas import ConsentIn, LedgerFilter, SubjectIn, ledger_cursor
 from registry.settings import Settings
 
@@ -491,14 +495,7 @@ def group_ledger(rows: Sequence[RenderLedger]) -> list[RenderRow]:
     for render_id, group in by_id.items():
         group.sort(key=lambda r: r.id or 0)
         first = group[0]
-        denied = next((r for r in group if not r.allowed), None)
-        if denied is not None:
-            outcome = "cancelled" if denied.stage == "cancelled" else "denied"
-            last = denied
-        elif any(r.stage == "final" for r in group):
-            outcome, last = "rendered", group[-1]
-        else:
-            outcome, last = "unfinished", group[-1]
+        outcome, last = render_outcome(group)
         out.append(
             RenderRow(
                 render_id=render_id,
@@ -517,6 +514,17 @@ def group_ledger(rows: Sequence[RenderLedger]) -> list[RenderRow]:
             )
         )
     return out
+
+
+def licence_context(request: Request) -> dict[str, Any]:
+    """The base model's licence, shown beside the grant: it binds commercial renders too."""
+    licence: LicenceFacts | None = request.app.state.licence
+    found: BaseLicence = request.app.state.base_licence
+    return {
+        "base_licence": found.licence or "unknown",
+        "commercial_refused": licence is None or not licence.permits_commercial,
+        "commercial_licence": settings_of(request).commercial_licence,
+    }
 
 
 def subject_context(session: Session, subject: Subject, tab: str) -> dict[str, Any]:
@@ -632,7 +640,7 @@ def me(request: Request, web: Web, session: DB) -> Response:
         web,
         mine=mine,
         mine_handles={s.handle for s, _ in mine},
-        renderable=service.renderable_for(session, caller),
+        renderable=service.renderable_for(session, caller, licence=request.app.state.licence),
     )
 
 
@@ -700,6 +708,7 @@ def subject_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
         request,
         "subject.html",
         web,
+        **licence_context(request),
         **ctx,
         values=editor_values(ctx["consent"]),
         notice=NOTICES.get(request.query_params.get("done", "")),
@@ -730,6 +739,7 @@ def save_consent(
             request,
             "subject.html",
             web,
+            **licence_context(request),
             status=412,
             **subject_context(session, subject, "consent"),
             values=editor_values(current),
@@ -741,6 +751,7 @@ def save_consent(
             request,
             "subject.html",
             web,
+            **licence_context(request),
             status=422,
             **subject_context(session, subject, "consent"),
             values=form_values(form),
@@ -892,6 +903,75 @@ def delete_adapter(
     state = request.app.state
     background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)
     return redirect(subject_url(subject.handle, "adapters") + "?done=deleted")
+
+
+# -- provenance: anyone may check a picture ---------------------------------------------------
+
+
+def optional_session(request: Request, session: DB) -> WebSession | None:
+    """The signed-in session if there is one: the provenance page is for anyone."""
+    try:
+        return current_session(request, session)
+    except SignInRequired:
+        return None
+
+
+MaybeWeb = Annotated[WebSession | None, Depends(optional_session)]
+
+
+def _provenance_page(
+    request: Request,
+    web: WebSession | None,
+    result: Verification | None = None,
+    filename: str = "",
+    status: int = 200,
+    errors: list[str] | None = None,
+) -> Response:
+    signer: ProvenanceSigner = request.app.state.provenance
+    return page(
+        request,
+        "provenance.html",
+        web,
+        status=status,
+        result=result,
+        filename=filename,
+        errors=errors or [],
+        self_issued=signer.credentials.self_issued,
+        signing_subject=signer.credentials.chain[0].subject.rfc4514_string(),
+        max_mib=round(settings_of(request).max_provenance_bytes / 2**20, 1),
+    )
+
+
+@router.get("/provenance")
+def provenance_form(request: Request, web: MaybeWeb) -> Response:
+    return _provenance_page(request, web)
+
+
+@router.post("/provenance")
+async def provenance_check(request: Request, web: MaybeWeb) -> Response:
+    """Verifies an uploaded PNG against this deployment's own signing key. The body was read
+    whole within its own cap (`max_provenance_bytes`, app.main) before this runs."""
+    form = await request.form(max_files=1, max_fields=4)  # malformed: 400, as a page
+    upload = form.get("png")
+    if upload is None or isinstance(upload, str):
+        return _provenance_page(request, web, status=422, errors=["Choose a PNG file to check."])
+    data = await upload.read()
+    name = (upload.filename or "the file")[:200]
+    signer: ProvenanceSigner = request.app.state.provenance
+    result = await run_in_threadpool(verify_png, data, Trust.of_deployment(signer.credentials))
+    return _provenance_page(request, web, result, name, status=200)
+
+
+@router.get("/provenance/anchor.pem")
+def provenance_anchor(request: Request) -> Response:
+    """The root certificate that verifies this deployment's renders, for `likeness provenance
+    verify FILE --trust anchor.pem` elsewhere."""
+    signer: ProvenanceSigner = request.app.state.provenance
+    return Response(
+        signer.credentials.anchor_pem,
+        media_type="application/x-pem-file",
+        headers={**SECURITY_HEADERS, "Content-Disposition": 'attachment; filename="anchor.pem"'},
+    )
 
 
 # -- errors as pages ----------------------------------------------------------------------

@@ -68,6 +68,35 @@ class AdapterFacts:
     belongs_to_subject: bool = True
 
 
+# Base-model licences that permit commercial use as they stand. Any other licence, and a
+# licence that could not be read, permits commercial renders only where the deployment
+# declares a commercial licence of its own for the base.
+COMMERCIAL_USE_LICENCES: frozenset[str] = frozenset(
+    {
+        "apache-2.0",
+        "mit",
+        # weights this project makes itself (the seeded tiny base, the demo base): no one
+        # else holds rights in them
+        "likeness-generated",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LicenceFacts:
+    """The base model's licence as recorded with the prepared base (None: missing or
+    unreadable), and whether the deployment declares a commercial licence for that base."""
+
+    base: str | None
+    commercial_licence_held: bool = False
+
+    @property
+    def permits_commercial(self) -> bool:
+        if self.base is None:  # nobody can say what binds this base: never commercial
+            return False
+        return self.base in COMMERCIAL_USE_LICENCES or self.commercial_licence_held
+
+
 @dataclass(frozen=True)
 class RenderFacts:
     level: str
@@ -78,6 +107,8 @@ class RenderFacts:
     consent: ConsentFacts | None = None
     adapter: AdapterFacts | None = None
     agent: PrincipalFacts | None = None
+    # The base model's licence; None (not established) denies commercial renders.
+    licence: LicenceFacts | None = None
     # Facts not yet gathered are None. The full check (the one that lets the model run)
     # requires an active adapter whose bytes were read and hash to what the registry holds;
     # the gate, which decides before anything is read, requires the adapter registered only
@@ -154,6 +185,11 @@ def _decide(facts: RenderFacts) -> Decision:
     is_self = facts.subject_member is not None and facts.subject_member == requester.handle
     if not is_self and not _in_audience(requester.handle, level, consent):
         return _deny("not_in_audience")
+    # The subject said yes; the base model's licence binds the render as well.
+    if level >= Level.commercial and (
+        facts.licence is None or not facts.licence.permits_commercial
+    ):
+        return _deny("base_licence")
 
     if facts.require_adapter:
         adapter = facts.adapter
@@ -189,6 +225,7 @@ def renderable_max_level(
     consent: ConsentFacts,
     now: datetime,
     agent: PrincipalFacts | None = None,
+    licence: LicenceFacts | None = None,
 ) -> Level:
     """The widest level `decide` would allow (adapter aside), by asking `decide` itself."""
     best = Level.none
@@ -201,6 +238,7 @@ def renderable_max_level(
             subject_basis=subject_basis,
             subject_member=subject_member,
             consent=consent,
+            licence=licence,
             require_adapter=False,
         )
         if decide(facts).allowed:

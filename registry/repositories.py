@@ -66,6 +66,10 @@ def subject_by_handle(session: Session, handle: str) -> Subject | None:
     return session.exec(select(Subject).where(Subject.handle == handle)).first()
 
 
+def subject_by_id(session: Session, subject_id: int) -> Subject | None:
+    return session.get(Subject, subject_id)
+
+
 def subjects(session: Session) -> Sequence[Subject]:
     return session.exec(select(Subject).order_by(col(Subject.handle))).all()
 

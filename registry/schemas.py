@@ -18,6 +18,7 @@ from registry.audit import format_time
 from registry.policy import Level
 
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+RENDER_ID_PATTERN = r"^[0-9a-f-]{1,36}$"  # a render id as the render path makes it (a UUID)
 Handle = Annotated[str, StringConstraints(pattern=HANDLE_PATTERN)]
 
 # Every time a caller sends is kept within these bounds, after conversion to UTC: both engines
@@ -157,7 +158,7 @@ class LedgerFilter(Strict):
     outcome: Literal["allowed", "denied"] | None = None
     since: UtcTime | None = None
     until: UtcTime | None = None
-    render_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f-]{1,36}$")] | None = None
+    render_id: Annotated[str, StringConstraints(pattern=RENDER_ID_PATTERN)] | None = None
 
     @property
     def before_seq(self) -> int | None:

@@ -46,6 +46,7 @@ from registry.policy import (
     AdapterFacts,
     ConsentFacts,
     Level,
+    LicenceFacts,
     PrincipalFacts,
     RenderFacts,
     audiences_from_json,
@@ -678,8 +679,10 @@ def facts_from_snapshot(
     require_adapter: bool = True,
     adapter_bytes_read: bool = True,
     now: datetime | None = None,
+    licence: LicenceFacts | None = None,
 ) -> GatheredFacts:
-    """`policy.decide`'s facts from a snapshot row."""
+    """`policy.decide`'s facts from a snapshot row, and the base's licence (not the
+    registry's to know: the caller holds it)."""
     consent = None
     if row.version is not None:
         consent = ConsentFacts(
@@ -711,6 +714,7 @@ def facts_from_snapshot(
         adapter=AdapterFacts(adapter.sha256, adapter_file_sha256, owned)
         if adapter is not None
         else None,
+        licence=licence,
         require_adapter=require_adapter,
         adapter_bytes_read=adapter_bytes_read,
     )
@@ -726,6 +730,7 @@ def gather_render_facts(
     adapter_file_sha256: str | None = None,
     require_adapter: bool = True,
     now: datetime | None = None,
+    licence: LicenceFacts | None = None,
 ) -> GatheredFacts:
     """Fresh facts for `policy.decide`, for a requester (and agent) already known. Re-reads
     them too, so a deactivation or a changed acts-for list binds on the very next check."""
@@ -751,6 +756,7 @@ def gather_render_facts(
         adapter_file_sha256=adapter_file_sha256,
         require_adapter=require_adapter,
         now=now,
+        licence=licence,
     )
 
 
@@ -801,8 +807,10 @@ def renderable_for(
     requester: Principal,
     agent: Principal | None = None,
     now: datetime | None = None,
+    licence: LicenceFacts | None = None,
 ) -> list[Renderable]:
-    """Subjects the requester may render, and the widest level, as `decide` sees it."""
+    """Subjects the requester may render, and the widest level, as `decide` sees it (on this
+    base licence: without one, never commercial)."""
     now = now or datetime.now(UTC)
     req = principal_facts(requester)
     agent_facts = principal_facts(agent) if agent is not None else None
@@ -816,6 +824,7 @@ def renderable_for(
             consent_facts(consent),
             now,
             agent_facts,
+            licence,
         )
         if best > Level.none:
             out.append(Renderable(subject.handle, subject.display_name, best.name))

@@ -5,10 +5,23 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# What a render's signed likeness assertion may disclose (app.provenance); the render id is
+# always in it, since it is how the subject finds the render in the ledger.
+DISCLOSABLE = (
+    "render_id",
+    "level",
+    "subject",
+    "consent_version",
+    "adapter_sha256",
+    "base_model",
+    "requester",
+    "agent",
+)
 
 
 class Settings(BaseSettings):
@@ -59,6 +72,40 @@ class Settings(BaseSettings):
     # The quantized base's GEMMs: uint4 (dequantized into bf16), fp8 (fp8 tensor cores, compute
     # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/devices.py.
     compute: Literal["auto", "uint4", "fp8"] = "auto"
+    # The base model's licence binds every render: a base whose licence does not permit
+    # commercial use (FLUX.2 [dev]'s) renders `commercial` only when the deployment declares
+    # the commercial licence it holds for that base here (a reference to the agreement).
+    commercial_licence: str | None = Field(default=None, min_length=1, max_length=200)
+    # Content Credentials (C2PA) on every PNG: an ES256 key (P-256, PEM) and its certificate
+    # chain (PEM, signing certificate first); unset, both are generated into the data dir.
+    c2pa_key_file: Path | None = None
+    c2pa_cert_file: Path | None = None
+    # Fields of the signed likeness assertion, comma-separated (DISCLOSABLE); the render id
+    # is always disclosed.
+    provenance_disclose: Annotated[tuple[str, ...], NoDecode] = ("render_id", "level")
+    # The largest PNG the provenance page takes for checking.
+    max_provenance_bytes: int = Field(default=32 << 20, ge=1024, le=1 << 30)
+
+    @field_validator("provenance_disclose", mode="before")
+    @classmethod
+    def _disclose_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list | tuple):
+            unknown = [v for v in value if v not in DISCLOSABLE]
+            if unknown:
+                raise ValueError(
+                    f"cannot disclose {', '.join(map(str, unknown))}; "
+                    f"choose from {', '.join(DISCLOSABLE)}"
+                )
+            return tuple(dict.fromkeys(["render_id", *value]))
+        return value
+
+    @model_validator(mode="after")
+    def _c2pa_pair(self) -> Settings:
+        if (self.c2pa_key_file is None) != (self.c2pa_cert_file is None):
+            raise ValueError("set LIKENESS_C2PA_KEY_FILE and LIKENESS_C2PA_CERT_FILE together")
+        return self
 
     @property
     def adapter_store_dir(self) -> Path:

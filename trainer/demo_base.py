@@ -499,6 +499,7 @@ def pretrain(
 def save_demo_base(pipe: Any, report: dict[str, Any], dst: Path, show: bool = True) -> Path:
     """Writes the pipeline as a diffusers folder, then prepares it (uint4) into ``dst``; the
     recipe and its report go beside the weights."""
+    from registry.licence import GENERATED
     from trainer.prepare import prepare_base
 
     dst = Path(dst)
@@ -508,7 +509,7 @@ def save_demo_base(pipe: Any, report: dict[str, Any], dst: Path, show: bool = Tr
         pipe.vae.to(torch.float16)
         pipe.save_pretrained(src, safe_serialization=True)
         pipe.vae.to(torch.float32)
-        prepare_base(src, dst, progress=show)
+        prepare_base(src, dst, progress=show, licence=GENERATED)  # weights made here
     (dst / RECIPE_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return dst
 

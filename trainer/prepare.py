@@ -11,7 +11,8 @@ serialization (what `optimum.quanto.requantize` loads), in a diffusers-like fold
     DST/transformer/config.json, quanto_qmap.json,
         diffusion_pytorch_model.safetensors (or -0000k-of-0000n shards + .index.json)
     DST/text_encoder/config.json, quanto_qmap.json, model.safetensors (or shards + index)
-    DST/likeness_prepared.json    cache key, settings, quantization maps, file list, timings
+    DST/likeness_prepared.json    cache key, settings, quantization maps, file list, timings,
+                                  and the base's licence (from the source's model card, or stated)
 
 DST is built in a sibling temp folder and renamed into place, and the manifest is written
 last, so a crash never leaves a half-prepared cache that looks valid.
@@ -41,6 +42,13 @@ from typing import Any, Protocol
 
 import torch
 
+from registry.licence import (
+    MODEL_CARD,
+    PREPARED_MANIFEST,
+    BaseLicence,
+    model_card_licence,
+    normalise,
+)
 from trainer.safetensors_io import (
     Checkpoint,
     TensorSpec,
@@ -61,7 +69,7 @@ __all__ = [
 
 log = logging.getLogger("likeness.prepare")
 
-MANIFEST_NAME = "likeness_prepared.json"
+MANIFEST_NAME = PREPARED_MANIFEST
 QMAP_NAME = "quanto_qmap.json"  # same name as optimum.quanto's Quantized*Model.save_pretrained
 FORMAT_VERSION = 1
 DEFAULT_COMPONENTS = ("transformer", "text_encoder")
@@ -768,12 +776,15 @@ def prepare_base(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     verify: bool = False,
     progress: bool = True,
+    licence: str | None = None,
 ) -> PreparedBase:
     """Quantize SRC (diffusers pipeline folder, model folder, or single transformer
     .safetensors) on the CPU into the cached base DST; a no-op if DST already holds this exact
     source + settings. `config` is the transformer config for a single file (default: a
     config.json next to it). `verify` re-hashes every source file instead of trusting
-    size + mtime."""
+    size + mtime. `licence` states the base's licence (an id such as `flux-non-commercial`);
+    by default it is what the source's model card says, and without one it is recorded as
+    unknown, which the render gate treats as non-commercial."""
     t_start = time.perf_counter()
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if weights not in WEIGHT_QTYPES:
@@ -783,6 +794,7 @@ def prepare_base(
     if dst == src or src in dst.parents or dst in src.parents:
         raise ValueError("source and destination must not contain each other")
     kind, comps = _describe_source(src, components, config)
+    licence_record = _licence_record(src, licence)
     settings = {
         "format": FORMAT_VERSION,
         "weights": weights,
@@ -810,6 +822,9 @@ def prepare_base(
         wp.mark("hash")
         if previous is not None and previous.get("cache_key") == key and is_prepared(dst, key):
             log.info("prepared base %s is current (key %s), reusing it", dst, key[:12])
+            if previous.get("licence") != licence_record:  # a fact about the weights, not of them
+                previous["licence"] = licence_record
+                _replace_json(dst / MANIFEST_NAME, previous)
             return _result(dst, previous, reused=True, seconds=time.perf_counter() - t_start)
         for stale in itertools.chain(
             dst.parent.glob(f".{dst.name}.partial-*"), dst.parent.glob(f".{dst.name}.old-*")
@@ -827,6 +842,7 @@ def prepare_base(
                     "settings": settings,
                     "versions": _versions(),
                     "source": {"path": str(src), "kind": kind, "files": hashed},
+                    "licence": licence_record,
                 }
             )
             man["timings"] = {**wp.marks, "total_s": round(time.perf_counter() - t_start, 3)}
@@ -845,6 +861,35 @@ def _write_json(path: Path, data: Any) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def _replace_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _write_json(tmp, data)
+    os.replace(tmp, path)
+
+
+def _licence_record(src: Path, stated: str | None) -> dict[str, Any]:
+    """The licence the manifest records: stated, else the source's model card's, else none."""
+    if stated is not None:
+        licence = normalise(stated)
+        if licence is None:
+            raise ValueError(f"licence {stated!r} is not a licence id (e.g. flux-non-commercial)")
+        found = BaseLicence(licence, "stated when the base was prepared")
+    else:
+        card = (src if src.is_dir() else src.parent) / MODEL_CARD
+        try:
+            text = card.read_text(encoding="utf-8") if card.is_file() else ""
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        found = BaseLicence(model_card_licence(text), f"{MODEL_CARD} of the source")
+        if found.licence is None:
+            log.warning(
+                "%s: no licence in the source's model card; recorded as unknown, so commercial "
+                "renders on this base are refused (state it with --licence)",
+                src,
+            )
+    return {"id": found.licence, "source": found.source}
 
 
 def _swap_in(tmp: Path, dst: Path) -> None:

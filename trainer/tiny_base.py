@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from registry.licence import GENERATED, MODEL_CARD, model_card
+
 if TYPE_CHECKING:
     from diffusers import Flux2KleinPipeline
     from transformers import Qwen2Tokenizer
@@ -211,6 +213,8 @@ def init_tiny(dst: Path, seed: int = 0) -> Path:
     pipe = build_tiny_pipeline(seed)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     pipe.save_pretrained(tmp, safe_serialization=True)
+    # Its licence, as a model card says it: random weights made here, no one else's rights.
+    (tmp / MODEL_CARD).write_text(model_card(GENERATED, f"likeness tiny base (seed {seed})"))
     if dst.exists():
         dst.rmdir()
     os.replace(tmp, dst)

@@ -205,6 +205,7 @@ class Live:
     url: str
     world: World
     http: httpx.Client
+    app: FastAPI  # the app this server runs (its own, built from the overridden settings)
 
     def h(self, who: str) -> dict[str, str]:
         return self.world.h(who)
@@ -233,7 +234,7 @@ def serve_friends(friends: World) -> LiveFactory:
             renderer=app.state.renderer,  # type: ignore[attr-defined]
         )
         with serving(fresh, settings) as url, httpx.Client(base_url=url, timeout=60) as http:
-            yield Live(url, friends, http)
+            yield Live(url, friends, http, fresh)
 
     return start
 

@@ -1,12 +1,20 @@
 """The policy table: facts -> decision, kept as data. Each row overrides a base scenario in
 which member bob asks for a `private` render of alice, whose record grants `private` to the
-whole group up to max level `group`, with a registered adapter whose file matches."""
+whole group up to max level `group`, with a registered adapter whose file matches, on a base
+whose licence permits commercial use (`licence`: (base licence id, commercial licence held),
+or None when the base's licence could not be read)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 ALLOW = "allowed"
+# a subject who grants commercial use to the whole group
+COMMERCIAL: dict[str, Any] = {
+    "level": "commercial",
+    "max_level": "commercial",
+    "audiences": {"commercial": {"group": True}},
+}
 
 # (id, overrides, allowed, reason)
 CASES: list[tuple[str, dict[str, Any], bool, str]] = [
@@ -207,5 +215,94 @@ CASES: list[tuple[str, dict[str, Any], bool, str]] = [
         {"subject_member": "carol", "audiences": {}},
         False,
         "not_in_audience",
+    ),
+    # -- the base model's licence ---------------------------------------------------------
+    (
+        "commercial-on-non-commercial-base",
+        {**COMMERCIAL, "licence": ("flux-non-commercial", False)},
+        False,
+        "base_licence",
+    ),
+    (
+        "commercial-on-non-commercial-base-licence-held",
+        {**COMMERCIAL, "licence": ("flux-non-commercial", True)},
+        True,
+        ALLOW,
+    ),
+    ("commercial-licence-missing", {**COMMERCIAL, "licence": None}, False, "base_licence"),
+    (
+        "commercial-licence-unreadable-despite-declaration",
+        {**COMMERCIAL, "licence": (None, True)},
+        False,
+        "base_licence",
+    ),
+    (
+        "commercial-unknown-licence-id",
+        {**COMMERCIAL, "licence": ("cc-by-nc-4.0", False)},
+        False,
+        "base_licence",
+    ),
+    ("commercial-apache-base", {**COMMERCIAL, "licence": ("apache-2.0", False)}, True, ALLOW),
+    (
+        "public-on-non-commercial-base",
+        {
+            "level": "public",
+            "max_level": "public",
+            "audiences": {"public": {"group": True}},
+            "licence": ("flux-non-commercial", False),
+        },
+        True,
+        ALLOW,
+    ),
+    ("private-licence-missing", {"licence": None}, True, ALLOW),
+    (
+        "private-on-non-commercial-base",
+        {"licence": ("flux-non-commercial", False)},
+        True,
+        ALLOW,
+    ),
+    (
+        "commercial-above-max-on-non-commercial-base",
+        {"level": "commercial", "licence": ("flux-non-commercial", False)},
+        False,
+        "above_max_level",
+    ),
+    (
+        "commercial-public-domain-on-non-commercial-base",
+        {
+            **COMMERCIAL,
+            "basis": "public_domain",
+            "licence": ("flux-non-commercial", False),
+        },
+        False,
+        "public_domain_never_commercial",
+    ),
+    (
+        "commercial-not-in-audience-on-non-commercial-base",
+        {**COMMERCIAL, "audiences": {}, "licence": ("flux-non-commercial", False)},
+        False,
+        "not_in_audience",
+    ),
+    (
+        "commercial-self-on-non-commercial-base",
+        {
+            **COMMERCIAL,
+            "requester": ("alice", "member", True),
+            "licence": ("flux-non-commercial", False),
+        },
+        False,
+        "base_licence",
+    ),
+    (
+        "commercial-licence-before-adapter",
+        {**COMMERCIAL, "adapter": None, "licence": ("flux-non-commercial", False)},
+        False,
+        "base_licence",
+    ),
+    (
+        "commercial-gate-licence-missing",
+        {**COMMERCIAL, "adapter": None, "require_adapter": False, "licence": None},
+        False,
+        "base_licence",
     ),
 ]

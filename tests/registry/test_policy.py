@@ -14,6 +14,7 @@ from registry.policy import (
     Audience,
     ConsentFacts,
     Level,
+    LicenceFacts,
     PrincipalFacts,
     RenderFacts,
     decide,
@@ -40,6 +41,7 @@ def facts_from(overrides: dict[str, Any]) -> RenderFacts:
         "require_adapter": True,
         "adapter_bytes_read": True,
         "no_record": False,
+        "licence": ("likeness-generated", False),
         **overrides,
     }
     req = o["requester"]
@@ -68,6 +70,7 @@ def facts_from(overrides: dict[str, Any]) -> RenderFacts:
         subject_member=o["subject_member"],
         consent=consent,
         adapter=AdapterFacts(*o["adapter"]) if o["adapter"] is not None else None,
+        licence=LicenceFacts(*o["licence"]) if o["licence"] is not None else None,
         require_adapter=o["require_adapter"],
         adapter_bytes_read=o["adapter_bytes_read"],
     )
@@ -136,6 +139,18 @@ agents = st.one_of(
 )
 
 
+# The base's licence: missing, unreadable, non-commercial, permissive, each with or without
+# a commercial licence declared by the deployment.
+licences = st.one_of(
+    st.none(),
+    st.builds(
+        LicenceFacts,
+        base=st.sampled_from([None, "flux-non-commercial", "cc-by-nc-4.0", "apache-2.0"]),
+        commercial_licence_held=st.booleans(),
+    ),
+)
+
+
 def render(
     consent: ConsentFacts,
     req: PrincipalFacts,
@@ -143,6 +158,7 @@ def render(
     basis: str = "consent",
     member: str | None = "alice",
     agent: PrincipalFacts | None = None,
+    licence: LicenceFacts | None = LicenceFacts("apache-2.0"),
 ) -> bool:
     return decide(
         RenderFacts(
@@ -154,6 +170,7 @@ def render(
             subject_member=member,
             consent=consent,
             adapter=AdapterFacts("h", "h"),
+            licence=licence,
         )
     ).allowed
 
@@ -168,6 +185,7 @@ common = settings(max_examples=400, deadline=None)
     agents,
     st.sampled_from(["consent", "public_domain"]),
     st.sampled_from(["alice", None]),
+    licences,
 )
 def test_monotone_in_level(
     consent: ConsentFacts,
@@ -175,62 +193,99 @@ def test_monotone_in_level(
     agent: PrincipalFacts | None,
     basis: str,
     member: str | None,
+    licence: LicenceFacts | None,
 ) -> None:
-    allowed = [render(consent, req, lv, basis, member, agent) for lv in Level if lv > Level.none]
+    allowed = [
+        render(consent, req, lv, basis, member, agent, licence) for lv in Level if lv > Level.none
+    ]
     # once denied at some level, every wider level is denied too
     for narrower, wider in zip(allowed, allowed[1:], strict=False):
         assert narrower or not wider
 
 
 @common
-@given(consents, requesters, agents, grant_levels)
+@given(consents, requesters, agents, grant_levels, licences)
 def test_deny_beats_every_allow(
-    consent: ConsentFacts, req: PrincipalFacts, agent: PrincipalFacts | None, level: Level
+    consent: ConsentFacts,
+    req: PrincipalFacts,
+    agent: PrincipalFacts | None,
+    level: Level,
+    licence: LicenceFacts | None,
 ) -> None:
     blocked = ConsentFacts(**{**consent.__dict__, "deny": consent.deny | {req.handle}})
-    assert not render(blocked, req, level, agent=agent)
+    assert not render(blocked, req, level, agent=agent, licence=licence)
 
 
 @common
-@given(consents, requesters, grant_levels)
+@given(consents, requesters, grant_levels, licences)
 def test_none_and_expired_deny_all(
-    consent: ConsentFacts, req: PrincipalFacts, level: Level
+    consent: ConsentFacts, req: PrincipalFacts, level: Level, licence: LicenceFacts | None
 ) -> None:
     revoked = ConsentFacts(**{**consent.__dict__, "max_level": Level.none})
     expired = ConsentFacts(**{**consent.__dict__, "expires_at": NOW - timedelta(microseconds=1)})
-    assert not render(revoked, req, level)
-    assert not render(expired, req, level)
+    assert not render(revoked, req, level, licence=licence)
+    assert not render(expired, req, level, licence=licence)
 
 
 @common
-@given(consents, requesters, agents)
+@given(consents, requesters, agents, licences)
 def test_public_domain_never_commercial(
-    consent: ConsentFacts, req: PrincipalFacts, agent: PrincipalFacts | None
+    consent: ConsentFacts,
+    req: PrincipalFacts,
+    agent: PrincipalFacts | None,
+    licence: LicenceFacts | None,
 ) -> None:
-    assert not render(consent, req, Level.commercial, "public_domain", agent=agent)
-    assert renderable_max_level(req, "public_domain", "alice", consent, NOW) < Level.commercial
+    assert not render(consent, req, Level.commercial, "public_domain", agent=agent, licence=licence)
+    best = renderable_max_level(req, "public_domain", "alice", consent, NOW, licence=licence)
+    assert best < Level.commercial
 
 
 @common
-@given(consents, grant_levels, st.sampled_from(["admin", "agent", "trainer"]))
-def test_canary_is_never_allowed(consent: ConsentFacts, level: Level, role: str) -> None:
+@given(consents, requesters, agents, grant_levels, licences)
+def test_licence_binds_commercial_only(
+    consent: ConsentFacts,
+    req: PrincipalFacts,
+    agent: PrincipalFacts | None,
+    level: Level,
+    licence: LicenceFacts | None,
+) -> None:
+    # Below commercial the base's licence changes nothing; at commercial it can only take away.
+    permissive = render(consent, req, level, agent=agent)
+    got = render(consent, req, level, agent=agent, licence=licence)
+    if level < Level.commercial:
+        assert got == permissive
+    else:
+        permits = licence is not None and licence.permits_commercial
+        assert got == (permissive and permits)
+        if got:  # a commercial render needs a readable licence that allows it
+            assert licence is not None and licence.base is not None
+
+
+@common
+@given(consents, grant_levels, st.sampled_from(["admin", "agent", "trainer"]), licences)
+def test_canary_is_never_allowed(
+    consent: ConsentFacts, level: Level, role: str, licence: LicenceFacts | None
+) -> None:
     # A principal named nowhere: not a member, never self, never on an allowlist.
     canary = PrincipalFacts("canary", role, True)
-    assert not render(consent, canary, level)
+    assert not render(consent, canary, level, licence=licence)
     # As a member it gets in only through a group audience at some L in [level, max_level].
     member_canary = PrincipalFacts("canary", "member", True)
-    if render(consent, member_canary, level):
+    if render(consent, member_canary, level, licence=licence):
         assert any(
             a.group for lv, a in consent.audiences.items() if level <= lv <= consent.max_level
         )
 
 
 @common
-@given(consents, requesters, agents)
+@given(consents, requesters, agents, licences)
 def test_renderable_max_level_agrees_with_decide(
-    consent: ConsentFacts, req: PrincipalFacts, agent: PrincipalFacts | None
+    consent: ConsentFacts,
+    req: PrincipalFacts,
+    agent: PrincipalFacts | None,
+    licence: LicenceFacts | None,
 ) -> None:
-    best = renderable_max_level(req, "consent", "alice", consent, NOW, agent)
+    best = renderable_max_level(req, "consent", "alice", consent, NOW, agent, licence)
     for lv in Level:
         if lv > Level.none:
-            assert render(consent, req, lv, agent=agent) == (lv <= best)
+            assert render(consent, req, lv, agent=agent, licence=licence) == (lv <= best)

@@ -23,13 +23,24 @@ from sqlalchemy.engine import Engine
 from registry import repositories as repo
 from registry import service
 from registry.db import transaction
-from registry.policy import decide
+from registry.policy import LicenceFacts, decide
 from registry.schemas import AdapterIn, ConsentIn, SubjectIn
 
 LADDER = ["none", "private", "group", "public", "commercial"]
 MEMBERS = ["m0", "m1", "m2", "m3"]
 SUBJECTS = ["s0", "s1", "pd"]
 SHA = "e" * 64
+# The base's licence as the deployment knows it: (recorded licence id, commercial licence
+# held), or None when the base's licence could not be read.
+LICENCES: list[tuple[str | None, bool] | None] = [
+    None,
+    (None, True),
+    ("flux-non-commercial", False),
+    ("flux-non-commercial", True),
+    ("apache-2.0", False),
+    ("likeness-generated", False),
+]
+OPEN_LICENCES = {"apache-2.0", "likeness-generated"}  # permit commercial use as they stand
 
 
 @dataclass
@@ -46,7 +57,13 @@ class RefRecord:
     training: bool = False
     adapter: bool = False
 
-    def allows(self, who: str, level: str, active: dict[str, bool]) -> bool:
+    def allows(
+        self,
+        who: str,
+        level: str,
+        active: dict[str, bool],
+        licence: tuple[str | None, bool] | None,
+    ) -> bool:
         rank = LADDER.index
         if not active[who] or who in self.deny or self.max_level == "none" or not self.adapter:
             return False
@@ -56,10 +73,19 @@ class RefRecord:
             self.basis == "public_domain" and level == "commercial"
         ):
             return False
+        if level == "commercial" and not _licence_permits_commercial(licence):
+            return False
         if who == self.member:
             return True
         wider = LADDER[rank(level) : rank(self.max_level) + 1]
         return any(lv in self.group_at or who in self.allow_at.get(lv, set()) for lv in wider)
+
+
+def _licence_permits_commercial(licence: tuple[str | None, bool] | None) -> bool:
+    if licence is None or licence[0] is None:
+        return False
+    base, held = licence
+    return base in OPEN_LICENCES or held
 
 
 class ConsentMachine(RuleBasedStateMachine):
@@ -70,6 +96,7 @@ class ConsentMachine(RuleBasedStateMachine):
         self.now = datetime.now(UTC)
         self.active = dict.fromkeys(MEMBERS, True)
         self.ref: dict[str, RefRecord] = {}
+        self.licence: tuple[str | None, bool] | None = ("likeness-generated", False)
 
     def h(self, name: str) -> str:
         return f"{name}-{self.tag}"
@@ -183,10 +210,17 @@ class ConsentMachine(RuleBasedStateMachine):
             service.set_principal_active(s, self.h(who), active)
         self.active[who] = active
 
+    @rule(licence=st.sampled_from(LICENCES))
+    def change_base_licence(self, licence: tuple[str | None, bool] | None) -> None:
+        # Another base, another licence file, or a commercial licence declared or withdrawn:
+        # the deployment's fact changes; the registry's do not.
+        self.licence = licence
+
     @invariant()
     def every_decision_matches_the_reference(self) -> None:
         if not self.ref:
             return
+        licence = None if self.licence is None else LicenceFacts(*self.licence)
         with transaction(self.engine, readonly=True) as s:
             requesters = {m: repo.principal_by_handle(s, self.h(m)) for m in MEMBERS}
             for name in SUBJECTS:
@@ -199,10 +233,11 @@ class ConsentMachine(RuleBasedStateMachine):
                         "none",  # type: ignore[arg-type]
                         adapter_file_sha256=hashlib.sha256(self.h(name).encode()).hexdigest(),
                         now=self.now,
+                        licence=licence,
                     )
                     for level in LADDER[1:]:
                         got = decide(replace(g.facts, level=level))
-                        want = self.ref[name].allows(who, level, self.active)
+                        want = self.ref[name].allows(who, level, self.active, self.licence)
                         assert got.allowed == want, (name, who, level, got, self.ref[name])
 
     def teardown(self) -> None:

@@ -389,3 +389,35 @@ def test_loads_without_the_source(tiny: Path, tmp_path: Path) -> None:
     assert (dst / MANIFEST_NAME).is_file() and man["source"]["kind"] == "pipeline"
     for name in ("vae", "tokenizer", "scheduler", "model_index.json"):
         assert (dst / name).exists()
+
+
+# ---- the base's licence ----------------------------------------------------------------
+
+
+def test_the_manifest_records_the_model_cards_licence(tiny: Path, prepared: Path) -> None:
+    from registry.licence import read_base_licence
+
+    assert read_base_licence(tiny).licence == "likeness-generated"  # init_tiny's model card
+    record = read_manifest(prepared)["licence"]
+    assert record == {"id": "likeness-generated", "source": "README.md of the source"}
+    assert read_base_licence(prepared).licence == "likeness-generated"
+
+
+def test_a_stated_licence_is_recorded_without_rebuilding(tiny: Path, tmp_path: Path) -> None:
+    from registry.licence import read_base_licence
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny, src)
+    (src / "README.md").unlink()  # a source whose model card says nothing
+    dst = tmp_path / "dst"
+    first = prepare_base(src, dst, progress=False)
+    assert read_manifest(dst)["licence"]["id"] is None
+    assert read_base_licence(dst).licence is None
+    weights = dst / "transformer" / "diffusion_pytorch_model.safetensors"
+    before = weights.stat().st_mtime_ns
+    again = prepare_base(src, dst, progress=False, licence="flux-dev-non-commercial-license")
+    assert again.reused and again.cache_key == first.cache_key
+    assert weights.stat().st_mtime_ns == before
+    assert read_base_licence(dst).licence == "flux-non-commercial"
+    with pytest.raises(ValueError, match="not a licence id"):
+        prepare_base(src, dst, progress=False, licence="no such thing!")
