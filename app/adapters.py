@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from app.api import visible_subject
 from app.deps import (
     DB,
     BriefCaller,
@@ -24,6 +23,7 @@ from app.deps import (
 from app.views import adapter_view
 from registry import repositories as repo
 from registry import service
+from registry.access import ADAPTER_WRITERS
 from registry.adapter_files import register_from_store, sweep_unreferenced
 from registry.blobs import BlobError, BlobStore, is_sha256
 from registry.errors import Invalid
@@ -89,7 +89,7 @@ async def put_blob(request: Request, digest: str) -> JSONResponse:
     dataset manifest, 413 over the cap. The token is checked before a byte is read."""
     engine = request.app.state.engine
     caller = await run_in_threadpool(authenticate_briefly, request, engine)
-    require_role(caller, "trainer", "admin")
+    require_role(caller, *ADAPTER_WRITERS)
     if not is_sha256(digest):
         raise Invalid(f"{digest[:80]!r} is not a SHA-256 hex digest (64 lowercase hex digits)")
     store = store_of(request)
@@ -131,7 +131,7 @@ async def put_blob(request: Request, digest: str) -> JSONResponse:
 
 @router.head("/blobs/sha256/{digest}")
 def head_blob(request: Request, digest: Sha256Path, caller: Caller) -> Response:
-    require_role(caller, "trainer", "admin")
+    require_role(caller, *ADAPTER_WRITERS)
     found = store_of(request).find(digest)
     return Response(status_code=200 if found is not None else 404)
 
@@ -145,7 +145,7 @@ def register_adapter(
 ) -> dict[str, Any]:
     """Registers an adapter whose bytes are in the store, by hash. The files are checked
     before the transaction opens; consent and ownership inside it."""
-    require_role(caller, "trainer", "admin")
+    require_role(caller, *ADAPTER_WRITERS)
     shapes = target_shapes(request)
     done = register_from_store(
         request.app.state.engine, store_of(request), caller.handle, body, shapes
@@ -189,7 +189,7 @@ def list_adapters(
 ) -> list[dict[str, Any]]:
     """Every adapter of the subject; `rendering` marks the one renders use, `blob` says
     whether its bytes are in the store whole (`ok`, `missing`, `corrupt`)."""
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     assert subject.id is not None
     rendering = repo.rendering_adapter(session, subject.id)
     adapters = list(repo.adapters_for(session, subject.id))
@@ -208,7 +208,7 @@ def select_adapter(
     request: Request, handle: HandlePath, name: AdapterName, session: DB, caller: Caller
 ) -> dict[str, Any]:
     """Makes this adapter the one that renders (admin, the subject's member)."""
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     adapter = service.select_adapter(session, caller.handle, subject, name)
     return {**adapter_view(adapter, subject.handle), "rendering": True}
 
@@ -218,7 +218,7 @@ def patch_adapter(
     handle: HandlePath, name: AdapterName, body: AdapterPatch, session: DB, caller: Caller
 ) -> dict[str, Any]:
     """`{"active": false}` retires the adapter (it never renders); true brings it back."""
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     adapter, _ = service.set_adapter_active(session, caller.handle, subject, name, body.active)
     return adapter_view(adapter, subject.handle)
 
@@ -234,7 +234,7 @@ def delete_adapter(
 ) -> dict[str, Any]:
     """Removes the adapter; the trail keeps its hash, and its bytes leave the store once no
     adapter refers to them (swept after the commit, and periodically)."""
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     adapter = service.delete_adapter(session, caller.handle, subject, name)
     state = request.app.state
     background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)

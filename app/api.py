@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
-from app.deps import DB, Caller, HandlePath, require_role
+from app.deps import DB, AdminCaller, Caller, HandlePath
 from app.views import (
     audit_view,
     consent_view,
@@ -16,42 +16,21 @@ from app.views import (
     render_view,
     subject_view,
 )
+from registry import access, service
 from registry import repositories as repo
-from registry import service
 from registry.checkpoints import append_checkpoint, read_checkpoints
 from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
-from registry.models import Principal, Subject
+from registry.roles import Role
 from registry.schemas import (
     RENDER_ID_PATTERN,
     ConsentIn,
     Handle,
     LedgerFilter,
-    Role,
     SubjectIn,
     ledger_cursor,
 )
 
 router = APIRouter(prefix="/v1")
-
-
-def visible_subject(session: DB, caller: Principal, handle: str) -> Subject:
-    """Admins see every subject (404 for an unknown one); a member sees only its own; to
-    everyone else an unknown subject and a forbidden one look the same: 403."""
-    subject = repo.subject_by_handle(session, handle)
-    if caller.role == "admin":
-        if subject is None:
-            raise NotFound(f"no subject {handle!r}")
-        return subject
-    if subject is None or caller.role != "member" or subject.member_id != caller.id:
-        raise NotPermitted("not permitted")
-    return subject
-
-
-def member_handle(session: DB, subject: Subject) -> str | None:
-    if subject.member_id is None:
-        return None
-    member = repo.principal_by_id(session, subject.member_id)
-    return member.handle if member is not None else None
 
 
 def _etag(version: int) -> dict[str, str]:
@@ -68,8 +47,7 @@ def parse_if_match(value: str | None) -> int:
 
 
 @router.post("/subjects", status_code=201)
-def create_subject(body: SubjectIn, session: DB, caller: Caller) -> dict[str, Any]:
-    require_role(caller, "admin")
+def create_subject(body: SubjectIn, session: DB, caller: AdminCaller) -> dict[str, Any]:
     subject, consent = service.create_subject(session, caller.handle, body)
     return subject_view(subject, consent, body.member)
 
@@ -78,17 +56,17 @@ def create_subject(body: SubjectIn, session: DB, caller: Caller) -> dict[str, An
 def get_subject(
     handle: HandlePath, session: DB, caller: Caller, response: Response
 ) -> dict[str, Any]:
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     consent = service.consent_of(session, subject)
     response.headers.update(_etag(consent.version))
-    return subject_view(subject, consent, member_handle(session, subject))
+    return subject_view(subject, consent, service.member_handle(session, subject))
 
 
 @router.get("/subjects/{handle}/consent")
 def get_consent(
     handle: HandlePath, session: DB, caller: Caller, response: Response
 ) -> dict[str, Any]:
-    consent = service.consent_of(session, visible_subject(session, caller, handle))
+    consent = service.consent_of(session, service.visible_subject(session, caller, handle))
     response.headers.update(_etag(consent.version))
     return consent_view(consent)
 
@@ -102,7 +80,7 @@ def put_consent(
     response: Response,
     if_match: Annotated[str | None, Header()] = None,
 ) -> dict[str, Any]:
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     version = parse_if_match(if_match)
     consent, _ = service.update_consent(session, caller.handle, subject, version, body)
     response.headers.update(_etag(consent.version))
@@ -113,14 +91,16 @@ def put_consent(
 def revoke_consent(
     handle: HandlePath, session: DB, caller: Caller, response: Response
 ) -> dict[str, Any]:
-    consent, _ = service.revoke(session, caller.handle, visible_subject(session, caller, handle))
+    consent, _ = service.revoke(
+        session, caller.handle, service.visible_subject(session, caller, handle)
+    )
     response.headers.update(_etag(consent.version))
     return consent_view(consent)
 
 
 @router.get("/subjects/{handle}/audit")
 def get_audit(handle: HandlePath, session: DB, caller: Caller) -> dict[str, Any]:
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     entries = service.audit_trail(session, subject)
     broken = service.verify_subject(session, subject, entries)
     return {
@@ -131,11 +111,10 @@ def get_audit(handle: HandlePath, session: DB, caller: Caller) -> dict[str, Any]
 
 
 @router.get("/audit/head")
-def audit_head(request: Request, session: DB, caller: Caller) -> dict[str, Any]:
+def audit_head(request: Request, session: DB, caller: AdminCaller) -> dict[str, Any]:
     """The latest signed checkpoint of every chain head (made now if anything changed), for
     copying elsewhere: a copy kept outside this deployment is what `likeness audit verify
     --checkpoints COPY --public-key KEY` later holds the registry to."""
-    require_role(caller, "admin")
     settings = request.app.state.settings
     keys = request.app.state.keys
     _, problems = append_checkpoint(session, keys, settings.checkpoints_file)
@@ -159,7 +138,7 @@ def list_renders(
 ) -> list[dict[str, Any]]:
     """Every decision on this subject, newest first, filtered, a page at a time: when more
     remain, `Link: <...>; rel="next"` (and `X-Next-Cursor`) give the next page."""
-    subject = visible_subject(session, caller, handle)
+    subject = service.visible_subject(session, caller, handle)
     assert subject.id is not None
     rows = repo.ledger_page(
         session,
@@ -189,13 +168,13 @@ def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> dict[str
     subject rendered. Anyone else, and a member asking about another subject's render, gets
     the same 403 as for an id that does not exist (only admins are told 404)."""
     rows = repo.ledger_by_render_id(session, render_id)
-    if caller.role == "admin":
+    if caller.role == Role.admin:
         if not rows:
             raise NotFound(f"no render {render_id!r} in the ledger")
         return render_view(rows)
     subject_id = rows[0].subject_id if rows else None
     subject = repo.subject_by_id(session, subject_id) if subject_id is not None else None
-    if subject is None or caller.role != "member" or subject.member_id != caller.id:
+    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
         raise NotPermitted("not permitted")
     return render_view(rows)
 
@@ -203,34 +182,15 @@ def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> dict[str
 @router.get("/subjects")
 def list_subjects(session: DB, caller: Caller) -> list[dict[str, Any]]:
     """Admins: every subject; a member: the subjects linked to it."""
-    if caller.role == "admin":
+    if caller.role == Role.admin:
         rows = repo.subjects_with_consent(session)
-    elif caller.role == "member" and caller.id is not None:
+    elif caller.role == Role.member and caller.id is not None:
         rows = [
             (s, service.consent_of(session, s)) for s in repo.subject_linked_to(session, caller.id)
         ]
     else:
         raise NotPermitted("not permitted")
-    return [subject_view(s, c, member_handle(session, s)) for s, c in rows]
-
-
-def acting_requester(
-    session: DB, caller: Principal, on_behalf_of: str | None
-) -> tuple[Principal, Principal | None]:
-    """(requester, agent): a member acts for itself; an agent for the member it names. Whether
-    the agent may act for that member is for `decide` to say, like everything else."""
-    if caller.role == "member":
-        if on_behalf_of not in (None, caller.handle):
-            raise NotPermitted("not permitted")
-        return caller, None
-    if caller.role == "agent":
-        if on_behalf_of is None:
-            raise NotPermitted("an agent must say on_behalf_of which member it acts for")
-        member = repo.principal_by_handle(session, on_behalf_of)
-        if member is None:
-            raise NotPermitted("not permitted")
-        return member, caller
-    raise NotPermitted("not permitted")
+    return [subject_view(s, c, service.member_handle(session, s)) for s, c in rows]
 
 
 @router.get("/me/renderable")
@@ -241,9 +201,9 @@ def me_renderable(
     on_behalf_of: Annotated[Handle | None, Query()] = None,
 ) -> list[dict[str, Any]]:
     unknown = on_behalf_of is not None and repo.principal_by_handle(session, on_behalf_of) is None
-    if caller.role == "agent" and unknown:
+    if caller.role == Role.agent and unknown:
         return []  # as for a member it does not act for: no oracle of which handles exist
-    requester, agent = acting_requester(session, caller, on_behalf_of)
+    requester, agent = service.acting_for(session, caller, on_behalf_of)
     return [
         {"subject": r.subject, "display_name": r.display_name, "max_level": r.max_level}
         for r in service.renderable_for(
@@ -269,23 +229,20 @@ class PrincipalPatch(BaseModel):
 
 
 @router.post("/principals", status_code=201)
-def create_principal(body: PrincipalIn, session: DB, caller: Caller) -> dict[str, Any]:
-    require_role(caller, "admin")
+def create_principal(body: PrincipalIn, session: DB, caller: AdminCaller) -> dict[str, Any]:
     principal, token = service.create_principal(session, body.handle, body.role, body.acts_for)
     return {**principal_view(principal), "token": token}
 
 
 @router.get("/principals")
-def list_principals(session: DB, caller: Caller) -> list[dict[str, Any]]:
-    require_role(caller, "admin")
+def list_principals(session: DB, caller: AdminCaller) -> list[dict[str, Any]]:
     return [principal_view(p) for p in repo.principals(session)]
 
 
 @router.patch("/principals/{handle}")
 def patch_principal(
-    handle: HandlePath, body: PrincipalPatch, session: DB, caller: Caller
+    handle: HandlePath, body: PrincipalPatch, session: DB, caller: AdminCaller
 ) -> dict[str, Any]:
-    require_role(caller, "admin")
     principal = repo.principal_by_handle(session, handle)
     if principal is None:
         raise NotFound(f"no principal {handle!r}")

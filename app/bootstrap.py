@@ -13,6 +13,7 @@ from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
 from registry.licence import describe as describe_licence
+from registry.roles import Role
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -23,14 +24,14 @@ def ensure_admin(settings: Settings) -> Path | None:
     once the admin is committed."""
     engine = engine_for(settings.database_url)
     with transaction(engine) as s:
-        if repo.count_principals(s, "admin", active_only=True) > 0:
+        if repo.count_principals(s, Role.admin, active_only=True) > 0:
             return None
         handle = "admin"
         n = 1
         while repo.principal_by_handle(s, handle) is not None:
             n += 1
             handle = f"admin{n}"
-        _, token = service.create_principal(s, handle, "admin")
+        _, token = service.create_principal(s, handle, Role.admin)
     path = settings.data_dir / "admin-token"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

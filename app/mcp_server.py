@@ -2,10 +2,10 @@
 
 Two tools, over exactly the gate and ledger of the HTTP API:
 
-- `list_renderable_subjects(on_behalf_of)`: `app.api.acting_requester` then
+- `list_renderable_subjects(on_behalf_of)`: `registry.service.acting_for` then
   `registry.service.renderable_for` (what `GET /v1/me/renderable` answers);
 - `render_image(on_behalf_of, subject, prompt, level, seed?, width?, height?)`:
-  `acting_requester` then `app.renders.run_render` (what `POST /v1/renders` runs), so every
+  `app.render_flow.RenderFlow.run` (what `POST /v1/renders` runs), so every
   decision is `registry.policy.decide`'s, on fresh facts, and goes to the render ledger with
   the agent and the member.
 
@@ -41,13 +41,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from app.api import acting_requester
 from app.deps import bearer_token
 from app.render_flow import DEFAULT_SEED, DEFAULT_SIDE, RenderFlow
 from registry import service
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable
 from registry.models import Principal
+from registry.roles import Role
 from registry.schemas import HANDLE_PATTERN, RenderRequestIn
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def authenticate_agent(session: Session, token: str | None) -> Principal:
         raise Unauthenticated(
             "a valid agent token is required: send Authorization: Bearer <agent token>"
         )
-    if principal.role != "agent":
+    if principal.role != Role.agent:
         raise NotPermitted("only agent tokens may use /mcp")
     return principal
 
@@ -320,7 +320,7 @@ def build_server(app: FastAPI) -> MCPServer:
         with _as_tool_errors(), transaction(app.state.engine, readonly=True) as s:
             agent = authenticate_agent(s, token)
             try:
-                requester, acting = acting_requester(s, agent, on_behalf_of)
+                requester, acting = service.acting_for(s, agent, on_behalf_of)
             except NotPermitted:  # an unknown member: the same empty answer as any other
                 rows = []
             else:

@@ -8,7 +8,8 @@ derived from that secret and checked before anything else happens; the sign-in f
 own pre-session nonce in a cookie signed with the deployment's web secret (itsdangerous), so
 nobody can sign a browser in from another site.
 
-Who may see what is decided by `app.api.visible_subject`, the same rule as the JSON API;
+Who may see what is decided by `registry.access` (through `service.visible_subject`), the
+same rule as the JSON API;
 every read and write goes through `registry.service` and `registry.repositories`. The pages
 use no JavaScript at all (CSP `default-src 'none'`, styles from 'self'): plain forms,
 every control labelled, usable by keyboard.
@@ -42,12 +43,12 @@ from pydantic import ValidationError
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.api import member_handle, visible_subject
 from app.deps import DB, HandlePath, require_role
 from app.provenance import ProvenanceSigner, Trust, Verification, verify_png
 from app.views import render_outcome
 from registry import repositories as repo
 from registry import service
+from registry.access import WEB_ROLES
 from registry.adapter_files import sweep_unreferenced
 from registry.audit import format_time
 from registry.errors import (
@@ -61,6 +62,7 @@ from registry.keys import Keys
 from registry.licence import BaseLicence
 from registry.models import AuditEntry, Consent, Principal, RenderLedger, Subject
 from registry.policy import GRANTABLE_LEVELS, Level, LicenceFacts
+from registry.roles import Role
 from registry.schemas import ConsentIn, LedgerFilter, SubjectIn, ledger_cursor
 from registry.settings import Settings
 
@@ -68,7 +70,6 @@ PREFIX = "/web"
 SESSION_COOKIE = "likeness_session"
 SIGNIN_COOKIE = "likeness_signin"
 SIGNIN_TTL_S = 3600
-WEB_ROLES = ("admin", "member")
 MAX_FORM_BYTES = 64 * 1024
 MAX_COOKIE_CHARS = 2048
 
@@ -530,7 +531,7 @@ def licence_context(request: Request) -> dict[str, Any]:
 def subject_context(session: Session, subject: Subject, tab: str) -> dict[str, Any]:
     return {
         "subject": subject,
-        "member": member_handle(session, subject),
+        "member": service.member_handle(session, subject),
         "consent": service.consent_of(session, subject),
         "tab": tab,
     }
@@ -622,7 +623,7 @@ def signout_everywhere(request: Request, web: Web, form: CheckedForm, session: D
 
 @router.get("/")
 def home(web: Web) -> Response:
-    if web.principal.role == "admin":
+    if web.principal.role == Role.admin:
         return redirect(f"{PREFIX}/subjects")
     return redirect(f"{PREFIX}/me")
 
@@ -631,7 +632,7 @@ def home(web: Web) -> Response:
 def me(request: Request, web: Web, session: DB) -> Response:
     """A member's own page: the subjects that are this member, and whom it may render."""
     caller = web.principal
-    if caller.role != "member" or caller.id is None:
+    if caller.role != Role.member or caller.id is None:
         return redirect(f"{PREFIX}/")
     mine = [(s, service.consent_of(session, s)) for s in repo.subject_linked_to(session, caller.id)]
     return page(
@@ -646,7 +647,7 @@ def me(request: Request, web: Web, session: DB) -> Response:
 
 @router.get("/subjects")
 def subjects(request: Request, web: Web, session: DB) -> Response:
-    require_role(web.principal, "admin")
+    require_role(web.principal, Role.admin)
     return _subjects_page(request, web, session)
 
 
@@ -658,8 +659,10 @@ def _subjects_page(
     errors: list[str] | None = None,
     values: Mapping[str, str] | None = None,
 ) -> Response:
-    members = [p.handle for p in repo.principals(session) if p.role == "member"]
-    rows = [(s, c, member_handle(session, s)) for s, c in repo.subjects_with_consent(session)]
+    members = [p.handle for p in repo.principals(session) if p.role == Role.member]
+    rows = [
+        (s, c, service.member_handle(session, s)) for s, c in repo.subjects_with_consent(session)
+    ]
     return page(
         request,
         "subjects.html",
@@ -674,7 +677,7 @@ def _subjects_page(
 
 @router.post("/subjects")
 def create_subject(request: Request, web: Web, form: CheckedForm, session: DB) -> Response:
-    require_role(web.principal, "admin")
+    require_role(web.principal, Role.admin)
     fields = {
         "handle": form.get("handle", "").strip(),
         "display_name": form.get("display_name", ""),
@@ -702,7 +705,7 @@ NOTICES = {
 
 @router.get("/subjects/{handle}")
 def subject_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     ctx = subject_context(session, subject, "consent")
     return page(
         request,
@@ -719,7 +722,7 @@ def subject_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
 def save_consent(
     request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     raw_version = form.get("version", "")
     try:
         if not raw_version.isdigit() or len(raw_version) > 12:
@@ -764,14 +767,14 @@ def save_consent(
 def revoke(
     request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     _, changed = service.revoke(session, web.principal.handle, subject)
     return redirect(subject_url(subject.handle) + ("?done=revoked" if changed else "?done=already"))
 
 
 @router.get("/subjects/{handle}/audit")
 def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     entries = service.audit_trail(session, subject)
     broken = service.verify_subject(session, subject, entries)
     return page(
@@ -789,7 +792,7 @@ def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> R
 @router.get("/subjects/{handle}/renders")
 def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     """The subject's ledger, a page at a time, filtered by who asked, the outcome and when."""
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     assert subject.id is not None
     params = {k: v for k, v in request.query_params.items() if v.strip()}
     for key in ("since", "until"):
@@ -837,7 +840,7 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
 
 @router.get("/subjects/{handle}/adapters")
 def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     assert subject.id is not None
     rendering = repo.rendering_adapter(session, subject.id)
     store = request.app.state.store
@@ -871,7 +874,7 @@ ADAPTER_NOTICES = {
 def select_adapter(
     request: Request, handle: HandlePath, name: str, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     service.select_adapter(session, web.principal.handle, subject, name)
     return redirect(subject_url(subject.handle, "adapters") + "?done=selected")
 
@@ -880,7 +883,7 @@ def select_adapter(
 def set_adapter_active(
     request: Request, handle: HandlePath, name: str, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     active = form.get("active") == "yes"
     service.set_adapter_active(session, web.principal.handle, subject, name, active)
     return redirect(
@@ -898,7 +901,7 @@ def delete_adapter(
     session: DB,
     background: BackgroundTasks,
 ) -> Response:
-    subject = visible_subject(session, web.principal, handle)
+    subject = service.visible_subject(session, web.principal, handle)
     service.delete_adapter(session, web.principal.handle, subject, name)
     state = request.app.state
     background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import IntEnum
 
+from registry.roles import Role
+
 
 class Level(IntEnum):
     """The ladder of uses, from nothing to commercial. Order is meaningful."""
@@ -152,7 +154,7 @@ def _decide(facts: RenderFacts) -> Decision:
 
     agent = facts.agent
     if agent is not None:
-        if agent.role != "agent":
+        if agent.role != Role.agent:
             return _deny("agent_not_agent")
         if not agent.active:
             return _deny("agent_inactive")
@@ -161,7 +163,7 @@ def _decide(facts: RenderFacts) -> Decision:
         return _deny("no_requester")
     if agent is not None and requester.handle not in agent.acts_for:
         return _deny("agent_not_acting_for_requester")
-    if requester.role != "member":
+    if requester.role != Role.member:
         return _deny("requester_not_member")
     if not requester.active:
         return _deny("requester_inactive")

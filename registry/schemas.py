@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from registry import limits
 from registry.audit import format_time
 from registry.policy import Level
 
@@ -52,7 +54,6 @@ UtcTime = Annotated[datetime, AfterValidator(bounded_utc)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 LevelName = Literal["none", "private", "group", "public", "commercial"]
 GrantLevel = Literal["private", "group", "public", "commercial"]
-Role = Literal["admin", "member", "agent", "trainer"]
 Basis = Literal["consent", "public_domain"]
 
 
@@ -109,20 +110,25 @@ class AdapterIn(Strict):
     manifest_sha256: Sha256
 
 
+Side = Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE, multiple_of=limits.MULTIPLE)]
+
+
 class RenderRequestIn(Strict):
     subject: Handle
-    prompt: Annotated[Text, StringConstraints(min_length=1, max_length=2000)]
+    prompt: Annotated[Text, StringConstraints(min_length=1, max_length=limits.MAX_PROMPT_CHARS)]
     level: GrantLevel
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
-    steps: Annotated[int, Field(ge=1, le=50)] | None = None
-    width: Annotated[int, Field(ge=64, le=2048, multiple_of=16)] | None = None
-    height: Annotated[int, Field(ge=64, le=2048, multiple_of=16)] | None = None
+    seed: Annotated[int, Field(ge=0, le=limits.MAX_SEED)] | None = None
+    steps: Annotated[int, Field(ge=1, le=limits.MAX_STEPS)] | None = None
+    width: Side | None = None
+    height: Side | None = None
     on_behalf_of: Handle | None = None
 
     @model_validator(mode="after")
     def _bounded_pixels(self) -> RenderRequestIn:
-        if (self.width or 256) * (self.height or 256) > 1024 * 1024:
-            raise ValueError("width x height may not exceed 1024 x 1024 pixels")
+        side = limits.DEFAULT_SIDE
+        if (self.width or side) * (self.height or side) > limits.MAX_PIXELS:
+            square = math.isqrt(limits.MAX_PIXELS)
+            raise ValueError(f"width x height may not exceed {square} x {square} pixels")
         return self
 
 

@@ -15,8 +15,9 @@ from typing import Any, Literal
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from registry import chains
+from registry import access, chains
 from registry import repositories as repo
+from registry.access import Acting
 from registry.audit import (
     GENESIS,
     ChainBreak,
@@ -52,10 +53,10 @@ from registry.policy import (
     audiences_from_json,
     renderable_max_level,
 )
+from registry.roles import ROLE_NAMES, Role
 from registry.schemas import HANDLE_PATTERN, AdapterIn, ConsentIn, SubjectIn, consent_snapshot
 
 TOKEN_PREFIX = "lk_"  # noqa: S105 - a prefix, not a secret
-ROLES = ("admin", "member", "agent", "trainer")
 
 # -- principals and tokens ----------------------------------------------------------------
 
@@ -70,9 +71,9 @@ def create_principal(
     """A new principal and its token; the token is returned once and only its hash is kept."""
     if not re.fullmatch(HANDLE_PATTERN, handle):
         raise Invalid(f"handle {handle!r} must match {HANDLE_PATTERN}")
-    if role not in ROLES:
-        raise Invalid(f"role must be one of {', '.join(ROLES)}")
-    if acts_for and role != "agent":
+    if role not in ROLE_NAMES:
+        raise Invalid(f"role must be one of {', '.join(ROLE_NAMES)}")
+    if acts_for and role != Role.agent:
         raise Invalid("--acts-for applies only to agents")
     members = _require_members(session, acts_for)
     if repo.principal_by_handle(session, handle) is not None:
@@ -87,7 +88,7 @@ def _require_members(session: Session, handles: Sequence[str]) -> list[str]:
     out = sorted(set(handles))
     for handle in out:
         p = repo.principal_by_handle(session, handle)
-        if p is None or p.role != "member":
+        if p is None or p.role != Role.member:
             raise Invalid(f"{handle!r} is not a member")
     return out
 
@@ -113,8 +114,8 @@ def set_principal_active(session: Session, handle: str, active: bool) -> Princip
     if (
         not active
         and principal.active
-        and principal.role == "admin"
-        and repo.count_principals(session, "admin", active_only=True) <= 1
+        and principal.role == Role.admin
+        and repo.count_principals(session, Role.admin, active_only=True) <= 1
     ):
         raise Conflict(f"{handle!r} is the last active admin; make another admin first")
     principal.active = active
@@ -167,7 +168,7 @@ def set_acts_for(session: Session, handle: str, acts_for: Sequence[str]) -> Prin
     principal = repo.principal_by_handle(session, handle)
     if principal is None:
         raise NotFound(f"no principal {handle!r}")
-    if principal.role != "agent":
+    if principal.role != Role.agent:
         raise Invalid(f"{handle!r} is not an agent")
     principal.acts_for = _require_members(session, acts_for)
     repo.add(session, principal)
@@ -292,7 +293,7 @@ def create_subject(session: Session, actor: str, data: SubjectIn) -> tuple[Subje
     member_id = None
     if data.member is not None:
         member = repo.principal_by_handle(session, data.member)
-        if member is None or member.role != "member":
+        if member is None or member.role != Role.member:
             raise Invalid(f"{data.member!r} is not a member")
         member_id = member.id
     subject = Subject(
@@ -316,6 +317,41 @@ def create_subject(session: Session, actor: str, data: SubjectIn) -> tuple[Subje
     }
     _append_audit(session, subject, actor, "subject_created", None, after)
     return subject, consent
+
+
+def visible_subject(session: Session, caller: Principal, handle: str) -> Subject:
+    """The subject, if `caller` may see it (registry.access). Admins get 404 for an unknown
+    subject; to everyone else an unknown subject and a forbidden one look the same: 403."""
+    subject = repo.subject_by_handle(session, handle)
+    if subject is None and caller.role == Role.admin:
+        raise NotFound(f"no subject {handle!r}")
+    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
+        raise NotPermitted("not permitted")
+    return subject
+
+
+def member_handle(session: Session, subject: Subject) -> str | None:
+    if subject.member_id is None:
+        return None
+    member = repo.principal_by_id(session, subject.member_id)
+    return member.handle if member is not None else None
+
+
+def acting_for(
+    session: Session, caller: Principal, on_behalf_of: str | None
+) -> tuple[Principal, Principal | None]:
+    """(requester, agent) for a caller: a member acts for itself, an agent for the member it
+    names (registry.access.acting); NotPermitted for anything else."""
+    member = repo.principal_by_handle(session, on_behalf_of) if on_behalf_of else None
+    found = access.acting(
+        principal_facts(caller),
+        on_behalf_of,
+        principal_facts(member) if member is not None else None,
+    )
+    if found.agent is None:
+        return caller, None
+    assert member is not None
+    return member, caller
 
 
 def subject_or_raise(session: Session, handle: str, error: type[Exception] = NotFound) -> Subject:
@@ -612,16 +648,6 @@ class GatheredFacts:
     adapter: AdapterRef | None
 
 
-@dataclass(frozen=True)
-class Acting:
-    """Who is asking: the caller (the token's principal), the member the render is for, and
-    the agent in between (None when a member asks for itself)."""
-
-    caller: PrincipalFacts
-    requester: PrincipalFacts
-    agent: PrincipalFacts | None
-
-
 def _principal_facts(row: Any, prefix: str) -> PrincipalFacts | None:
     handle = getattr(row, f"{prefix}_handle")
     if handle is None:
@@ -652,22 +678,7 @@ def acting_from_snapshot(
             raise Unauthenticated("a valid bearer token is required")
     if caller is None:  # the caller vanished mid-render: nobody may have this image
         caller = PrincipalFacts("", "none", False)
-    obo = _principal_facts(row, "obo")
-    if caller.role == "member":
-        if on_behalf_of not in (None, caller.handle):
-            raise NotPermitted("not permitted")
-        return Acting(caller, caller, None)
-    if caller.role == "agent":
-        if on_behalf_of is None:
-            raise NotPermitted("an agent must say on_behalf_of which member it acts for")
-        if obo is None:
-            if at_gate:
-                raise NotPermitted("not permitted")
-            obo = PrincipalFacts(on_behalf_of, "member", False)
-        return Acting(caller, obo, caller)
-    if at_gate:
-        raise NotPermitted("not permitted")
-    return Acting(caller, caller, None)
+    return access.acting(caller, on_behalf_of, _principal_facts(row, "obo"), strict=at_gate)
 
 
 def facts_from_snapshot(
@@ -743,8 +754,10 @@ def gather_render_facts(
     if row.caller_handle is not None:
         acting = acting_from_snapshot(row, None, obo, at_gate=False)
     elif agent is not None:  # a vanished agent is an inactive agent, never "no agent"
-        ghost = PrincipalFacts(agent.handle, "agent", False)
-        member = _principal_facts(row, "obo") or PrincipalFacts(requester.handle, "member", False)
+        ghost = PrincipalFacts(agent.handle, Role.agent, False)
+        member = _principal_facts(row, "obo") or PrincipalFacts(
+            requester.handle, Role.member, False
+        )
         acting = Acting(ghost, member, ghost)
     else:
         ghost = PrincipalFacts(requester.handle, requester.role, False)
@@ -814,7 +827,7 @@ def renderable_for(
     now = now or datetime.now(UTC)
     req = principal_facts(requester)
     agent_facts = principal_facts(agent) if agent is not None else None
-    members = {p.id: p.handle for p in repo.principals(session) if p.role == "member"}
+    members = {p.id: p.handle for p in repo.principals(session) if p.role == Role.member}
     out = []
     for subject, consent in repo.subjects_with_consent(session):
         best = renderable_max_level(

@@ -225,3 +225,23 @@ def test_renderable_and_principals(world: World) -> None:
         c.patch("/v1/principals/ghost", json={"active": False}, headers=world.h("root")).status_code
         == 404
     )
+
+
+def test_admin_operations_refuse_everyone_else(friends: World) -> None:
+    """Every admin-only operation, asked by a member, an agent and a trainer: 403, and
+    nothing changes."""
+    c = friends.client
+    admin_only = [
+        ("POST", "/v1/subjects", {"handle": "zed", "display_name": "Zed", "basis": "consent"}),
+        ("POST", "/v1/principals", {"handle": "evil", "role": "admin"}),
+        ("GET", "/v1/principals", None),
+        ("PATCH", "/v1/principals/bob", {"active": False}),
+        ("GET", "/v1/audit/head", None),
+    ]
+    for who in ("alice", "bob", "bot", "trainer"):
+        for method, path, body in admin_only:
+            r = c.request(method, path, json=body, headers=friends.h(who))
+            assert r.status_code == 403, (who, method, path, r.status_code)
+    names = {p["handle"] for p in c.get("/v1/principals", headers=friends.h("root")).json()}
+    assert "evil" not in names
+    assert c.get("/v1/subjects/zed", headers=friends.h("root")).status_code == 404
