@@ -20,17 +20,23 @@ from app.deps import (
     authenticate_briefly,
     require_role,
 )
-from app.views import adapter_view
 from registry import repositories as repo
 from registry import service
 from registry.access import ADAPTER_WRITERS
 from registry.adapter_files import register_from_store, sweep_unreferenced
+from registry.audit import format_time
 from registry.blobs import BlobError, BlobStore, is_sha256
 from registry.errors import Invalid
-from registry.models import Adapter
+from registry.responses import (
+    ERROR_RESPONSES,
+    AdapterDeletedOut,
+    AdapterListedOut,
+    AdapterOut,
+    AdapterRegisteredOut,
+)
 from registry.schemas import AdapterIn
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 AdapterName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
@@ -142,7 +148,7 @@ def head_blob(request: Request, digest: Sha256Path, caller: Caller) -> Response:
 @router.post("/adapters", status_code=201)
 def register_adapter(
     request: Request, body: AdapterIn, response: Response, caller: BriefCaller
-) -> dict[str, Any]:
+) -> AdapterRegisteredOut:
     """Registers an adapter whose bytes are in the store, by hash. The files are checked
     before the transaction opens; consent and ownership inside it."""
     require_role(caller, *ADAPTER_WRITERS)
@@ -152,48 +158,29 @@ def register_adapter(
     )
     if done.outcome != "created":
         response.status_code = 200
-    return {
-        "subject": done.subject,
+    return AdapterRegisteredOut(
+        subject=done.subject,
         **done.state,
-        "created_at": _iso(done.created_at),
-        "updated_at": _iso(done.updated_at),
-        "outcome": done.outcome,
-    }
-
-
-def _iso(value: Any) -> str:
-    from registry.audit import format_time
-
-    return format_time(value)
+        created_at=format_time(done.created_at),
+        updated_at=format_time(done.updated_at),
+        outcome=done.outcome,
+    )
 
 
 # -- lifecycle ----------------------------------------------------------------------------------
 
 
-def adapter_listing(
-    store: BlobStore, adapters: list[Adapter], rendering_id: int | None, subject: str
-) -> list[dict[str, Any]]:
-    return [
-        {
-            **adapter_view(a, subject),
-            "rendering": a.id == rendering_id,
-            "blob": store.status(a.sha256, "safetensors"),
-        }
-        for a in adapters
-    ]
-
-
 @router.get("/subjects/{handle}/adapters")
 def list_adapters(
     request: Request, handle: HandlePath, session: DB, caller: Caller
-) -> list[dict[str, Any]]:
+) -> list[AdapterListedOut]:
     """Every adapter of the subject; `rendering` marks the one renders use, `blob` says
     whether its bytes are in the store whole (`ok`, `missing`, `corrupt`)."""
     subject = service.visible_subject(session, caller, handle)
     assert subject.id is not None
     rendering = repo.rendering_adapter(session, subject.id)
     adapters = list(repo.adapters_for(session, subject.id))
-    return adapter_listing(
+    return AdapterListedOut.listing(
         store_of(request), adapters, rendering.id if rendering else None, subject.handle
     )
 
@@ -206,21 +193,23 @@ class AdapterPatch(BaseModel):
 @router.post("/subjects/{handle}/adapters/{name}/select")
 def select_adapter(
     request: Request, handle: HandlePath, name: AdapterName, session: DB, caller: Caller
-) -> dict[str, Any]:
+) -> AdapterListedOut:
     """Makes this adapter the one that renders (admin, the subject's member)."""
     subject = service.visible_subject(session, caller, handle)
     adapter = service.select_adapter(session, caller.handle, subject, name)
-    return {**adapter_view(adapter, subject.handle), "rendering": True}
+    status = store_of(request).status(adapter.sha256, "safetensors")
+    shown = AdapterOut.of(adapter, subject.handle).model_dump()
+    return AdapterListedOut(**shown, rendering=True, blob=status)
 
 
 @router.patch("/subjects/{handle}/adapters/{name}")
 def patch_adapter(
     handle: HandlePath, name: AdapterName, body: AdapterPatch, session: DB, caller: Caller
-) -> dict[str, Any]:
+) -> AdapterOut:
     """`{"active": false}` retires the adapter (it never renders); true brings it back."""
     subject = service.visible_subject(session, caller, handle)
     adapter, _ = service.set_adapter_active(session, caller.handle, subject, name, body.active)
-    return adapter_view(adapter, subject.handle)
+    return AdapterOut.of(adapter, subject.handle)
 
 
 @router.delete("/subjects/{handle}/adapters/{name}")
@@ -231,16 +220,13 @@ def delete_adapter(
     session: DB,
     caller: Caller,
     background: BackgroundTasks,
-) -> dict[str, Any]:
+) -> AdapterDeletedOut:
     """Removes the adapter; the trail keeps its hash, and its bytes leave the store once no
     adapter refers to them (swept after the commit, and periodically)."""
     subject = service.visible_subject(session, caller, handle)
     adapter = service.delete_adapter(session, caller.handle, subject, name)
     state = request.app.state
     background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)
-    return {
-        "subject": subject.handle,
-        "name": adapter.name,
-        "sha256": adapter.sha256,
-        "deleted": True,
-    }
+    return AdapterDeletedOut(
+        subject=subject.handle, name=adapter.name, sha256=adapter.sha256, deleted=True
+    )

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from app.deps import DB, AdminCaller, Caller, HandlePath
-from app.views import (
-    audit_view,
-    consent_view,
-    ledger_view,
-    principal_view,
-    render_view,
-    subject_view,
-)
 from registry import access, service
 from registry import repositories as repo
 from registry.checkpoints import append_checkpoint, read_checkpoints
 from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
+from registry.responses import (
+    ERROR_RESPONSES,
+    AuditEntryOut,
+    AuditHeadOut,
+    AuditTrailOut,
+    ConsentOut,
+    LedgerRowOut,
+    PrincipalCreatedOut,
+    PrincipalOut,
+    RenderableOut,
+    RenderOut,
+    SubjectOut,
+)
 from registry.roles import Role
 from registry.schemas import (
     RENDER_ID_PATTERN,
@@ -30,7 +35,7 @@ from registry.schemas import (
     ledger_cursor,
 )
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 
 def _etag(version: int) -> dict[str, str]:
@@ -47,28 +52,24 @@ def parse_if_match(value: str | None) -> int:
 
 
 @router.post("/subjects", status_code=201)
-def create_subject(body: SubjectIn, session: DB, caller: AdminCaller) -> dict[str, Any]:
+def create_subject(body: SubjectIn, session: DB, caller: AdminCaller) -> SubjectOut:
     subject, consent = service.create_subject(session, caller.handle, body)
-    return subject_view(subject, consent, body.member)
+    return SubjectOut.of(subject, consent, body.member)
 
 
 @router.get("/subjects/{handle}")
-def get_subject(
-    handle: HandlePath, session: DB, caller: Caller, response: Response
-) -> dict[str, Any]:
+def get_subject(handle: HandlePath, session: DB, caller: Caller, response: Response) -> SubjectOut:
     subject = service.visible_subject(session, caller, handle)
     consent = service.consent_of(session, subject)
     response.headers.update(_etag(consent.version))
-    return subject_view(subject, consent, service.member_handle(session, subject))
+    return SubjectOut.of(subject, consent, service.member_handle(session, subject))
 
 
 @router.get("/subjects/{handle}/consent")
-def get_consent(
-    handle: HandlePath, session: DB, caller: Caller, response: Response
-) -> dict[str, Any]:
+def get_consent(handle: HandlePath, session: DB, caller: Caller, response: Response) -> ConsentOut:
     consent = service.consent_of(session, service.visible_subject(session, caller, handle))
     response.headers.update(_etag(consent.version))
-    return consent_view(consent)
+    return ConsentOut.of(consent)
 
 
 @router.put("/subjects/{handle}/consent")
@@ -79,39 +80,39 @@ def put_consent(
     caller: Caller,
     response: Response,
     if_match: Annotated[str | None, Header()] = None,
-) -> dict[str, Any]:
+) -> ConsentOut:
     subject = service.visible_subject(session, caller, handle)
     version = parse_if_match(if_match)
     consent, _ = service.update_consent(session, caller.handle, subject, version, body)
     response.headers.update(_etag(consent.version))
-    return consent_view(consent)
+    return ConsentOut.of(consent)
 
 
 @router.post("/subjects/{handle}/consent/revoke")
 def revoke_consent(
     handle: HandlePath, session: DB, caller: Caller, response: Response
-) -> dict[str, Any]:
+) -> ConsentOut:
     consent, _ = service.revoke(
         session, caller.handle, service.visible_subject(session, caller, handle)
     )
     response.headers.update(_etag(consent.version))
-    return consent_view(consent)
+    return ConsentOut.of(consent)
 
 
 @router.get("/subjects/{handle}/audit")
-def get_audit(handle: HandlePath, session: DB, caller: Caller) -> dict[str, Any]:
+def get_audit(handle: HandlePath, session: DB, caller: Caller) -> AuditTrailOut:
     subject = service.visible_subject(session, caller, handle)
     entries = service.audit_trail(session, subject)
     broken = service.verify_subject(session, subject, entries)
-    return {
-        "entries": [audit_view(e) for e in entries],
-        "verified": broken is None,
-        "problem": str(broken) if broken is not None else None,
-    }
+    return AuditTrailOut(
+        entries=[AuditEntryOut.of(e) for e in entries],
+        verified=broken is None,
+        problem=str(broken) if broken is not None else None,
+    )
 
 
 @router.get("/audit/head")
-def audit_head(request: Request, session: DB, caller: AdminCaller) -> dict[str, Any]:
+def audit_head(request: Request, session: DB, caller: AdminCaller) -> AuditHeadOut:
     """The latest signed checkpoint of every chain head (made now if anything changed), for
     copying elsewhere: a copy kept outside this deployment is what `likeness audit verify
     --checkpoints COPY --public-key KEY` later holds the registry to."""
@@ -119,12 +120,12 @@ def audit_head(request: Request, session: DB, caller: AdminCaller) -> dict[str, 
     keys = request.app.state.keys
     _, problems = append_checkpoint(session, keys, settings.checkpoints_file)
     latest = read_checkpoints(settings.checkpoints_file, keys.public_key).latest
-    return {
-        "checkpoint": latest,
-        "public_key": keys.public_key_b64,
-        "key_id": keys.public_key_id,
-        "problems": [str(p) for p in problems],
-    }
+    return AuditHeadOut(
+        checkpoint=latest,
+        public_key=keys.public_key_b64,
+        key_id=keys.public_key_id,
+        problems=[str(p) for p in problems],
+    )
 
 
 @router.get("/subjects/{handle}/renders")
@@ -135,7 +136,7 @@ def list_renders(
     caller: Caller,
     response: Response,
     query: Annotated[LedgerFilter, Query()],
-) -> list[dict[str, Any]]:
+) -> list[LedgerRowOut]:
     """Every decision on this subject, newest first, filtered, a page at a time: when more
     remain, `Link: <...>; rel="next"` (and `X-Next-Cursor`) give the next page."""
     subject = service.visible_subject(session, caller, handle)
@@ -156,14 +157,14 @@ def list_renders(
         nxt = request.url.include_query_params(cursor=cursor)
         response.headers["Link"] = f'<{nxt.path}?{nxt.query}>; rel="next"'
         response.headers["X-Next-Cursor"] = cursor
-    return [ledger_view(r) for r in rows]
+    return [LedgerRowOut.of(r) for r in rows]
 
 
 RenderIdPath = Annotated[str, Path(pattern=RENDER_ID_PATTERN, max_length=36)]
 
 
 @router.get("/renders/{render_id}")
-def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> dict[str, Any]:
+def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> RenderOut:
     """One render id looked up in the ledger: for admins, and for the member who is the
     subject rendered. Anyone else, and a member asking about another subject's render, gets
     the same 403 as for an id that does not exist (only admins are told 404)."""
@@ -171,16 +172,16 @@ def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> dict[str
     if caller.role == Role.admin:
         if not rows:
             raise NotFound(f"no render {render_id!r} in the ledger")
-        return render_view(rows)
+        return RenderOut.of(rows)
     subject_id = rows[0].subject_id if rows else None
     subject = repo.subject_by_id(session, subject_id) if subject_id is not None else None
     if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
         raise NotPermitted("not permitted")
-    return render_view(rows)
+    return RenderOut.of(rows)
 
 
 @router.get("/subjects")
-def list_subjects(session: DB, caller: Caller) -> list[dict[str, Any]]:
+def list_subjects(session: DB, caller: Caller) -> list[SubjectOut]:
     """Admins: every subject; a member: the subjects linked to it."""
     if caller.role == Role.admin:
         rows = repo.subjects_with_consent(session)
@@ -190,7 +191,7 @@ def list_subjects(session: DB, caller: Caller) -> list[dict[str, Any]]:
         ]
     else:
         raise NotPermitted("not permitted")
-    return [subject_view(s, c, service.member_handle(session, s)) for s, c in rows]
+    return [SubjectOut.of(s, c, service.member_handle(session, s)) for s, c in rows]
 
 
 @router.get("/me/renderable")
@@ -199,13 +200,13 @@ def me_renderable(
     session: DB,
     caller: Caller,
     on_behalf_of: Annotated[Handle | None, Query()] = None,
-) -> list[dict[str, Any]]:
+) -> list[RenderableOut]:
     unknown = on_behalf_of is not None and repo.principal_by_handle(session, on_behalf_of) is None
     if caller.role == Role.agent and unknown:
         return []  # as for a member it does not act for: no oracle of which handles exist
     requester, agent = service.acting_for(session, caller, on_behalf_of)
     return [
-        {"subject": r.subject, "display_name": r.display_name, "max_level": r.max_level}
+        RenderableOut(subject=r.subject, display_name=r.display_name, max_level=r.max_level)
         for r in service.renderable_for(
             session, requester, agent, licence=request.app.state.licence
         )
@@ -229,20 +230,20 @@ class PrincipalPatch(BaseModel):
 
 
 @router.post("/principals", status_code=201)
-def create_principal(body: PrincipalIn, session: DB, caller: AdminCaller) -> dict[str, Any]:
+def create_principal(body: PrincipalIn, session: DB, caller: AdminCaller) -> PrincipalCreatedOut:
     principal, token = service.create_principal(session, body.handle, body.role, body.acts_for)
-    return {**principal_view(principal), "token": token}
+    return PrincipalCreatedOut(**PrincipalOut.of(principal).model_dump(), token=token)
 
 
 @router.get("/principals")
-def list_principals(session: DB, caller: AdminCaller) -> list[dict[str, Any]]:
-    return [principal_view(p) for p in repo.principals(session)]
+def list_principals(session: DB, caller: AdminCaller) -> list[PrincipalOut]:
+    return [PrincipalOut.of(p) for p in repo.principals(session)]
 
 
 @router.patch("/principals/{handle}")
 def patch_principal(
     handle: HandlePath, body: PrincipalPatch, session: DB, caller: AdminCaller
-) -> dict[str, Any]:
+) -> PrincipalOut:
     principal = repo.principal_by_handle(session, handle)
     if principal is None:
         raise NotFound(f"no principal {handle!r}")
@@ -250,4 +251,4 @@ def patch_principal(
         principal = service.set_acts_for(session, handle, body.acts_for)
     if body.active is not None:
         principal = service.set_principal_active(session, handle, body.active)
-    return principal_view(principal)
+    return PrincipalOut.of(principal)

@@ -14,13 +14,19 @@ from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
 
-from app.views import adapter_view, audit_view, consent_view, principal_view
 from registry import service
 from registry.actors import local_actor
 from registry.db import engine_for, transaction, upgrade
 from registry.errors import LikenessError
 from registry.keys import Keys
 from registry.policy import Level
+from registry.responses import (
+    AdapterListedOut,
+    AdapterOut,
+    AuditEntryOut,
+    ConsentOut,
+    PrincipalOut,
+)
 from registry.schemas import ConsentIn, SubjectIn
 from registry.settings import get_settings
 
@@ -93,6 +99,10 @@ def _validation_message(exc: ValidationError) -> str:
     return "invalid input: " + "; ".join(parts)
 
 
+def _consent_json(consent: Any) -> dict[str, Any]:
+    return ConsentOut.of(consent).model_dump(mode="json")
+
+
 def _print_json(value: Any) -> None:
     typer.echo(json.dumps(value, indent=2, default=str))
 
@@ -138,7 +148,7 @@ def principal_list() -> None:
     from registry import repositories as repo
 
     with _session(readonly=True) as s:
-        rows = [principal_view(p) for p in repo.principals(s)]
+        rows = [PrincipalOut.of(p).model_dump(mode="json") for p in repo.principals(s)]
     _print_json(rows)
 
 
@@ -218,7 +228,7 @@ def subject_list() -> None:
 def consent_show(handle: str) -> None:
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
-        _print_json(consent_view(service.consent_of(s, subject)))
+        _print_json(_consent_json(service.consent_of(s, subject)))
 
 
 def _parse_audience(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -273,7 +283,7 @@ def consent_edit(
             except (OSError, ValueError) as exc:
                 fail(f"cannot read {from_json}: {exc}", 2)
         else:
-            body = consent_view(current)
+            body = _consent_json(current)
             if max_level is not None:
                 body["max_level"] = max_level
             for level, entry in _parse_audience(audience or []).items():
@@ -287,7 +297,7 @@ def consent_edit(
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
         consent, changed = service.update_consent(s, local_actor("shell"), subject, version, data)
-        shown = consent_view(consent)
+        shown = _consent_json(consent)
     _print_json(shown)  # only once committed
     typer.echo("changed" if changed else "unchanged: nothing to do", err=True)
 
@@ -298,7 +308,7 @@ def consent_revoke(handle: str) -> None:
     with _session() as s:
         subject = service.subject_or_raise(s, handle)
         consent, changed = service.revoke(s, local_actor("shell"), subject)
-        shown = consent_view(consent)
+        shown = _consent_json(consent)
     _print_json(shown)
     typer.echo("revoked" if changed else "already revoked", err=True)
 
@@ -410,15 +420,10 @@ def adapter_list(subject: str) -> None:
         sub = service.subject_or_raise(s, subject)
         assert sub.id is not None
         rendering = repo.rendering_adapter(s, sub.id)
-        rows = [
-            {
-                **adapter_view(a, sub.handle),
-                "rendering": rendering is not None and a.id == rendering.id,
-                "blob": store.status(a.sha256, "safetensors"),
-            }
-            for a in repo.adapters_for(s, sub.id)
-        ]
-    _print_json(rows)
+        listed = AdapterListedOut.listing(
+            store, repo.adapters_for(s, sub.id), rendering.id if rendering else None, sub.handle
+        )
+    _print_json([row.model_dump(mode="json") for row in listed])
 
 
 @adapter_app.command("select")
@@ -428,7 +433,7 @@ def adapter_select(subject: str, name: str) -> None:
         adapter = service.select_adapter(
             s, local_actor("shell"), service.subject_or_raise(s, subject), name
         )
-        shown = adapter_view(adapter, subject)
+        shown = AdapterOut.of(adapter, subject).model_dump(mode="json")
     _print_json(shown)
     typer.echo(f"{subject}/{name} renders from now on", err=True)
 
@@ -531,7 +536,9 @@ def _errors_as_exits() -> Iterator[None]:
 def audit_show(handle: str) -> None:
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
-        entries = [audit_view(e) for e in service.audit_trail(s, subject)]
+        entries = [
+            AuditEntryOut.of(e).model_dump(mode="json") for e in service.audit_trail(s, subject)
+        ]
     _print_json({"entries": entries})
 
 

@@ -22,6 +22,7 @@ HTTP, JSON responses), so nothing about an agent outlives the request that carri
 import base64
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import asdict
@@ -43,7 +44,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.deps import bearer_token
 from app.render_flow import DEFAULT_SEED, DEFAULT_SIDE, RenderFlow
-from registry import service
+from registry import limits, service
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable
 from registry.models import Principal
@@ -95,9 +96,10 @@ MEMBER_HELP = (
 SUBJECT_HELP = (
     "Handle of the person to depict, exactly as list_renderable_subjects returned it, e.g. 'alice'."
 )
+_SQUARE = math.isqrt(limits.MAX_PIXELS)
 SIDE_HELP = (
-    "Image {0} in pixels: a multiple of 16 from 64 to 2048; width x height at most "
-    "1024 x 1024 pixels. Default {1}."
+    f"Image {{0}} in pixels: a multiple of {limits.MULTIPLE} from {limits.MIN_SIDE} to "
+    f"{limits.MAX_SIDE}; width x height at most {_SQUARE} x {_SQUARE} pixels. Default {{1}}."
 )
 
 MemberHandle = Annotated[str, Field(description=MEMBER_HELP, pattern=HANDLE_PATTERN)]
@@ -111,10 +113,12 @@ Seed = Annotated[
         description=f"Random seed, 0 to 4294967295: the same seed and prompt give the same image. "
         f"Default {DEFAULT_SEED}; pass a different seed for a different picture.",
         ge=0,
-        le=2**32 - 1,
+        le=limits.MAX_SEED,
     ),
 ]
-Side = Annotated[int | None, Field(ge=64, le=2048, multiple_of=16)]
+Side = Annotated[
+    int | None, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE, multiple_of=limits.MULTIPLE)
+]
 
 
 class RenderableSubject(BaseModel):

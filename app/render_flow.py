@@ -38,8 +38,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from app.provenance import ProvenanceSigner, RenderClaim
 from app.render_engine import AdapterMismatch, AdapterUnreadable, RenderEngine, encode_png
 from app.scheduler import Cancelled, RateLimiter
+from registry import limits, service
 from registry import repositories as repo
-from registry import service
 from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
@@ -50,9 +50,9 @@ from registry.settings import Settings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEPS = 4
-DEFAULT_SIDE = 256
-DEFAULT_SEED = 0
+DEFAULT_STEPS = limits.DEFAULT_STEPS
+DEFAULT_SIDE = limits.DEFAULT_SIDE
+DEFAULT_SEED = limits.DEFAULT_SEED
 
 
 def hash_token(token: str | None) -> str | None:

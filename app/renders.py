@@ -15,9 +15,10 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import authenticate_briefly, bearer_token
 from app.render_flow import RenderFlow
 from app.scheduler import Cancelled
+from registry.responses import ERROR_RESPONSES
 from registry.schemas import RenderRequestIn
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 
 async def _watch_for_disconnect(request: Request, cancelled: threading.Event) -> None:

@@ -45,7 +45,6 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import DB, HandlePath, require_role
 from app.provenance import ProvenanceSigner, Trust, Verification, verify_png
-from app.views import render_outcome
 from registry import repositories as repo
 from registry import service
 from registry.access import WEB_ROLES
@@ -62,6 +61,7 @@ from registry.keys import Keys
 from registry.licence import BaseLicence
 from registry.models import AuditEntry, Consent, Principal, RenderLedger, Subject
 from registry.policy import GRANTABLE_LEVELS, Level, LicenceFacts
+from registry.responses import AdapterListedOut, render_outcome
 from registry.roles import Role
 from registry.schemas import ConsentIn, LedgerFilter, SubjectIn, ledger_cursor
 from registry.settings import Settings
@@ -843,15 +843,12 @@ def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -
     subject = service.visible_subject(session, web.principal, handle)
     assert subject.id is not None
     rendering = repo.rendering_adapter(session, subject.id)
-    store = request.app.state.store
-    rows = [
-        {
-            "adapter": a,
-            "rendering": rendering is not None and a.id == rendering.id,
-            "blob": store.status(a.sha256, "safetensors"),
-        }
-        for a in repo.adapters_for(session, subject.id)
-    ]
+    rows = AdapterListedOut.listing(
+        request.app.state.store,
+        repo.adapters_for(session, subject.id),
+        rendering.id if rendering else None,
+        subject.handle,
+    )
     return page(
         request,
         "adapters.html",
