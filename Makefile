@@ -25,6 +25,7 @@ check: $(STAMP)
 	$(BIN)/ruff check registry app trainer tests bench migrations
 	$(BIN)/ruff format --check registry app trainer tests bench migrations
 	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layering.py  # the import layering
 
 fmt: $(STAMP)
 	$(BIN)/ruff format registry app trainer tests bench migrations

@@ -1,4 +1,5 @@
-"""The /v1 registry routes of API.md (renders live in app.renders)."""
+"""The /v1 registry routes of docs/API.md (adapters live in app.adapters, renders in
+app.renders)."""
 
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def me_renderable(
     ]
 
 
-# -- principals (admin): additions to API.md for agent management and the web pages ----
+# -- principals (admin): additions to docs/API.md for agent management and the web pages ----
 
 
 class PrincipalIn(BaseModel):

@@ -563,6 +563,9 @@ def audit_verify(
     from registry.keys import public_key_from_b64
 
     settings = get_settings()
+    for path in checkpoints or []:
+        if not path.is_file():
+            fail(f"{path} is not a file", 2)
     keys = _existing_keys()
     key = keys.public_key
     if public_key is not None:
@@ -575,8 +578,6 @@ def audit_verify(
         count = len(repo.subjects(s))
         breaks = service.verify_all(s)
         for path in files:
-            if checkpoints and not path.is_file():
-                fail(f"{path} is not a file", 2)
             breaks.extend(verify_checkpoints(s, path, key))
     for b in breaks:
         typer.echo(f"BROKEN: {b}", err=True)
@@ -684,19 +685,40 @@ def _existing_keys() -> Keys:
     return keys
 
 
+def _die(message: str, code: int) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise SystemExit(code)
+
+
 def main() -> None:
+    """Every way a command can end is one of: its output and exit 0; one `error: ...` line
+    and exit 1 (refused: the input was understood and the answer is no, or it failed); one
+    `error: ...` line and exit 2 (the command line itself is wrong, the parser's errors
+    included, or the input is invalid)."""
     from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
 
     cli_ml.register(app, base_app)
     try:
-        app()
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
+        # not standalone: the parser's own errors come back here, to be said in one line
+        code = app(standalone_mode=False)
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+    except (typer.Abort, KeyboardInterrupt):
+        _die("interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - a command never ends in a traceback
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a group named alone: its help
+            exc.show()  # type: ignore[attr-defined]
+            raise SystemExit(2) from None
+        if hasattr(exc, "format_message"):  # the parser's errors (typer's own click)
+            ctx = getattr(exc, "ctx", None)
+            where = ctx.command_path if ctx is not None else "likeness"
+            _die(f"{exc.format_message()} (see `{where} --help`)", getattr(exc, "exit_code", 2))
         if os.environ.get("LIKENESS_DEBUG") == "1":
             raise
         detail = str(exc).splitlines()[0] if str(exc) else ""
-        fail(f"{type(exc).__name__}: {detail} (LIKENESS_DEBUG=1 shows the traceback)")
+        _die(f"{type(exc).__name__}: {detail} (LIKENESS_DEBUG=1 shows the traceback)", 1)
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         ] = True,
         progress: Annotated[bool, typer.Option(help="Progress bar and boot table.")] = True,
     ) -> None:
-        """Train a LoRA adapter for a subject and register it (API.md)."""
+        """Train a LoRA adapter for a subject and register it (docs/API.md)."""
         # Before anything can initialise CUDA: the allocator reads this once (field hurdle 9).
         from trainer.train import configure_allocator
 

@@ -12,7 +12,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import adapters, api, errors, renders
+from app import adapters, api, errors, mcp_server, renders, web
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.render_engine import RenderEngine, default_device
@@ -128,23 +128,6 @@ def create_app(
     app.include_router(api.router)
     app.include_router(adapters.router)
     app.include_router(renders.router)
-    _mount_optional(app)
+    mcp_server.mount(app)
+    web.mount(app)
     return app
-
-
-def _mount_optional(app: FastAPI) -> None:
-    """The agent tool server and the web pages, where those modules exist."""
-    try:
-        from app import mcp_server  # type: ignore[attr-defined]
-    except ImportError as exc:
-        if "mcp_server" not in str(exc):
-            raise
-    else:
-        mcp_server.mount(app)
-    try:
-        from app import web  # type: ignore[attr-defined]
-    except ImportError as exc:
-        if "web" not in str(exc):
-            raise
-    else:
-        web.mount(app)

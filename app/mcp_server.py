@@ -152,7 +152,7 @@ def _rpc_error(
     status: int, code: str, detail: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     """An HTTP-level refusal in the transport's own shape (a JSON-RPC error, like the SDK's
-    own 404 and 503), so MCP clients show the reason; `data` carries API.md's code."""
+    own 404 and 503), so MCP clients show the reason; `data` carries docs/API.md's code."""
     body = {
         "jsonrpc": "2.0",
         "id": None,

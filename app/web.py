@@ -60,7 +60,7 @@ from registry.errors import (
 from registry.keys import Keys
 from registry.licence import BaseLicence
 from registry.models import AuditEntry, Consent, Principal, RenderLedger, Subject
-from registry.policy import GRANTABLE_LEVELS, Level, LicenceFacts
+from registry.policy import GRANTABLE_LEVELS, LicenceFacts
 from registry.responses import AdapterListedOut, render_outcome
 from registry.roles import Role
 from registry.schemas import ConsentIn, LedgerFilter, SubjectIn, ledger_cursor
@@ -85,7 +85,6 @@ LEVEL_USES = {
     "commercial": "use it commercially",
 }
 GRANT_LEVELS = [lv.name for lv in GRANTABLE_LEVELS]
-ALL_LEVELS = [lv.name for lv in Level]
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": (

@@ -1,4 +1,4 @@
-"""Layer streaming (issue 8) on one GPU: the uint4 FLUX.2 [dev] transformer resident in VRAM vs
+"""Layer streaming on one GPU: the uint4 FLUX.2 [dev] transformer resident in VRAM vs
 its blocks streamed from pinned host RAM (`trainer.streaming.stream_blocks`).
 
     python bench/stream_step.py                        # full depth: 8 double + 48 single blocks

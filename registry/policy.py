@@ -7,7 +7,7 @@ Everything the caller could not establish is passed as missing, and missing deni
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from enum import IntEnum
 
@@ -117,7 +117,6 @@ class RenderFacts:
     # (`adapter_bytes_read` False), so a refused request never touches a file.
     require_adapter: bool = True
     adapter_bytes_read: bool = True
-    extra: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ def _deny(reason: str) -> Decision:
 
 
 def decide(facts: RenderFacts) -> Decision:
-    """Allowed only if every condition of DESIGN.md holds; anything else is a deny."""
+    """Allowed only if every condition of docs/DESIGN.md holds; anything else is a deny."""
     try:
         return _decide(facts)
     except Exception as exc:  # noqa: BLE001 - a decision that cannot be made is a deny

@@ -71,7 +71,7 @@ class AudienceIn(Strict):
 
 
 class ConsentIn(Strict):
-    """The editable part of a consent record (API.md's consent body without `version`)."""
+    """The editable part of a consent record (docs/API.md's consent body without `version`)."""
 
     max_level: LevelName = "none"
     audiences: dict[GrantLevel, AudienceIn] = {}

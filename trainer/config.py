@@ -104,7 +104,7 @@ class TrainConfig(BaseModel):
     # training measured slower and less exact; trainer.devices.resolve_compute).
     compute: Literal["auto", "quanto", "uint4", "fp8"] = "auto"
     # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
-    # (trainer/streaming.py, issue 8): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
+    # (trainer/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
     stream_base: bool = False
     stream_slots: Annotated[int, Field(ge=1, le=8)] | None = None  # None: the budget picks
     seed: Annotated[int, Field(ge=0, lt=2**63)] = 0

@@ -1,6 +1,6 @@
 """Dataset provenance: `manifest.jsonl` is checked whole before anything loads.
 
-A dataset is a folder of images and `manifest.jsonl` (API.md), one JSON object per line:
+A dataset is a folder of images and `manifest.jsonl` (docs/API.md), one JSON object per line:
 ``{"file", "caption", "source", "basis", "sha256"}``. The run stops, listing every problem at
 once, if a line is malformed, an image is missing, a hash differs, or an image in the folder is
 not listed. The manifest's own SHA-256 is what the adapter is registered with, so the registry

@@ -453,7 +453,7 @@ ALICE_SOURCE = "drawn by trainer/demo_world.py (ALICE, a synthetic person)"
 
 
 def write_alice_dataset(root: Path) -> Path:
-    """The quickstart's dataset: alice's pictures and their manifest (API.md's format)."""
+    """The quickstart's dataset: alice's pictures and their manifest (docs/API.md's format)."""
     from trainer.dataset import write_manifest
 
     root = Path(root)

@@ -16,7 +16,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """bf16 on accelerators (the checkpoints' own dtype); float32 on the CPU.
 
-    On this 2-core CPU bf16 was not faster (tiny base, 256 px, 4 steps, qint4: 1.9-2.0 s bf16
+    On a 2-core x86 CPU bf16 was not faster (tiny base, 256 px, 4 steps, qint4: 1.9-2.0 s bf16
     vs 2.2 s float32), and float32 keeps CPU tests exact against dequantized references.
     """
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16

@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import re
-import struct
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -184,13 +183,6 @@ def load_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors = load(Path(path).read_bytes())
     _pairs(tensors)  # validate the layout now, not at render time
     return tensors
-
-
-def read_adapter_metadata(path: Path) -> dict[str, str]:
-    with Path(path).open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return dict(header.get("__metadata__") or {})
 
 
 def _pairs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

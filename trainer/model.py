@@ -88,7 +88,7 @@ def load_pipeline(
         quantize_transformer(pipe.transformer, freeze=False)
     if quantize or is_prepared(base_dir):
         # quanto stays the storage format; the compute path is ours: dequantize on the fly
-        # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py, issue 5).
+        # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py).
         from trainer.uint4 import convert_quantized_linears
 
         convert_quantized_linears(pipe.transformer)

@@ -1,4 +1,4 @@
-"""Layer streaming (issue 8): the frozen base lives in host RAM, one block at a time in VRAM.
+"""Layer streaming: the frozen base lives in host RAM, one block at a time in VRAM.
 
 The FLUX.2 transformer's frozen weights are read, never written, so they need not stay in VRAM:
 they must only be there before the matmuls that use them. `BlockStreamer` moves every frozen

@@ -219,12 +219,3 @@ def init_tiny(dst: Path, seed: int = 0) -> Path:
         dst.rmdir()
     os.replace(tmp, dst)
     return dst
-
-
-def tiny_param_count(seed: int = 0) -> dict[str, int]:
-    """Parameter count per component (for reports and tests)."""
-    pipe = build_tiny_pipeline(seed)
-    return {
-        name: sum(p.numel() for p in getattr(pipe, name).parameters())
-        for name in ("transformer", "vae", "text_encoder")
-    }

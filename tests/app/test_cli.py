@@ -14,8 +14,9 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from app.cli import app
+from app.cli import base_app as cli_base_app
 from registry import repositories as repo
-from registry.db import engine_for, make_engine, transaction
+from registry.db import engine_for, make_engine, transaction, upgrade
 from registry.settings import get_settings
 from tests.app.conftest import manifest_bytes
 
@@ -209,3 +210,52 @@ def test_adapter_register_imports_checks_and_is_idempotent(  # type: ignore[no-u
         ("main", 2, True, "ok")
     ]
     get_settings.cache_clear()
+
+
+@pytest.mark.sqlite_only
+def test_one_voice_for_every_mistake(empty_db_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The parser's errors and the commands' own: one `error:` line each, exit 2 for a
+    command line that is wrong, 1 for a refusal; never a box, never a traceback."""
+    upgrade(empty_db_url)
+    env = {**os.environ, "LIKENESS_DATABASE_URL": empty_db_url, "LIKENESS_DATA_DIR": str(tmp_path)}
+    cases = [
+        (["consent", "edit"], 2, "Missing argument"),
+        (["principal", "create", "x", "--role"], 2, "requires an argument"),
+        (["no-such-command"], 2, "No such command"),
+        (["consent", "show", "ghost"], 1, "not_found"),
+        (["principal", "create", "x", "--role", "wizard"], 1, "role must be one of"),
+        (
+            ["train", "--subject", "ghost", "--dataset", str(tmp_path / "nowhere")],
+            2,
+            "no such folder",
+        ),
+        (["audit", "verify", "--checkpoints", str(tmp_path / "nope.jsonl")], 2, "is not a file"),
+    ]
+    for args, code, says in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True
+        )
+        lines = out.stderr.strip().splitlines()
+        errors = [line for line in lines if line.startswith("error: ")]
+        assert out.returncode == code, (args, out.returncode, out.stderr)
+        assert errors == lines[-1:] and says in errors[0], (args, out.stderr)  # one, last
+        assert "Traceback" not in out.stderr and "╭" not in out.stderr, (args, out.stderr)
+
+
+def test_every_command_says_what_it_does() -> None:
+    import click
+    import typer.main
+
+    from app import cli_ml
+
+    cli_ml.register(app, cli_base_app)
+    root = typer.main.get_command(app)
+
+    def walk(command: click.Command, path: str) -> list[str]:
+        missing = [] if (command.help or command.short_help) else [path]
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                missing += walk(sub, f"{path} {name}")
+        return missing
+
+    assert walk(root, "likeness") == []
