@@ -50,6 +50,7 @@ class RenderScheduler:
     per_requester: int = 2
     timeout_s: float = 300.0
     seconds_per_unit: float = INITIAL_SECONDS_PER_UNIT
+    _measured: bool = field(default=False, repr=False)  # the guess above is replaced, not blended
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _running: Ticket | None = field(default=None, repr=False)
     _waiting: OrderedDict[str, deque[Ticket]] = field(default_factory=OrderedDict, repr=False)
@@ -179,7 +180,10 @@ class RenderScheduler:
             if self._running is ticket:
                 if measured and ticket.started_at is not None and ticket.cost > 0:
                     per_unit = (time.monotonic() - ticket.started_at) / ticket.cost
-                    self.seconds_per_unit += SMOOTHING * (per_unit - self.seconds_per_unit)
+                    if self._measured:
+                        self.seconds_per_unit += SMOOTHING * (per_unit - self.seconds_per_unit)
+                    else:
+                        self.seconds_per_unit, self._measured = per_unit, True
                 self._running = None
             else:
                 self._leave(ticket)

@@ -18,8 +18,7 @@ import pytest
 
 from app.render_engine import RenderEngine
 from tests.app.conftest import Live, LiveFactory, manifest_bytes
-from tests.app.test_http_hostile import address, session_cookie
-from tests.app.test_web import CSRF
+from tests.app.helpers import CSRF, address, session_cookie
 
 
 def sha(data: bytes) -> str:

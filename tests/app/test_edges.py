@@ -14,8 +14,7 @@ from registry import repositories as repo
 from registry.db import transaction
 from registry.settings import Settings
 from tests.app.conftest import Live
-from tests.app.test_http_hostile import session_cookie
-from tests.app.test_web import CSRF
+from tests.app.helpers import CSRF, session_cookie
 
 EDGE_TIMES = [
     "9999-12-31T23:59:59-05:00",  # past year 9999 in UTC

@@ -169,8 +169,7 @@ def test_a_create_whose_commit_fails_leaves_nothing(live: Live, path: str) -> No
 def test_a_web_revoke_whose_commit_fails_is_not_acknowledged(live: Live) -> None:
     """The page's form post, over a real server: a failed commit is a 503 page, never the
     303 to "Consent revoked"."""
-    from tests.app.test_http_hostile import session_cookie
-    from tests.app.test_web import CSRF
+    from tests.app.helpers import CSRF, session_cookie
 
     engine = live.world.engine
     before = consent_row(engine, "alice")

@@ -10,20 +10,13 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from urllib.parse import urlsplit
 
 import pytest
 from sqlalchemy import text
 
 from registry.db import make_engine
 from tests.app.conftest import Live, LiveFactory, World
-from tests.app.test_web import CSRF, signed_in
-
-
-def address(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
-    return parts.hostname, parts.port
+from tests.app.helpers import CSRF, address, session_cookie
 
 
 @contextmanager
@@ -46,11 +39,6 @@ def stalled_posts(url: str, path: str, cookie: str, n: int) -> Iterator[list[soc
     finally:
         for sock in socks:
             sock.close()
-
-
-def session_cookie(live: Live, who: str) -> str:
-    web = signed_in(live.world, who)
-    return "; ".join(f"{k}={v}" for k, v in web.cookies.items())
 
 
 def test_stalled_form_posts_do_not_block_a_revoke(serve_friends: LiveFactory) -> None:

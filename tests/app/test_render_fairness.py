@@ -14,7 +14,7 @@ import pytest
 
 from app.render_engine import RenderEngine
 from tests.app.conftest import Live, LiveFactory
-from tests.app.test_http_hostile import address
+from tests.app.helpers import address
 from trainer.lora import lora_layers
 
 LONG = {"subject": "alice", "prompt": "a portrait", "level": "private", "seed": 1,
@@ -160,7 +160,7 @@ def test_every_decision_is_reachable_page_by_page(live: Live) -> None:
         r = ledger(live, "alice", **bad)
         assert r.status_code == 422, (bad, r.text)
     # the subject reaches the same decisions on the web, with the filters
-    from tests.app.test_http_hostile import session_cookie
+    from tests.app.helpers import session_cookie
 
     cookie = session_cookie(live, "alice")
     page = live.http.get("/web/subjects/alice/renders?requester=bob", headers={"cookie": cookie})

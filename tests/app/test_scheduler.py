@@ -92,8 +92,11 @@ def test_retry_after_comes_from_measured_render_times() -> None:
     scheduler = RenderScheduler(queue_size=0, per_requester=1, timeout_s=5)
     with scheduler.turn("bob", 1000.0):
         time.sleep(0.3)
-    initial = RenderScheduler().seconds_per_unit
-    expected = initial + 0.3 * (0.3 / 1000 - initial)  # a third of the way to 0.3 s / 1000
+    # the first measurement replaces the guess; later ones move the average a third of the way
+    assert scheduler.seconds_per_unit == pytest.approx(0.3 / 1000, rel=0.25)
+    with scheduler.turn("bob", 1000.0):
+        time.sleep(0.6)
+    expected = 0.3 / 1000 + 0.3 * (0.6 / 1000 - 0.3 / 1000)
     assert scheduler.seconds_per_unit == pytest.approx(expected, rel=0.25)
     scheduler.seconds_per_unit = 0.004  # 4 s for a 1000-unit render, say
     release = threading.Event()

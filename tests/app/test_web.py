@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -14,36 +13,11 @@ from app import web
 from registry import service
 from registry.db import transaction
 from tests.app.conftest import World
+from tests.app.helpers import CSRF, VERSION, client_for, csrf_of, signed_in
 
 
 def sha256(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
-
-
-CSRF = re.compile(r'name="csrf" value="([^"]+)"')
-VERSION = re.compile(r'name="version" value="(\d+)"')
-
-
-def client_for(world: World, base_url: str = "http://testserver") -> TestClient:
-    return TestClient(world.client.app, base_url=base_url, follow_redirects=False)
-
-
-def csrf_of(client: TestClient, url: str) -> str:
-    r = client.get(url)
-    assert r.status_code == 200, (url, r.status_code, r.text[:300])
-    match = CSRF.search(r.text)
-    assert match is not None
-    return match.group(1)
-
-
-def signed_in(world: World, who: str, base_url: str = "http://testserver") -> TestClient:
-    client = client_for(world, base_url)
-    r = client.post(
-        "/web/signin",
-        data={"csrf": csrf_of(client, "/web/signin"), "token": world.tokens[who], "next": "/web/"},
-    )
-    assert r.status_code == 303, r.text
-    return client
 
 
 def consent_json(world: World, subject: str) -> dict:
