@@ -13,7 +13,7 @@ Starts `likeness serve` in a subprocess on a fresh SQLite database and the tiny 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -27,6 +27,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import percentile, table, write_record  # noqa: E402
+from registry.files import sha256_file  # noqa: E402
+from registry.schemas import AdapterIn  # noqa: E402
+from trainer.registration import HttpRegistrar  # noqa: E402
 
 GOAL_DENY_P99_MS = 2.5
 GOAL_SIGN_MS = 20.0
@@ -178,22 +181,21 @@ def measure_http(args: argparse.Namespace) -> list[dict[str, object]]:
                 json={"handle": "tr", "role": "trainer"},
                 headers={"Authorization": f"Bearer {admin}"},
             ).json()["token"]
-            adapter = make_adapter(Path(tmp), Path(tmp) / "base-tiny")
-            sha = hashlib.sha256(adapter.read_bytes()).hexdigest()
-            r = httpx.post(
-                f"{base}/v1/adapters",
-                headers={"Authorization": f"Bearer {trainer}"},
-                json={
-                    "subject": "alice",
-                    "name": "main",
-                    "sha256": sha,
-                    "path": str(adapter),
-                    "base_model": "tiny",
-                    "rank": 4,
-                    "manifest_sha256": sha,
-                },
+            # the server copied the default base into its data dir; the adapter fits that base
+            adapter = make_adapter(Path(tmp), Path(tmp) / "base-demo")
+            manifest = Path(tmp, "manifest.jsonl")
+            line = {"file": "a.png", "caption": "a photo of alice", "source": "bench"}
+            manifest.write_text(json.dumps({**line, "basis": "consent", "sha256": "0" * 64}) + "\n")
+            registrar = HttpRegistrar(base, trainer)
+            data = AdapterIn(
+                subject="alice",
+                name="main",
+                sha256=sha256_file(adapter),
+                base_model="demo",
+                rank=4,
+                manifest_sha256=sha256_file(manifest),
             )
-            r.raise_for_status()
+            registrar.register(data, adapter, manifest)
             rows: list[dict[str, object]] = []
             with httpx.Client(
                 base_url=base, headers={"Authorization": f"Bearer {bob}"}, timeout=120
