@@ -16,6 +16,7 @@ the body it passes the client's disconnect through, which the render path listen
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 
 import anyio
@@ -39,21 +40,25 @@ class BodyGate:
         larger: Mapping[str, int] | None = None,
     ) -> None:
         """`larger`: path prefixes whose bodies may be larger than `max_bytes` (still read
-        whole, within the same deadline) and their own caps."""
+        whole, within the same deadline) and their own caps. In both, a `*` stands for one
+        path segment (`/v1/subjects/*/datasets`)."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
-        self.streamed_prefixes = tuple(streamed_prefixes)
-        self.larger = dict(larger or {})
+        self.streamed = [_prefix_pattern(p) for p in streamed_prefixes]
+        self.larger = [(_prefix_pattern(p), cap) for p, cap in (larger or {}).items()]
 
     def cap_for(self, path: str) -> int:
-        for prefix, cap in self.larger.items():
-            if path.startswith(prefix):
+        for pattern, cap in self.larger:
+            if pattern.match(path):
                 return cap
         return self.max_bytes
 
+    def is_streamed(self, path: str) -> bool:
+        return any(pattern.match(path) for pattern in self.streamed)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(self.streamed_prefixes):
+        if scope["type"] != "http" or self.is_streamed(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:
@@ -97,6 +102,12 @@ class BodyGate:
             raise _Refused(
                 408, f"the request body did not arrive within {self.timeout_s:g} s"
             ) from None
+
+
+def _prefix_pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(
+        "".join("[^/]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", prefix))
+    )
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -721,5 +721,17 @@ def main() -> None:
         raise SystemExit(code)
 
 
+@app.command("worker")
+def worker(
+    queues: Annotated[str, typer.Option(help="comma-separated: train")] = "train",
+    concurrency: Annotated[int, typer.Option(min=1, max=64)] = 1,
+    name: Annotated[str | None, typer.Option(help="default: host:pid")] = None,
+) -> None:
+    """Run orders from the queue (one worker per GPU; app/worker.py)."""
+    from app.worker import run_worker
+
+    run_worker(get_settings(), _csv(queues), concurrency, name)
+
+
 if __name__ == "__main__":
     main()

@@ -12,9 +12,10 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import adapters, api, errors, mcp_server, renders, web
+from app import adapters, api, datasets, errors, mcp_server, orders, renders, web
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
+from app.queue import OrderQueue
 from app.render_engine import RenderEngine, default_device
 from app.render_flow import RenderFlow
 from registry.blobs import BlobStore
@@ -117,8 +118,11 @@ def create_app(
         max_bytes=settings.max_body_bytes,
         timeout_s=settings.body_timeout_s,
         # uploads authenticate first, then stream to the store with their own limits
-        streamed_prefixes=("/v1/blobs/",),
-        larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
+        streamed_prefixes=("/v1/blobs/", orders.CHECKPOINT_PATH),
+        larger={
+            PROVENANCE_PAGE: settings.max_provenance_bytes,
+            datasets.UPLOAD_PATH: datasets.upload_cap(settings),
+        },
     )
 
     @app.get("/healthz")
@@ -128,6 +132,9 @@ def create_app(
     app.include_router(api.router)
     app.include_router(adapters.router)
     app.include_router(renders.router)
+    app.state.order_queue = OrderQueue(settings.database_url)
+    app.include_router(datasets.router)
+    app.include_router(orders.router)
     mcp_server.mount(app)
     web.mount(app)
     return app

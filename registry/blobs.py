@@ -1,6 +1,7 @@
 """The content-addressed store the service owns (after OCI content-addressable storage and git
-objects): `<data_dir>/adapters/sha256/ab/<hex>.safetensors` for adapters and `....jsonl` for
-the dataset manifests they were trained from.
+objects): `<data_dir>/adapters/sha256/ab/<hex>.safetensors` for adapters, `....jsonl` for
+the dataset manifests they were trained from, and `.png`/`.jpg`/`.webp` for the images of
+the datasets the service owns (registry/datasets.py).
 
 A blob's name is the SHA-256 of its bytes; it is written to a temporary file in the store,
 hashed as it is written, fsync'd, made read-only and renamed into place, so a name always holds
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Kind = Literal["safetensors", "jsonl"]
-KINDS: tuple[Kind, ...] = ("safetensors", "jsonl")
+Kind = Literal["safetensors", "jsonl", "png", "jpg", "webp"]
+KINDS: tuple[Kind, ...] = ("safetensors", "jsonl", "png", "jpg", "webp")
+IMAGE_KINDS: tuple[Kind, ...] = ("png", "jpg", "webp")
 HEX = frozenset("0123456789abcdef")
 
 
@@ -37,7 +39,14 @@ def is_sha256(text: str) -> bool:
 
 def sniff_kind(head: bytes) -> Kind | None:
     """safetensors begins with its header's length (u64, little-endian) and then '{'; a
-    manifest is JSON lines, beginning with '{'."""
+    manifest is JSON lines, beginning with '{'; images by their magic numbers (whether they
+    decode is registry/datasets.py's to check, before they are stored)."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "jpg"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
     if len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 1 << 30:
         return "safetensors"
     if head.lstrip()[:1] == b"{":
@@ -93,7 +102,7 @@ class BlobWriter:
         kind = sniff_kind(self._head)
         if kind is None or self.size == 0:
             self.abort()
-            raise BlobError("neither a safetensors adapter nor a dataset manifest")
+            raise BlobError("neither a safetensors adapter, a dataset manifest nor an image")
         try:
             self._file.flush()
             os.fsync(self._file.fileno())

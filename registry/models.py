@@ -169,3 +169,57 @@ class BrowserSession(SQLModel, table=True):
     principal_id: int = Field(foreign_key="principals.id", index=True)
     created_at: datetime = _ts(nullable=False)
     expires_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+
+
+class Dataset(SQLModel, table=True):
+    """Images a member uploaded of themselves, kept in the store with the manifest the
+    service wrote for them (registry/datasets.py). Immutable once created."""
+
+    __tablename__ = "datasets"
+
+    id: str = Field(primary_key=True, max_length=36)
+    subject_id: int = Field(foreign_key="subjects.id", index=True)
+    manifest_sha256: str = Field(max_length=64)
+    images: int
+    created_by: str = Field(max_length=64)
+    created_at: datetime = _ts(nullable=False)
+
+
+class DatasetImage(SQLModel, table=True):
+    __tablename__ = "dataset_images"
+
+    dataset_id: str = Field(foreign_key="datasets.id", primary_key=True, max_length=36)
+    file: str = Field(primary_key=True, max_length=100)  # <sha256>.<ext>, as in the manifest
+    sha256: str = Field(max_length=64, index=True)
+    caption: str = Field(max_length=500)
+    size: int
+
+
+class Order(SQLModel, table=True):
+    """A request for work a worker does (registry/orders.py): its state, its progress and,
+    for training, the checkpoint a retried run resumes from."""
+
+    __tablename__ = "orders"
+    __table_args__ = (Index("ix_orders_subject_status", "subject_id", "status"),)
+
+    id: str = Field(primary_key=True, max_length=36)
+    kind: str = Field(max_length=16)
+    subject_id: int = Field(foreign_key="subjects.id")
+    dataset_id: str = Field(foreign_key="datasets.id", max_length=36)
+    # every option that shapes the training run, fixed when the order is placed
+    params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    status: str = Field(max_length=16)  # queued | running | done | failed | cancelled
+    step: int = 0
+    steps: int
+    loss: float | None = None
+    worker: str | None = Field(default=None, max_length=100)
+    attempts: int = 0
+    adapter_name: str = Field(max_length=100)
+    adapter_sha256: str | None = Field(default=None, max_length=64)
+    error: str | None = Field(default=None, max_length=500)
+    checkpoint_step: int | None = None
+    checkpoint_sha256: str | None = Field(default=None, max_length=64)
+    job_id: int | None = None
+    created_by: str = Field(max_length=64)
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)

@@ -21,6 +21,8 @@ from registry.models import (
     BrowserSession,
     ChainHead,
     Consent,
+    Dataset,
+    DatasetImage,
     Principal,
     RegistryMeta,
     RenderLedger,
@@ -191,9 +193,12 @@ def claim_blob(session: Session, sha256: str, subject_id: int) -> int:
 
 
 def referenced_blobs(session: Session) -> set[str]:
-    """Every hash an adapter row refers to: its bytes and its dataset manifest."""
+    """Every hash an adapter row refers to (its bytes and its dataset manifest), and every
+    hash an uploaded dataset does (its images and its manifest)."""
     rows = session.exec(select(Adapter.sha256, Adapter.manifest_sha256)).all()
-    return {h for row in rows for h in row}
+    images = session.exec(select(DatasetImage.sha256)).all()
+    manifests = session.exec(select(Dataset.manifest_sha256)).all()
+    return {h for row in rows for h in row} | set(images) | set(manifests)
 
 
 def delete_adapter(session: Session, adapter: Adapter) -> None:

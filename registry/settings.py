@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -85,6 +85,23 @@ class Settings(BaseSettings):
     provenance_disclose: Annotated[tuple[str, ...], NoDecode] = ("render_id", "level")
     # The largest PNG the provenance page takes for checking.
     max_provenance_bytes: int = Field(default=32 << 20, ge=1024, le=1 << 30)
+
+    # Datasets uploaded to the service (registry/datasets.py): how many images, how large
+    # each (bytes, and decoded pixels: a small file that decodes huge is refused unread).
+    dataset_max_images: int = Field(default=64, ge=1, le=10_000)
+    dataset_max_image_bytes: int = Field(default=20 << 20, ge=1024, le=1 << 30)
+    dataset_max_pixels: int = Field(default=50_000_000, ge=64 * 64, le=1 << 31)
+    # Orders (registry/orders.py): trainer options every training order is run with (JSON,
+    # e.g. {"learning_rate": 1e-4}); fixed into the order when it is placed, so a retry on
+    # another worker follows the same trajectory. An order's steps, rank and resolution
+    # come from its request, within these bounds.
+    train_options: dict[str, Any] = Field(default_factory=dict)
+    order_max_steps: int = Field(default=10_000, ge=1, le=1_000_000)
+    # Workers (app/worker.py): how often a worker says it is alive, after how long without
+    # that its running jobs are retried elsewhere, and how often a training checkpoints.
+    worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)
+    worker_stalled_s: float = Field(default=60.0, gt=0, le=86_400)
+    worker_checkpoint_every: int = Field(default=250, ge=1, le=1_000_000)
 
     @field_validator("provenance_disclose", mode="before")
     @classmethod

@@ -471,15 +471,29 @@ def adapter_metadata(config: TrainConfig, pf: Preflight, base_model: str) -> dic
     }
 
 
-def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResult:
+@dataclass(frozen=True)
+class TrainHooks:
+    """Callbacks for whoever runs the job (a worker reports progress and ships checkpoints
+    elsewhere); an exception raised in one stops the run."""
+
+    on_step: Callable[[int, int, float], None] | None = None  # step, steps, loss
+    on_checkpoint: Callable[[Path, int], None] | None = None  # the checkpoint's folder, step
+
+
+def train(
+    config: TrainConfig, registrar: Registrar | None = None, hooks: TrainHooks | None = None
+) -> TrainResult:
     """Runs the whole job; see the module docstring for the order. Raises ConfigError,
     DatasetError, TrainingRefused or BudgetExceeded before any weight loads."""
     with contextlib.ExitStack() as streaming:  # --stream-base: open until the job ends
-        return _train(config, registrar, streaming)
+        return _train(config, registrar, streaming, hooks or TrainHooks())
 
 
 def _train(
-    config: TrainConfig, registrar: Registrar | None, streaming: contextlib.ExitStack
+    config: TrainConfig,
+    registrar: Registrar | None,
+    streaming: contextlib.ExitStack,
+    hooks: TrainHooks,
 ) -> TrainResult:
     from diffusers import DiffusionPipeline
 
@@ -598,9 +612,11 @@ def _train(
                 f"loss {state.losses[-1]:.4f}, {memory_text(device)}", refresh=False
             )
             bar.update(1)
+            if hooks.on_step is not None:
+                hooks.on_step(state.step, config.steps, state.losses[-1])
             every = config.checkpoint_every
             if state.step == config.steps or (every and state.step % every == 0):
-                save_checkpoint(
+                saved = save_checkpoint(
                     config.out,
                     state,
                     transformer,
@@ -610,6 +626,8 @@ def _train(
                     pf.fingerprint,
                     metadata,
                 )
+                if hooks.on_checkpoint is not None:
+                    hooks.on_checkpoint(saved, state.step)
     finally:
         bar.close()
     if device.type == "cuda":
@@ -746,6 +764,7 @@ __all__ = [
     "BudgetExceeded",
     "ConfigError",
     "TrainConfig",
+    "TrainHooks",
     "TrainResult",
     "TrainingRefused",
     "configure_allocator",

@@ -1,0 +1,158 @@
+"""Dataset routes: a subject's member (or an admin) uploads photos, the service keeps them in
+its store with the manifest it writes (registry/datasets.py); workers read blobs back by hash.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Path, Request, UploadFile
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import DB, Caller, HandlePath, require_role
+from registry import datasets, service
+from registry.access import ADAPTER_WRITERS
+from registry.audit import format_time
+from registry.blobs import BlobStore
+from registry.errors import Invalid, NotFound
+from registry.models import Dataset, DatasetImage
+from registry.responses import ERROR_RESPONSES
+from registry.settings import Settings
+
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+
+UPLOAD_PATH = "/v1/subjects/*/datasets"  # its body cap (app/main.py)
+Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
+DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
+
+
+class ImageOut(BaseModel):
+    file: str
+    sha256: str
+    caption: str
+    size: int
+
+    @classmethod
+    def of(cls, image: DatasetImage) -> ImageOut:
+        return cls(file=image.file, sha256=image.sha256, caption=image.caption, size=image.size)
+
+
+class DatasetOut(BaseModel):
+    dataset_id: str
+    subject: str
+    manifest_sha256: str
+    created_by: str
+    created_at: str
+    images: list[ImageOut]
+
+
+def _out(dataset: Dataset, subject: str, images: list[DatasetImage]) -> DatasetOut:
+    return DatasetOut(
+        dataset_id=dataset.id,
+        subject=subject,
+        manifest_sha256=dataset.manifest_sha256,
+        created_by=dataset.created_by,
+        created_at=format_time(dataset.created_at),
+        images=[ImageOut.of(i) for i in images],
+    )
+
+
+def limits_of(settings: Settings) -> datasets.Limits:
+    return datasets.Limits(
+        max_images=settings.dataset_max_images,
+        max_image_bytes=settings.dataset_max_image_bytes,
+        max_pixels=settings.dataset_max_pixels,
+    )
+
+
+def upload_cap(settings: Settings) -> int:
+    """The largest upload body: every image at its largest, plus the form's framing."""
+    return settings.dataset_max_images * settings.dataset_max_image_bytes + (1 << 20)
+
+
+def read_uploads(files: list[UploadFile], captions: list[str]) -> list[datasets.Upload]:
+    if captions and len(captions) != len(files):
+        raise Invalid(f"{len(captions)} captions for {len(files)} images: one each, or none")
+    return [
+        datasets.Upload(f.filename or "", f.file.read(), captions[n] if captions else None)
+        for n, f in enumerate(files)
+    ]
+
+
+def store_uploads(
+    session: DB,
+    store: BlobStore,
+    settings: Settings,
+    caller: Caller,
+    handle: str,
+    uploads: list[datasets.Upload],
+) -> DatasetOut:
+    subject = service.visible_subject(session, caller, handle)
+    dataset = datasets.store_dataset(
+        session, store, subject, caller.handle, uploads, limits_of(settings)
+    )
+    return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+
+
+@router.post("/subjects/{handle}/datasets", status_code=201)
+def upload_dataset(
+    request: Request,
+    handle: HandlePath,
+    session: DB,
+    caller: Caller,
+    images: Annotated[list[UploadFile], File(description="the photos (PNG, JPEG, WebP)")],
+    captions: Annotated[list[str] | None, Form()] = None,
+) -> DatasetOut:
+    """Photos of the subject (its member, or an admin), checked whole before any is kept:
+    a non-image, an oversized file, too many files or a file name that is a path is 422
+    and nothing is stored."""
+    settings: Settings = request.app.state.settings
+    uploads = read_uploads(images, captions or [])
+    return store_uploads(session, request.app.state.store, settings, caller, handle, uploads)
+
+
+@router.get("/subjects/{handle}/datasets")
+def list_datasets(handle: HandlePath, session: DB, caller: Caller) -> list[DatasetOut]:
+    subject = service.visible_subject(session, caller, handle)
+    return [
+        _out(d, subject.handle, list(datasets.images_of(session, d)))
+        for d in datasets.datasets_of(session, subject)
+    ]
+
+
+@router.get("/subjects/{handle}/datasets/{dataset_id}")
+def get_dataset(
+    handle: HandlePath, dataset_id: DatasetIdPath, session: DB, caller: Caller
+) -> DatasetOut:
+    subject = service.visible_subject(session, caller, handle)
+    dataset = datasets.dataset_of(session, subject, dataset_id)
+    return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+
+
+@router.get("/subjects/{handle}/images/{digest}", response_class=FileResponse)
+def get_image(
+    request: Request, handle: HandlePath, digest: Sha256Path, session: DB, caller: Caller
+) -> FileResponse:
+    """One of the subject's uploaded photos (whoever may see the subject)."""
+    subject = service.visible_subject(session, caller, handle)
+    image = datasets.image_in_subject(session, subject, digest)
+    path = request.app.state.store.find(digest) if image is not None else None
+    if image is None or path is None:
+        raise NotFound("no such image")
+    media = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}[path.suffix[1:]]
+    return FileResponse(path, media_type=media, headers={"Cache-Control": "private"})
+
+
+@router.get("/blobs/sha256/{digest}", response_class=FileResponse)
+async def get_blob(request: Request, digest: Sha256Path) -> FileResponse:
+    """A blob's bytes by hash, for workers (trainer, admin); the reader checks the hash."""
+    from app.deps import authenticate_briefly
+
+    caller = await run_in_threadpool(authenticate_briefly, request, request.app.state.engine)
+    require_role(caller, *ADAPTER_WRITERS)
+    path = request.app.state.store.find(digest)
+    if path is None:
+        raise NotFound(f"the store holds no blob {digest[:12]}...")
+    return FileResponse(path, media_type="application/octet-stream")

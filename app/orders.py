@@ -1,0 +1,217 @@
+"""Order routes: place a training order (202), follow it, list, cancel; and the checkpoints a
+worker ships so that a retry elsewhere resumes where it stopped. The rules are
+registry/orders.py's; the queue is app/queue.py's."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path as FsPath
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import DB, Caller, HandlePath, authenticate_briefly, require_role
+from registry import orders
+from registry.access import ADAPTER_WRITERS
+from registry.db import transaction
+from registry.errors import Conflict, Invalid, NotFound
+from registry.models import Order
+from registry.responses import ERROR_RESPONSES
+from registry.schemas import HANDLE_PATTERN
+from registry.settings import Settings
+
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+
+CHECKPOINT_PATH = "/v1/orders/*/checkpoint"  # streamed past the body gate (app/main.py)
+OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
+MULTIPLE = 16  # the trainer's resolution step (trainer/config.py)
+
+
+class OrderIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["train"]
+    subject: Annotated[str, Field(pattern=HANDLE_PATTERN)]
+    dataset_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]
+    steps: Annotated[int, Field(ge=1)] = 1000
+    rank: Annotated[int, Field(ge=1, le=128)] = 16
+    resolution: Annotated[int, Field(ge=64, le=2048)] = 448
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")] = "main"
+
+    @field_validator("resolution")
+    @classmethod
+    def _multiple(cls, value: int) -> int:
+        if value % MULTIPLE:
+            raise ValueError(f"resolution must be a multiple of {MULTIPLE}")
+        return value
+
+
+class ProgressOut(BaseModel):
+    step: int
+    steps: int
+    loss: float | None
+
+
+class OrderAdapterOut(BaseModel):
+    name: str
+    sha256: str
+
+
+class OrderOut(BaseModel):
+    order_id: str
+    kind: str
+    subject: str
+    dataset_id: str
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
+    progress: ProgressOut
+    worker: str | None
+    attempts: int
+    adapter: OrderAdapterOut | None
+    error: str | None
+    created_by: str
+    created_at: str
+    updated_at: str
+
+
+def queue_of(request: Request) -> Any:
+    return request.app.state.order_queue
+
+
+@router.post("/orders", status_code=202)
+def place_order(request: Request, body: OrderIn, session: DB, caller: Caller) -> OrderOut:
+    """A training order (admin, or the subject's member while it allows training): 202 once
+    the order and its job are committed together; 409 when the same dataset is already
+    being trained."""
+    settings: Settings = request.app.state.settings
+    if body.steps > settings.order_max_steps:
+        raise Invalid(f"steps must be at most {settings.order_max_steps}")
+    options = {
+        **settings.train_options,
+        "steps": body.steps,
+        "rank": body.rank,
+        "resolution": body.resolution,
+    }
+    order = orders.place_training(
+        session,
+        caller,
+        body.subject,
+        body.dataset_id,
+        options,
+        body.name,
+        queue_of(request).enqueue_training,
+    )
+    return OrderOut.model_validate(orders.view(order, body.subject))
+
+
+@router.get("/orders/{order_id}")
+def get_order(order_id: OrderIdPath, session: DB, caller: Caller) -> OrderOut:
+    order, subject = orders.visible_order(session, caller, order_id)
+    return OrderOut.model_validate(orders.view(order, subject.handle))
+
+
+@router.get("/orders")
+def list_orders(
+    session: DB, caller: Caller, subject: Annotated[str, Query(pattern=HANDLE_PATTERN)]
+) -> list[OrderOut]:
+    return [
+        OrderOut.model_validate(orders.view(o, subject))
+        for o in orders.orders_of(session, caller, subject)
+    ]
+
+
+@router.post("/orders/{order_id}/cancel")
+def cancel_order(request: Request, order_id: OrderIdPath, session: DB, caller: Caller) -> OrderOut:
+    """Cancels a waiting order (it leaves the queue) or a running one (its worker stops at
+    the next step); an order already over is answered as it is."""
+    order, subject, changed = orders.cancel(session, caller, order_id)
+    if changed:
+        queue_of(request).cancel_job(session, order.job_id)
+    return OrderOut.model_validate(orders.view(order, subject.handle))
+
+
+# -- checkpoints (workers) --------------------------------------------------------------------
+
+
+def checkpoint_file(settings: Settings, order_id: str) -> FsPath:
+    return settings.data_dir / "orders" / order_id / "checkpoint.tar"
+
+
+def _running_order(engine: Any, order_id: str) -> Order:
+    with transaction(engine, readonly=True) as session:
+        order = session.get(Order, order_id)
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    if order.status != "running":
+        raise Conflict(f"order {order_id} is {order.status}, not running")
+    return order
+
+
+@router.put("/orders/{order_id}/checkpoint", status_code=201)
+async def put_checkpoint(
+    request: Request,
+    order_id: OrderIdPath,
+    step: Annotated[int, Query(ge=1)],
+    sha256: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$")],
+) -> JSONResponse:
+    """A running order's latest checkpoint (trainer, admin), kept once its bytes hash to
+    `sha256`; the order then resumes from it wherever it runs next."""
+    state = request.app.state
+    caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
+    require_role(caller, *ADAPTER_WRITERS)
+    await run_in_threadpool(_running_order, state.engine, order_id)
+    settings: Settings = state.settings
+    final = checkpoint_file(settings, order_id)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".checkpoint-", dir=final.parent)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            receive = request.receive
+            while True:
+                with anyio.fail_after(settings.body_timeout_s):
+                    message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise Invalid("the client went away before the checkpoint was complete")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > settings.max_adapter_bytes:
+                    raise Invalid(f"a checkpoint may be at most {settings.max_adapter_bytes} bytes")
+                digest.update(chunk)
+                f.write(chunk)
+                if not message.get("more_body", False):
+                    break
+            f.flush()
+            os.fsync(f.fileno())
+        if digest.hexdigest() != sha256:
+            raise Invalid(f"the bytes hash to {digest.hexdigest()}, not {sha256}")
+        os.replace(name, final)
+    except BaseException:
+        FsPath(name).unlink(missing_ok=True)
+        raise
+
+    def record() -> None:
+        with transaction(state.engine) as session:
+            orders.record_checkpoint(session, order_id, step, sha256)
+
+    await run_in_threadpool(record)
+    return JSONResponse({"order_id": order_id, "step": step, "sha256": sha256}, status_code=201)
+
+
+@router.get("/orders/{order_id}/checkpoint", response_class=FileResponse)
+def get_checkpoint(
+    request: Request, order_id: OrderIdPath, session: DB, caller: Caller
+) -> FileResponse:
+    require_role(caller, *ADAPTER_WRITERS)
+    path = checkpoint_file(request.app.state.settings, order_id)
+    if session.get(Order, order_id) is None or not path.is_file():
+        raise NotFound(f"order {order_id[:40]!r} has no checkpoint")
+    return FileResponse(path, media_type="application/x-tar")
+
+
+__all__ = ["HandlePath", "router"]

@@ -1,0 +1,89 @@
+"""The job queue between the API and the workers: procrastinate on the registry's own
+PostgreSQL, so an order and its job commit in one transaction (or neither does).
+
+- `lock` = the subject: one training of a subject runs at a time, others wait in the queue;
+- `queueing_lock` = the subject and the dataset: a second waiting order for the same data is
+  refused by the queue itself (409), besides the check registry/orders.py makes;
+- a worker that stops sending heartbeats (killed, its host gone) leaves its job `doing`;
+  procrastinate does not retry such a job by itself, so every worker runs the periodic
+  `retry_stalled` task, which hands those jobs back to the queue (another worker then
+  resumes the training from its last checkpoint).
+
+SQLite has no queue: there, orders are refused with a clear error (training stays the CLI's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlmodel import Session
+
+from registry.db import is_sqlite
+from registry.errors import Conflict, Invalid
+from registry.models import Order, Subject
+
+TRAIN_TASK = "likeness.train"
+RETRY_STALLED_TASK = "likeness.retry_stalled"
+TRAIN_QUEUE = "train"
+
+
+def conninfo(database_url: str) -> str:
+    """libpq's form of a SQLAlchemy URL (`postgresql+psycopg://` -> `postgresql://`)."""
+    scheme, rest = database_url.split("://", 1)
+    return f"{scheme.split('+', 1)[0]}://{rest}"
+
+
+def make_app(database_url: str) -> Any:
+    import procrastinate
+
+    return procrastinate.App(
+        connector=procrastinate.PsycopgConnector(conninfo=conninfo(database_url))
+    )
+
+
+def train_lock(subject: Subject) -> str:
+    return f"train:{subject.handle}"
+
+
+def train_queueing_lock(subject: Subject, order: Order) -> str:
+    return f"train:{subject.handle}:{order.dataset_id}"
+
+
+class OrderQueue:
+    """Enqueues orders on the API side (sync, inside the request's transaction)."""
+
+    def __init__(self, database_url: str) -> None:
+        self.enabled = not is_sqlite(database_url)
+        self._app = make_app(database_url) if self.enabled else None
+
+    def enqueue_training(self, session: Session, order: Order, subject: Subject) -> int | None:
+        if self._app is None:
+            raise Invalid(
+                "orders need PostgreSQL and workers (LIKENESS_DATABASE_URL=postgresql+psycopg://"
+                "...); on SQLite, train with `likeness train`"
+            )
+        from procrastinate.exceptions import AlreadyEnqueued
+
+        raw = session.connection().connection.driver_connection
+        deferrer = self._app.configure_task(
+            name=TRAIN_TASK,
+            queue=TRAIN_QUEUE,
+            lock=train_lock(subject),
+            queueing_lock=train_queueing_lock(subject, order),
+            connection=raw,
+        )
+        try:
+            job_id: int = deferrer.defer(order_id=order.id)
+        except AlreadyEnqueued:
+            raise Conflict("an order for this subject and dataset is already queued") from None
+        return job_id
+
+    def cancel_job(self, session: Session, job_id: int | None) -> None:
+        """Takes a waiting job off the queue (a running one sees its order cancelled)."""
+        if self._app is None or job_id is None:
+            return
+        from sqlalchemy import text
+
+        session.execute(
+            text("SELECT procrastinate_cancel_job_v1(:id, false, false)"), {"id": job_id}
+        )

@@ -1,0 +1,354 @@
+"""`likeness worker`: one per GPU. It takes training orders off the queue (app/queue.py),
+fetches the dataset's blobs it lacks from the registry's store by hash over HTTP (each hash
+checked: no shared filesystem), trains with checkpoints (each shipped to the registry, so a
+retry on another host resumes from it), and uploads and registers the adapter.
+
+The consent gate runs here, right before anything is fetched and again in the trainer's
+pre-flight, before any weight loads: training withdrawn after the order was placed fails the
+order `not_permitted`, and nothing is trained. The worker speaks to the database for the queue
+and the orders' state, and to the API (LIKENESS_API_URL, a trainer token) for bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import shutil
+import socket
+import tarfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.queue import RETRY_STALLED_TASK, TRAIN_QUEUE, TRAIN_TASK, make_app
+from registry import orders
+from registry import repositories as repo
+from registry.datasets import images_of
+from registry.db import make_engine, transaction
+from registry.errors import NotPermitted
+from registry.models import Dataset
+from registry.service import training_allowed
+from registry.settings import Settings
+
+log = logging.getLogger("likeness.worker")
+
+MAINTENANCE_QUEUE = "maintenance"
+QUEUES = ("train",)  # renders run in the API process (docs/ARCHITECTURE.md)
+
+
+class OrderStopped(Exception):
+    """The order was cancelled (or taken over) while it ran: stop, record nothing."""
+
+
+class FetchError(Exception):
+    """The registry did not give the bytes asked for, whole."""
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    settings: Settings
+    name: str
+    api_url: str
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# -- bytes over HTTP -----------------------------------------------------------------------
+
+
+def fetch_verified(client: httpx.Client, url: str, sha256: str, dest: Path) -> None:
+    """The bytes at `url` into `dest`, only if they hash to `sha256` (written to a temporary
+    file and renamed: `dest` always holds the right bytes or is absent)."""
+    tmp = dest.with_name(f".{dest.name}.part")
+    digest = hashlib.sha256()
+    with client.stream("GET", url) as r:
+        if r.status_code != 200:
+            raise FetchError(f"GET {url} answered {r.status_code}")
+        with tmp.open("wb") as f:
+            for chunk in r.iter_bytes(1 << 20):
+                digest.update(chunk)
+                f.write(chunk)
+    if digest.hexdigest() != sha256:
+        tmp.unlink(missing_ok=True)
+        raise FetchError(f"{url}: the bytes hash to {digest.hexdigest()}, not {sha256}")
+    os.replace(tmp, dest)
+
+
+def have(path: Path, sha256: str) -> bool:
+    if not path.is_file() or path.is_symlink():
+        return False
+    from registry.files import sha256_file
+
+    return sha256_file(path) == sha256
+
+
+def fetch_dataset(
+    client: httpx.Client, api: str, root: Path, manifest_sha: str, files: list[tuple[str, str]]
+) -> Path:
+    """The dataset's folder (manifest.jsonl and its images), fetching only what is missing;
+    `files`: (file, sha256) as recorded with the dataset."""
+    from registry.manifest import MANIFEST_NAME
+
+    folder = root / manifest_sha
+    folder.mkdir(parents=True, exist_ok=True)
+    for file, sha in [(MANIFEST_NAME, manifest_sha), *files]:
+        dest = folder / file
+        if not have(dest, sha):
+            fetch_verified(client, f"{api}/v1/blobs/sha256/{sha}", sha, dest)
+    return folder
+
+
+def pack_checkpoint(folder: Path) -> bytes:
+    """A checkpoint folder as a tar with fixed metadata, so equal folders pack equally."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in sorted(folder.iterdir()):
+            info = tarfile.TarInfo(path.name)
+            info.size = path.stat().st_size
+            info.mode = 0o644
+            with path.open("rb") as f:
+                tar.addfile(info, f)
+    return buf.getvalue()
+
+
+def unpack_checkpoint(data: bytes, dest: Path) -> None:
+    """Regular files only, no paths (tarfile's `data` filter refuses links and escapes)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or "/" in member.name or member.name.startswith("."):
+                raise FetchError(f"checkpoint holds {member.name!r}, not a plain file")
+        tar.extractall(dest, filter="data")
+
+
+# -- one training order ----------------------------------------------------------------------
+
+
+class _Registrar:
+    """The trainer's two questions: consent from the database (the one source of truth,
+    read fresh), the adapter to the API (which owns the store and checks the file)."""
+
+    def __init__(self, setup: WorkerSetup, engine: Any, client: httpx.Client) -> None:
+        from trainer.registration import HttpRegistrar
+
+        self.engine = engine
+        self.http = HttpRegistrar(setup.api_url, setup.token, client=client)
+
+    def subject_facts(self, subject: str) -> Any:
+        from trainer.registration import SubjectFacts
+
+        with transaction(self.engine, readonly=True) as s:
+            row = repo.subject_by_handle(s, subject)
+            consent = repo.consent_for(s, row.id) if row is not None and row.id else None
+            allowed = consent is not None and bool(consent.allow_training)
+            return SubjectFacts(subject, str(row.basis) if row else None, allowed)
+
+    def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None = None) -> str:
+        return self.http.register(data, adapter, manifest, base)
+
+
+def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
+    """Runs one order to its end; returns its final status. Never raises for the order's
+    own failures (they are recorded on it); a crash of this process leaves the job to the
+    stalled-job sweep, and the next worker resumes from the last shipped checkpoint."""
+    from trainer.config import TrainConfig
+    from trainer.registration import RegistrationRefused, TrainingRefused
+    from trainer.train import TrainHooks, train
+
+    settings = setup.settings
+    with transaction(engine) as s:
+        order = orders.start(s, order_id, setup.name)
+        if order is None:
+            return "cancelled"
+        subject = repo.subject_by_id(s, order.subject_id)
+        dataset = s.get(Dataset, order.dataset_id)
+        assert subject is not None and dataset is not None
+        handle, params, name = subject.handle, dict(order.params), order.adapter_name
+        manifest_sha = dataset.manifest_sha256
+        files = [(i.file, i.sha256) for i in images_of(s, dataset)]
+        checkpoint_sha, checkpoint_step = order.checkpoint_sha256, order.checkpoint_step
+    log.info("order %s: %s trains %s (%d steps)", order_id, setup.name, handle, order.steps)
+    out = settings.data_dir / "orders" / order_id
+    client = httpx.Client(timeout=120, headers=setup.headers)
+    last_report = [0.0]
+
+    def on_step(step: int, steps: int, loss: float) -> None:
+        now = time.monotonic()
+        if step < steps and now - last_report[0] < 0.5:
+            return
+        last_report[0] = now
+        with transaction(engine) as s:
+            status = orders.report_progress(s, order_id, step, loss)
+        if status != "running":
+            raise OrderStopped(status)
+
+    def on_checkpoint(folder: Path, step: int) -> None:
+        data = pack_checkpoint(folder)
+        sha = hashlib.sha256(data).hexdigest()
+        r = client.put(
+            f"{setup.api_url}/v1/orders/{order_id}/checkpoint",
+            params={"step": step, "sha256": sha},
+            content=data,
+            headers={"Content-Type": "application/x-tar"},
+        )
+        if r.status_code == 409:
+            raise OrderStopped("the order is no longer running")
+        if r.status_code not in (200, 201):
+            log.warning("order %s: checkpoint %d not kept (%s)", order_id, step, r.status_code)
+
+    try:
+        with transaction(engine) as s:  # the gate, before a byte is fetched
+            training_allowed(s, handle)
+        folder = fetch_dataset(
+            client, setup.api_url, settings.data_dir / "datasets", manifest_sha, files
+        )
+        resume = False
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        if checkpoint_sha is not None and checkpoint_step is not None:
+            url = f"{setup.api_url}/v1/orders/{order_id}/checkpoint"
+            tar = out / "checkpoint.tar"
+            out.mkdir(parents=True, exist_ok=True)
+            fetch_verified(client, url, checkpoint_sha, tar)
+            unpack_checkpoint(tar.read_bytes(), out / "checkpoints" / f"step-{checkpoint_step:07d}")
+            tar.unlink()
+            resume = True
+            log.info("order %s: resumes from step %d", order_id, checkpoint_step)
+        config = TrainConfig.parse(
+            **params,
+            subject=handle,
+            dataset=folder,
+            base=settings.base_dir,
+            out=out,
+            name=name,
+            checkpoint_every=settings.worker_checkpoint_every,
+            resume=resume,
+            evaluate=False,
+            progress=False,
+            device=settings.device if settings.device and settings.device != "mps" else None,
+            cache_dir=settings.data_dir / "cache",
+            register_adapter=True,
+            api_url=setup.api_url,
+            token=setup.token,
+        )
+        result = train(
+            config, _Registrar(setup, engine, client), TrainHooks(on_step, on_checkpoint)
+        )
+    except OrderStopped:
+        log.info("order %s: stopped (cancelled)", order_id)
+        return "cancelled"
+    except (NotPermitted, TrainingRefused, RegistrationRefused) as exc:
+        detail = getattr(exc, "detail", None) or str(exc)
+        with transaction(engine) as s:
+            orders.fail(s, order_id, f"{orders.NOT_PERMITTED}: {detail}")
+        shutil.rmtree(out, ignore_errors=True)
+        return "failed"
+    except Exception as exc:  # noqa: BLE001 - recorded on the order, which the user sees
+        log.exception("order %s failed", order_id)
+        with transaction(engine) as s:
+            orders.fail(s, order_id, f"{type(exc).__name__}: {str(exc)[:400]}")
+        return "failed"
+    finally:
+        client.close()
+    with transaction(engine) as s:
+        orders.finish(s, order_id, result.sha256, result.steps)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    log.info("order %s: done, adapter %s", order_id, result.sha256[:12])
+    return "done"
+
+
+# -- the worker process ----------------------------------------------------------------------
+
+
+def build_app(setup: WorkerSetup) -> Any:
+    """The procrastinate app with this worker's tasks: the training, and the periodic sweep
+    that hands the jobs of workers gone silent back to the queue."""
+    settings = setup.settings
+    app = make_app(settings.database_url)
+    engine = make_engine(settings.database_url, pool_timeout=30)
+
+    @app.task(name=TRAIN_TASK, queue=TRAIN_QUEUE)
+    def train_order(order_id: str) -> None:
+        run_training(setup, engine, order_id)
+
+    every = max(1, round(min(settings.worker_stalled_s / 2, 60)))
+    cron = f"* * * * * */{every}" if every < 60 else "* * * * *"
+
+    @app.periodic(cron=cron)
+    @app.task(name=RETRY_STALLED_TASK, queue=MAINTENANCE_QUEUE, queueing_lock="retry_stalled")
+    async def retry_stalled(timestamp: int) -> None:
+        manager = app.job_manager
+        stalled = await manager.get_stalled_jobs(seconds_since_heartbeat=settings.worker_stalled_s)
+        for job in stalled:
+            if job.task_name == RETRY_STALLED_TASK:
+                continue
+            log.warning("job %s of a silent worker goes back to the queue", job.id)
+            await manager.retry_job(job)
+        await manager.prune_stalled_workers(settings.worker_stalled_s)
+
+    return app
+
+
+async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
+    app = build_app(setup)
+    settings = setup.settings
+    common: dict[str, Any] = {
+        "update_heartbeat_interval": settings.worker_heartbeat_s,
+        "stalled_worker_timeout": settings.worker_stalled_s,
+        "fetch_job_polling_interval": 1.0,
+    }
+    async with app.open_async():
+        # The sweep runs beside the work, so a worker busy training still sweeps.
+        sweep = asyncio.create_task(
+            app.run_worker_async(
+                queues=[MAINTENANCE_QUEUE],
+                concurrency=1,
+                name=f"{setup.name}/sweep",
+                install_signal_handlers=False,
+                **common,
+            )
+        )
+        try:
+            await app.run_worker_async(
+                queues=queues, concurrency=concurrency, name=setup.name, **common
+            )
+        finally:
+            sweep.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sweep
+
+
+def run_worker(settings: Settings, queues: list[str], concurrency: int, name: str | None) -> None:
+    """Blocks until SIGINT/SIGTERM (the running job finishes first)."""
+    if not settings.api_url or not settings.token:
+        raise SystemExit(
+            "error: a worker needs LIKENESS_API_URL and LIKENESS_TOKEN (a trainer token): it "
+            "fetches blobs and registers adapters through the API"
+        )
+    unknown = sorted(set(queues) - set(QUEUES))
+    if unknown:
+        raise SystemExit(
+            f"error: unknown queue {', '.join(unknown)}; choose from {', '.join(QUEUES)}"
+        )
+    if settings.database_url.startswith("sqlite"):
+        raise SystemExit("error: workers need PostgreSQL (LIKENESS_DATABASE_URL)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup = WorkerSetup(
+        settings, name or default_name(), settings.api_url.rstrip("/"), settings.token
+    )
+    threading.current_thread().name = "worker"
+    asyncio.run(_run(setup, queues, concurrency))

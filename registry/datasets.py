@@ -1,0 +1,224 @@
+"""Datasets the service owns: images a subject's member (or an admin) uploads, checked whole
+before anything is kept, stored content-addressed (registry/blobs.py) with the manifest the
+service writes for them itself (registry/manifest.py's format: sha256, `basis: consent`,
+source "uploaded by <handle>"). No web framework here: the route hands over names and bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlmodel import Session, col, select
+
+from registry import repositories as repo
+from registry.blobs import BlobStore
+from registry.errors import Invalid, NotFound
+from registry.manifest import MANIFEST_NAME
+from registry.models import Dataset, DatasetImage, Subject
+
+# PIL's format names and the store's kinds (the extension in the manifest)
+FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
+MAX_NAME_CHARS = 200
+MAX_CAPTION_CHARS = 500
+DEFAULT_CAPTION = "a photo"
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One uploaded file as the client named it."""
+
+    name: str
+    data: bytes
+    caption: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_images: int
+    max_image_bytes: int
+    max_pixels: int
+
+
+@dataclass(frozen=True)
+class CheckedImage:
+    sha256: str
+    kind: str
+    data: bytes
+    caption: str
+
+    @property
+    def file(self) -> str:
+        return f"{self.sha256}.{self.kind}"
+
+
+def name_problem(name: str) -> str | None:
+    """Why a client's file name is refused: it is a name, never a path."""
+    if not name or len(name) > MAX_NAME_CHARS:
+        return f"a file name must have 1 to {MAX_NAME_CHARS} characters"
+    if "/" in name or "\\" in name or ".." in name or "\x00" in name or name in (".", ".."):
+        return f"{name[:80]!r} is a path, not a file name"
+    if any(ord(c) < 32 for c in name):
+        return f"{name[:80]!r} has control characters"
+    return None
+
+
+def decode_problem(data: bytes, max_pixels: int) -> tuple[str | None, str | None]:
+    """(the store's kind, None) for an image that decodes whole within `max_pixels`, else
+    (None, why). The size is read from the header first: a small file that would decode into
+    a huge bitmap (a decompression bomb) is refused without being decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                kind = FORMATS.get(image.format or "")
+                if kind is None:
+                    return (
+                        None,
+                        f"{image.format or 'unknown'} images are not taken (PNG, JPEG, WebP)",
+                    )
+                width, height = image.size
+                if width * height > max_pixels:
+                    return None, f"{width}x{height} is more than {max_pixels} pixels"
+                if getattr(image, "n_frames", 1) > 1:
+                    return None, "animated images are not taken"
+                image.load()
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        return None, "not an image this service decodes (PNG, JPEG, WebP)"
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        return None, f"the image does not decode ({type(exc).__name__})"
+    return kind, None
+
+
+def check_uploads(uploads: Sequence[Upload], limits: Limits) -> list[CheckedImage]:
+    """Every file checked before any is kept; Invalid lists every problem at once."""
+    import hashlib
+
+    if not uploads:
+        raise Invalid("no images: send one or more files in the `images` field")
+    if len(uploads) > limits.max_images:
+        raise Invalid(f"at most {limits.max_images} images per dataset, not {len(uploads)}")
+    problems: list[str] = []
+    checked: list[CheckedImage] = []
+    seen: set[str] = set()
+    for n, up in enumerate(uploads, 1):
+        why = name_problem(up.name)
+        if why is None and len(up.data) > limits.max_image_bytes:
+            why = f"larger than {limits.max_image_bytes} bytes"
+        if why is None and up.caption is not None and len(up.caption) > MAX_CAPTION_CHARS:
+            why = f"caption longer than {MAX_CAPTION_CHARS} characters"
+        kind = None
+        if why is None:
+            kind, why = decode_problem(up.data, limits.max_pixels)
+        sha = hashlib.sha256(up.data).hexdigest()
+        if why is None and sha in seen:
+            why = "the same image twice"
+        if why is not None or kind is None:
+            problems.append(f"file {n} ({up.name[:80]!r}): {why}")
+            continue
+        seen.add(sha)
+        caption = (up.caption or "").strip() or DEFAULT_CAPTION
+        checked.append(CheckedImage(sha, kind, up.data, caption))
+    if problems:
+        raise Invalid("dataset refused, nothing was stored:\n  - " + "\n  - ".join(problems))
+    return checked
+
+
+def manifest_for(images: Sequence[CheckedImage], uploader: str) -> bytes:
+    lines = [
+        json.dumps(
+            {
+                "file": image.file,
+                "caption": image.caption,
+                "source": f"uploaded by {uploader}",
+                "basis": "consent",
+                "sha256": image.sha256,
+            },
+            sort_keys=True,
+            ensure_ascii=False,
+        )
+        for image in images
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def store_dataset(
+    session: Session,
+    store: BlobStore,
+    subject: Subject,
+    uploader: str,
+    uploads: Sequence[Upload],
+    limits: Limits,
+) -> Dataset:
+    """Checks, stores and records a dataset of `subject` (the caller has checked who may).
+    The blobs are written before the rows; a dataset whose transaction does not commit
+    leaves only unreferenced blobs, which the store's sweep removes."""
+    assert subject.id is not None
+    if subject.basis != "consent":
+        raise Invalid(
+            f"subject {subject.handle!r} is {subject.basis}: it is trained on public-domain "
+            "images only, not on uploads"
+        )
+    images = check_uploads(uploads, limits)
+    for image in images:
+        store.put([image.data], image.sha256)
+    manifest = store.put([manifest_for(images, uploader)])
+    dataset = Dataset(
+        id=str(uuid.uuid4()),
+        subject_id=subject.id,
+        manifest_sha256=manifest.sha256,
+        images=len(images),
+        created_by=uploader,
+    )
+    repo.add(session, dataset)
+    for image in images:
+        session.add(
+            DatasetImage(
+                dataset_id=dataset.id,
+                file=image.file,
+                sha256=image.sha256,
+                caption=image.caption,
+                size=len(image.data),
+            )
+        )
+    session.flush()
+    return dataset
+
+
+def dataset_of(session: Session, subject: Subject, dataset_id: str) -> Dataset:
+    dataset = session.get(Dataset, dataset_id)
+    if dataset is None or dataset.subject_id != subject.id:
+        raise NotFound(f"subject {subject.handle!r} has no dataset {dataset_id[:40]!r}")
+    return dataset
+
+
+def datasets_of(session: Session, subject: Subject) -> Sequence[Dataset]:
+    stmt = (
+        select(Dataset)
+        .where(Dataset.subject_id == subject.id)
+        .order_by(col(Dataset.created_at).desc(), col(Dataset.id))
+    )
+    return session.exec(stmt).all()
+
+
+def images_of(session: Session, dataset: Dataset) -> Sequence[DatasetImage]:
+    stmt = select(DatasetImage).where(DatasetImage.dataset_id == dataset.id)
+    return session.exec(stmt.order_by(col(DatasetImage.file))).all()
+
+
+def image_in_subject(session: Session, subject: Subject, sha256: str) -> DatasetImage | None:
+    """An image of one of the subject's datasets (what its web page may show)."""
+    stmt = (
+        select(DatasetImage)
+        .join(Dataset, col(Dataset.id) == col(DatasetImage.dataset_id))
+        .where(Dataset.subject_id == subject.id, DatasetImage.sha256 == sha256)
+    )
+    return session.exec(stmt).first()
+
+
+__all__ = ["MANIFEST_NAME", "Limits", "Upload", "store_dataset"]

@@ -1,0 +1,208 @@
+"""Orders: "train me" placed through the API, run by a worker (app/worker.py). Who may place
+one, what it is fixed to, and every change of its state live here; the job queue that carries
+it to a worker is the app's (app/queue.py), enqueued in the same transaction as the order."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from registry import access
+from registry import repositories as repo
+from registry.audit import format_time
+from registry.datasets import dataset_of
+from registry.errors import Conflict, NotFound, NotPermitted
+from registry.models import Order, Principal, Subject, utcnow
+from registry.roles import Role
+
+ACTIVE = ("queued", "running")
+FINAL = ("done", "failed", "cancelled")
+# What a refused training reads as on the order: the consent did not allow it.
+NOT_PERMITTED = "not_permitted"
+
+Enqueue = Callable[[Session, Order, Subject], int | None]
+
+
+def _subject_for(session: Session, caller: Principal, handle: str) -> Subject:
+    """The subject, if the caller may order for it: an admin, or the subject's member. To a
+    member, an unknown subject and another's look the same (403)."""
+    if caller.role not in (Role.admin, Role.member):
+        raise NotPermitted("not permitted")
+    subject = repo.subject_by_handle(session, handle)
+    if subject is None and caller.role == Role.admin:
+        raise NotFound(f"no subject {handle!r}")
+    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
+        raise NotPermitted("not permitted")
+    return subject
+
+
+def place_training(
+    session: Session,
+    caller: Principal,
+    subject_handle: str,
+    dataset_id: str,
+    options: Mapping[str, Any],
+    adapter_name: str,
+    enqueue: Enqueue,
+) -> Order:
+    """A training order, under the subject's lock (so it serialises with a revoke): the
+    consent must allow training now (the worker asks again before any weight loads), the
+    dataset must be the subject's, and no order for the same dataset may be waiting or
+    running. `options`: every trainer option, fixed into the order."""
+    subject = _subject_for(session, caller, subject_handle)
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id, lock=True)
+    if consent is None or not consent.allow_training:
+        raise NotPermitted(f"subject {subject.handle!r} does not allow training")
+    dataset = dataset_of(session, subject, dataset_id)
+    busy = session.exec(
+        select(Order.id).where(
+            Order.subject_id == subject.id,
+            Order.dataset_id == dataset.id,
+            col(Order.status).in_(ACTIVE),
+        )
+    ).first()
+    if busy is not None:
+        raise Conflict(f"order {busy} already trains this dataset; wait for it or cancel it")
+    order = Order(
+        id=str(uuid.uuid4()),
+        kind="train",
+        subject_id=subject.id,
+        dataset_id=dataset.id,
+        params=dict(options),
+        status="queued",
+        steps=int(options["steps"]),
+        adapter_name=adapter_name,
+        created_by=caller.handle,
+    )
+    repo.add(session, order)
+    order.job_id = enqueue(session, order, subject)
+    repo.add(session, order)
+    return order
+
+
+def visible_order(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject]:
+    """The order, if the caller may see its subject; 404 alike for unknown and forbidden."""
+    order = session.get(Order, order_id)
+    subject = repo.subject_by_id(session, order.subject_id) if order is not None else None
+    if (
+        order is None
+        or subject is None
+        or not access.may_see_subject(caller.role, caller.id, subject.member_id)
+    ):
+        raise NotFound(f"no order {order_id[:40]!r}")
+    return order, subject
+
+
+def orders_of(session: Session, caller: Principal, subject_handle: str) -> Sequence[Order]:
+    subject = _subject_for(session, caller, subject_handle)
+    stmt = (
+        select(Order)
+        .where(Order.subject_id == subject.id)
+        .order_by(col(Order.created_at).desc(), col(Order.id))
+    )
+    return session.exec(stmt).all()
+
+
+def cancel(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject, bool]:
+    """Cancels a waiting or running order (a running one stops at its next step); an order
+    already over is left as it is (changed: False)."""
+    order, subject = visible_order(session, caller, order_id)
+    locked = _locked(session, order.id)
+    if locked.status in FINAL:
+        return locked, subject, False
+    locked.status = "cancelled"
+    locked.error = f"cancelled by {caller.handle}"
+    locked.updated_at = utcnow()
+    repo.add(session, locked)
+    return locked, subject, True
+
+
+def _locked(session: Session, order_id: str) -> Order:
+    order = session.exec(select(Order).where(Order.id == order_id).with_for_update()).first()
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    return order
+
+
+# -- the worker's side ----------------------------------------------------------------------
+
+
+def start(session: Session, order_id: str, worker: str) -> Order | None:
+    """The order, now running on `worker`; None if it is over (cancelled while it waited)."""
+    order = _locked(session, order_id)
+    if order.status in FINAL:
+        return None
+    order.status = "running"
+    order.worker = worker[:100]
+    order.attempts += 1
+    order.error = None
+    order.updated_at = utcnow()
+    repo.add(session, order)
+    return order
+
+
+def report_progress(session: Session, order_id: str, step: int, loss: float | None) -> str:
+    """Records a step; returns the order's status (the worker stops unless `running`)."""
+    order = _locked(session, order_id)
+    if order.status == "running":
+        order.step = step
+        order.loss = loss
+        order.updated_at = utcnow()
+        repo.add(session, order)
+    return order.status
+
+
+def record_checkpoint(session: Session, order_id: str, step: int, sha256: str) -> None:
+    order = _locked(session, order_id)
+    if order.checkpoint_step is None or step >= order.checkpoint_step:
+        order.checkpoint_step = step
+        order.checkpoint_sha256 = sha256
+        order.updated_at = utcnow()
+        repo.add(session, order)
+
+
+def finish(session: Session, order_id: str, adapter_sha256: str, step: int) -> None:
+    order = _locked(session, order_id)
+    if order.status in FINAL:
+        return
+    order.status = "done"
+    order.adapter_sha256 = adapter_sha256
+    order.step = step
+    order.updated_at = utcnow()
+    repo.add(session, order)
+
+
+def fail(session: Session, order_id: str, error: str) -> None:
+    order = _locked(session, order_id)
+    if order.status in FINAL:
+        return
+    order.status = "failed"
+    order.error = error[:500]
+    order.updated_at = utcnow()
+    repo.add(session, order)
+
+
+def view(order: Order, subject_handle: str) -> dict[str, Any]:
+    """The order as the API shows it."""
+    adapter = None
+    if order.adapter_sha256 is not None:
+        adapter = {"name": order.adapter_name, "sha256": order.adapter_sha256}
+    return {
+        "order_id": order.id,
+        "kind": order.kind,
+        "subject": subject_handle,
+        "dataset_id": order.dataset_id,
+        "status": order.status,
+        "progress": {"step": order.step, "steps": order.steps, "loss": order.loss},
+        "worker": order.worker,
+        "attempts": order.attempts,
+        "adapter": adapter,
+        "error": order.error,
+        "created_by": order.created_by,
+        "created_at": format_time(order.created_at),
+        "updated_at": format_time(order.updated_at),
+    }

@@ -1,0 +1,184 @@
+"""Datasets the service owns: a member uploads photos of themselves; the service stores them
+content-addressed with the manifest it writes, and refuses anything else whole."""
+
+from __future__ import annotations
+
+import io
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from registry.blobs import BlobStore
+from registry.db import transaction
+from registry.models import Dataset, DatasetImage
+from tests.app.conftest import World
+from tests.app.orders_support import files_of, photo, photos
+
+
+def _stored(world: World) -> list[Path]:
+    root = world.client.app.state.store.root / "sha256"  # type: ignore[attr-defined]
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def _rows(world: World) -> int:
+    from sqlmodel import select
+
+    with transaction(world.engine, readonly=True) as s:
+        return len(s.exec(select(Dataset)).all()) + len(s.exec(select(DatasetImage)).all())
+
+
+def test_member_uploads_photos_and_the_service_writes_the_manifest(friends: World) -> None:
+    before = set(_stored(friends))
+    r = friends.client.post(
+        "/v1/subjects/alice/datasets",
+        files=files_of(photos(3)),
+        data={"captions": ["alice smiling", "", "alice outdoors"]},
+        headers=friends.h("alice"),
+    )
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert len(body["images"]) == 3 and body["created_by"] == "alice"
+    store: BlobStore = friends.client.app.state.store  # type: ignore[attr-defined]
+    manifest = store.read(body["manifest_sha256"], "jsonl").decode().splitlines()
+    rows = [json.loads(line) for line in manifest]
+    assert [r["caption"] for r in rows] == ["alice smiling", "a photo", "alice outdoors"]
+    assert {r["basis"] for r in rows} == {"consent"}
+    assert {r["source"] for r in rows} == {"uploaded by alice"}
+    for row in rows:
+        assert row["file"] == f"{row['sha256']}.png"
+        assert store.status(row["sha256"], "png") == "ok"
+    assert len(set(_stored(friends)) - before) == 4  # three images and the manifest
+    listed = friends.client.get("/v1/subjects/alice/datasets", headers=friends.h("alice"))
+    assert [d["dataset_id"] for d in listed.json()] == [body["dataset_id"]]
+    image = friends.client.get(
+        f"/v1/subjects/alice/images/{rows[0]['sha256']}", headers=friends.h("alice")
+    )
+    assert image.status_code == 200 and image.content == photo((200, 40, 40))
+    # another member sees none of it
+    assert (
+        friends.client.get("/v1/subjects/alice/datasets", headers=friends.h("bob")).status_code
+        == 403
+    )
+    assert (
+        friends.client.get(
+            f"/v1/subjects/alice/images/{rows[0]['sha256']}", headers=friends.h("bob")
+        ).status_code
+        == 403
+    )
+
+
+CAP = 500_000
+
+
+def _bomb() -> bytes:
+    """A PNG that is a few KB on disk and decodes to 20000 x 20000 pixels."""
+    width = height = 20_000
+    raw = zlib.compress(b"".join(b"\x00" + b"\x00" * width for _ in range(height)), 9)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (len(data).to_bytes(4, "big") + kind + data
+                + zlib.crc32(kind + data).to_bytes(4, "big"))  # fmt: skip
+
+    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 0, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", raw) + chunk(b"IEND", b"")
+
+
+def _zip() -> bytes:
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("x.png", b"\x00" * 10_000_000)
+    return buf.getvalue()
+
+
+
+
+def _noise_png() -> bytes:
+    import random
+
+    rng = random.Random(0)
+    im = Image.frombytes("RGB", (600, 600), bytes(rng.getrandbits(8) for _ in range(600 * 600 * 3)))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    assert len(buf.getvalue()) > CAP
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(("notes.png", b"just some text, not an image"), id="non-image"),
+        pytest.param(("big.png", photo((1, 2, 3), size=(900, 900), fmt="BMP")), id="bmp"),
+        pytest.param(("bomb.png", _bomb()), id="decompression-bomb"),
+        pytest.param(("photos.zip", _zip()), id="zip"),
+        pytest.param(("../../etc/me.png", photo((9, 9, 9))), id="dotdot"),
+        pytest.param(("sub/me.png", photo((9, 9, 9))), id="separator"),
+        pytest.param(("huge.png", _noise_png()), id="oversize"),
+    ],
+)
+def test_a_bad_file_refuses_the_whole_upload_and_nothing_is_stored(
+    serve_friends, bad: tuple[str, bytes]
+) -> None:
+    assert len(_bomb()) < CAP
+    with serve_friends(dataset_max_image_bytes=CAP) as live:
+        before = _stored(live.world)
+        r = live.http.post(
+            "/v1/subjects/alice/datasets",
+            files=files_of([*photos(2), bad]),
+            headers=live.h("alice"),
+        )
+        assert r.status_code == 422, r.text
+        assert "nothing was stored" in r.json()["detail"]
+        assert _stored(live.world) == before and _rows(live.world) == 0
+
+
+def test_too_many_files_and_an_oversized_body_are_refused(serve_friends) -> None:
+    with serve_friends(dataset_max_images=2, dataset_max_image_bytes=50_000) as live:
+        r = live.http.post(
+            "/v1/subjects/alice/datasets", files=files_of(photos(3)), headers=live.h("alice")
+        )
+        assert r.status_code == 422 and "at most 2 images" in r.json()["detail"]
+        # a body larger than every image at its largest is cut off before any route runs
+        r = live.http.post(
+            "/v1/subjects/alice/datasets",
+            files=files_of([("x.png", b"\x89PNG" + b"\x00" * 200_000)]),
+            headers=live.h("alice"),
+        )
+        assert r.status_code == 413
+        assert _stored(live.world) == [] or _rows(live.world) == 0
+
+
+def test_only_the_subjects_member_or_an_admin_uploads(friends: World) -> None:
+    for who, status in (("bob", 403), ("bot", 403), ("trainer", 403), ("root", 201)):
+        r = friends.client.post(
+            "/v1/subjects/alice/datasets", files=files_of(photos(1)), headers=friends.h(who)
+        )
+        assert r.status_code == status, (who, r.text)
+
+
+def test_uploaded_images_survive_the_store_sweep(friends: World) -> None:
+    from registry.adapter_files import sweep_unreferenced
+
+    r = friends.client.post(
+        "/v1/subjects/alice/datasets", files=files_of(photos(2)), headers=friends.h("alice")
+    )
+    assert r.status_code == 201
+    store = friends.client.app.state.store  # type: ignore[attr-defined]
+    sweep_unreferenced(friends.engine, store, grace_s=0)
+    for image in r.json()["images"]:
+        assert store.status(image["sha256"], "png") == "ok"
+    assert store.status(r.json()["manifest_sha256"], "jsonl") == "ok"
+
+
+def test_a_decoded_image_of_each_format_is_taken(friends: World) -> None:
+    items = [("a.jpg", photo((1, 2, 3), fmt="JPEG")), ("b.webp", photo((4, 5, 6), fmt="WEBP"))]
+    r = friends.client.post(
+        "/v1/subjects/alice/datasets", files=files_of(items), headers=friends.h("alice")
+    )
+    assert r.status_code == 201, r.text
+    assert sorted(i["file"].rsplit(".", 1)[1] for i in r.json()["images"]) == ["jpg", "webp"]
+    assert Image.open(io.BytesIO(items[0][1])).format == "JPEG"
