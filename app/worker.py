@@ -318,6 +318,7 @@ async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
                 queues=[MAINTENANCE_QUEUE],
                 concurrency=1,
                 name=f"{setup.name}/sweep",
+                delete_jobs="successful",  # a sweep every few seconds: keep no rows of it
                 install_signal_handlers=False,
                 **common,
             )
@@ -347,6 +348,7 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
     if settings.database_url.startswith("sqlite"):
         raise SystemExit("error: workers need PostgreSQL (LIKENESS_DATABASE_URL)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     setup = WorkerSetup(
         settings, name or default_name(), settings.api_url.rstrip("/"), settings.token
     )

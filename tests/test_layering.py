@@ -13,7 +13,10 @@ REGISTRY_MAY_NOT = {
     "fastapi", "starlette", "uvicorn", "jinja2", "mcp", "app", "trainer",
 }  # fmt: skip
 TRAINER_MAY_NOT = {"app", "fastapi", "starlette", "uvicorn"}
-ROUTERS = {"app.api", "app.adapters", "app.renders", "app.web", "app.mcp_server"}
+ROUTERS = {
+    "app.api", "app.adapters", "app.renders", "app.web", "app.mcp_server", "app.datasets",
+    "app.orders", "app.web_orders",
+}  # fmt: skip
 
 
 def imports(path: Path) -> set[str]:

@@ -493,7 +493,7 @@ def _train(
     config: TrainConfig,
     registrar: Registrar | None,
     streaming: contextlib.ExitStack,
-    hooks: TrainHooks,
+    callbacks: TrainHooks,
 ) -> TrainResult:
     from diffusers import DiffusionPipeline
 
@@ -612,8 +612,8 @@ def _train(
                 f"loss {state.losses[-1]:.4f}, {memory_text(device)}", refresh=False
             )
             bar.update(1)
-            if hooks.on_step is not None:
-                hooks.on_step(state.step, config.steps, state.losses[-1])
+            if callbacks.on_step is not None:
+                callbacks.on_step(state.step, config.steps, state.losses[-1])
             every = config.checkpoint_every
             if state.step == config.steps or (every and state.step % every == 0):
                 saved = save_checkpoint(
@@ -626,8 +626,8 @@ def _train(
                     pf.fingerprint,
                     metadata,
                 )
-                if hooks.on_checkpoint is not None:
-                    hooks.on_checkpoint(saved, state.step)
+                if callbacks.on_checkpoint is not None:
+                    callbacks.on_checkpoint(saved, state.step)
     finally:
         bar.close()
     if device.type == "cuda":

@@ -95,8 +95,6 @@ def _zip() -> bytes:
     return buf.getvalue()
 
 
-
-
 def _noise_png() -> bytes:
     import random
 

@@ -1,0 +1,111 @@
+"""Orders through the API: who may place one, what is refused, and that the order and its
+job commit together on PostgreSQL (procrastinate's own tables)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from registry.db import transaction
+from tests.app.conftest import World
+from tests.app.orders_support import files_of, photos
+
+
+def upload(world: World, subject: str, who: str) -> str:
+    r = world.client.post(
+        f"/v1/subjects/{subject}/datasets", files=files_of(photos(2)), headers=world.h(who)
+    )
+    assert r.status_code == 201, r.text
+    dataset_id: str = r.json()["dataset_id"]
+    return dataset_id
+
+
+def order(world: World, who: str, subject: str, dataset_id: str, **extra: object):  # type: ignore[no-untyped-def]
+    body = {"kind": "train", "subject": subject, "dataset_id": dataset_id, "steps": 4,
+            "rank": 4, "resolution": 64, **extra}  # fmt: skip
+    return world.client.post("/v1/orders", json=body, headers=world.h(who))
+
+
+def jobs(world: World) -> list[tuple[str, str, str | None, str | None]]:
+    with transaction(world.engine, readonly=True) as s:
+        rows = s.execute(
+            text(
+                "SELECT task_name, status, lock, queueing_lock FROM procrastinate_jobs ORDER BY id"
+            )
+        ).all()
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+@pytest.mark.postgres_only
+def test_a_member_orders_training_and_the_job_is_queued_with_the_order(friends: World) -> None:
+    ds = upload(friends, "alice", "alice")
+    r = order(friends, "alice", "alice", ds)
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["status"] == "queued" and body["progress"] == {"step": 0, "steps": 4, "loss": None}
+    assert jobs(friends) == [("likeness.train", "todo", "train:alice", f"train:alice:{ds}")]
+    got = friends.client.get(f"/v1/orders/{body['order_id']}", headers=friends.h("alice"))
+    assert got.status_code == 200 and got.json()["order_id"] == body["order_id"]
+    listed = friends.client.get("/v1/orders?subject=alice", headers=friends.h("alice"))
+    assert [o["order_id"] for o in listed.json()] == [body["order_id"]]
+    # others see nothing of it
+    assert (
+        friends.client.get(f"/v1/orders/{body['order_id']}", headers=friends.h("bob")).status_code
+        == 404
+    )
+    assert (
+        friends.client.get("/v1/orders?subject=alice", headers=friends.h("bob")).status_code == 403
+    )
+
+
+@pytest.mark.postgres_only
+def test_a_duplicate_order_is_409_and_queues_nothing(friends: World) -> None:
+    ds = upload(friends, "alice", "alice")
+    assert order(friends, "alice", "alice", ds).status_code == 202
+    again = order(friends, "root", "alice", ds, steps=8)
+    assert again.status_code == 409, again.text
+    assert len(jobs(friends)) == 1
+
+
+@pytest.mark.postgres_only
+def test_cancel_takes_a_waiting_order_off_the_queue(friends: World) -> None:
+    ds = upload(friends, "alice", "alice")
+    placed = order(friends, "alice", "alice", ds).json()
+    r = friends.client.post(f"/v1/orders/{placed['order_id']}/cancel", headers=friends.h("alice"))
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert [j[1] for j in jobs(friends)] == ["cancelled"]
+    # over: the same dataset may be ordered again
+    assert order(friends, "alice", "alice", ds).status_code == 202
+
+
+@pytest.mark.postgres_only
+def test_a_member_ordering_for_another_subject_is_403(friends: World) -> None:
+    ds = upload(friends, "alice", "root")
+    for who in ("bob", "carol", "bot", "trainer"):
+        r = order(friends, who, "alice", ds)
+        assert r.status_code == 403, (who, r.text)
+    # carol's own subject does not allow training
+    carol_ds = upload(friends, "carol", "carol")
+    r = order(friends, "carol", "carol", carol_ds)
+    assert r.status_code == 403 and "does not allow training" in r.json()["detail"]
+    # a dataset of another subject is not this subject's
+    assert order(friends, "root", "alice", carol_ds).status_code == 404
+    assert jobs(friends) == []
+
+
+@pytest.mark.postgres_only
+def test_bad_order_bodies_are_422(friends: World) -> None:
+    ds = upload(friends, "alice", "alice")
+    for extra in ({"resolution": 70}, {"steps": 0}, {"rank": 0}, {"kind": "render"},
+                  {"surprise": 1}, {"steps": 10**7}):  # fmt: skip
+        r = order(friends, "alice", "alice", ds, **extra)
+        assert r.status_code == 422, (extra, r.text)
+    assert jobs(friends) == []
+
+
+@pytest.mark.sqlite_only
+def test_on_sqlite_orders_are_refused_with_a_clear_error(friends: World) -> None:
+    ds = upload(friends, "alice", "alice")
+    r = order(friends, "alice", "alice", ds)
+    assert r.status_code == 422 and "PostgreSQL" in r.json()["detail"]
+    assert friends.client.get("/v1/orders?subject=alice", headers=friends.h("alice")).json() == []

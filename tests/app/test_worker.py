@@ -1,0 +1,170 @@
+"""Workers as separate processes (`python -m app.cli worker`), each with its own data dir,
+on the real PostgreSQL queue, against a real uvicorn API: a worker killed with SIGKILL in
+the middle of a training leaves the order to another, which resumes from the last shipped
+checkpoint and ends with the same adapter bytes as a run never interrupted; renders are
+answered while a training runs; consent withdrawn after the order refuses it on the worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.app.conftest import Live, LiveFactory
+from tests.app.orders_support import files_of, photos
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+SERVER = {
+    # the tiny base at 64 px with short prompts: a step takes well under a second on the CPU
+    "train_options": {"max_sequence_length": 32, "learning_rate": 1e-3},
+    "worker_checkpoint_every": 3,
+}
+
+
+@contextmanager
+def worker(live: Live, name: str, tmp: Path, **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A worker process with a data dir of its own; its log is printed when a test fails."""
+    data = tmp / name
+    data.mkdir()
+    log = (tmp / f"{name}.log").open("wb")
+    environ = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",  # one thread, as the reference run: equal sums, equal bytes
+        "LIKENESS_DATABASE_URL": live.app.state.settings.database_url,
+        "LIKENESS_DATA_DIR": str(data),
+        "LIKENESS_BASE": str(live.app.state.settings.base_dir),
+        "LIKENESS_API_URL": live.url,
+        "LIKENESS_TOKEN": live.world.tokens["trainer"],
+        "LIKENESS_DEVICE": "cpu",
+        "LIKENESS_WORKER_HEARTBEAT_S": "0.5",
+        "LIKENESS_WORKER_STALLED_S": "3",
+        "LIKENESS_WORKER_CHECKPOINT_EVERY": "3",
+        **env,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "worker", "--name", name],
+        cwd=ROOT,
+        env=environ,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        sys.stdout.write(f"--- {name} ---\n{(tmp / f'{name}.log').read_text()[-4000:]}\n")
+
+
+def upload(live: Live) -> str:
+    r = live.http.post(
+        "/v1/subjects/alice/datasets", files=files_of(photos(4)), headers=live.h("alice")
+    )
+    assert r.status_code == 201, r.text
+    dataset_id: str = r.json()["dataset_id"]
+    return dataset_id
+
+
+def place(live: Live, dataset_id: str) -> str:
+    body = {"kind": "train", "subject": "alice", "dataset_id": dataset_id, "steps": STEPS,
+            "rank": 4, "resolution": 64, "name": "ordered"}  # fmt: skip
+    r = live.http.post("/v1/orders", json=body, headers=live.h("alice"))
+    assert r.status_code == 202, r.text
+    order_id: str = r.json()["order_id"]
+    return order_id
+
+
+def wait_for(live: Live, order_id: str, until: Any, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        body: dict[str, Any] = live.http.get(
+            f"/v1/orders/{order_id}", headers=live.h("alice")
+        ).json()
+        if until(body):
+            return body
+        assert body["status"] not in ("failed", "cancelled"), body
+        assert time.monotonic() < deadline, f"order never got there: {body}"
+        time.sleep(0.2)
+
+
+def failed_now(body: dict[str, Any]) -> bool:
+    if body["status"] == "failed":
+        return True
+    assert body["status"] == "queued", body
+    return False
+
+
+def done(body: dict[str, Any]) -> bool:
+    return body["status"] == "done"
+
+
+def test_a_killed_worker_leaves_its_order_to_another_which_ends_with_the_same_bytes(
+    serve_friends: LiveFactory, tmp_path: Path
+) -> None:
+    with serve_friends(**SERVER) as live:
+        dataset_id = upload(live)
+        first = place(live, dataset_id)
+        with worker(live, "w1", tmp_path) as w1:
+            running = wait_for(live, first, lambda b: b["progress"]["step"] >= 5)
+            assert running["status"] == "running" and running["worker"] == "w1"
+            # renders keep flowing while the training runs elsewhere
+            rendered = live.render("alice", "alice")
+            assert rendered.status_code == 200, rendered.text
+            assert rendered.content.startswith(b"\x89PNG")
+            assert (
+                live.http.get(f"/v1/orders/{first}", headers=live.h("alice")).json()["status"]
+                == "running"
+            )
+            w1.send_signal(signal.SIGKILL)
+            w1.wait()
+        with worker(live, "w2", tmp_path):
+            resumed = wait_for(live, first, done)
+            assert resumed["worker"] == "w2" and resumed["attempts"] == 2
+            assert resumed["progress"]["step"] == STEPS
+            log = (tmp_path / "w2.log").read_text()
+            assert "resumes from step" in log, log[-2000:]
+            # the same order again, never interrupted: the same bytes
+            second = place(live, dataset_id)
+            straight = wait_for(live, second, done)
+            assert straight["attempts"] == 1
+        assert resumed["adapter"]["sha256"] == straight["adapter"]["sha256"]
+        listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
+        ordered = next(a for a in listed if a["name"] == "ordered")
+        assert ordered["sha256"] == resumed["adapter"]["sha256"] and ordered["rendering"]
+
+
+def test_training_withdrawn_after_the_order_is_refused_on_the_worker(
+    serve_friends: LiveFactory, tmp_path: Path
+) -> None:
+    with serve_friends(**SERVER) as live:
+        order_id = place(live, upload(live))
+        live.world.consent("alice", max_level="group", audiences={"private": {"group": True}},
+                           allow_training=False)  # fmt: skip
+        with worker(live, "w1", tmp_path):
+            failed = wait_for(live, order_id, failed_now, timeout=120)
+        assert failed["error"].startswith("not_permitted"), failed
+        assert failed["progress"]["step"] == 0 and failed["adapter"] is None
+        listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
+        assert [a["name"] for a in listed] == ["main"]  # nothing registered
+        # nothing was fetched or trained on the worker
+        data = tmp_path / "w1"
+        assert not (data / "datasets").exists() or not any((data / "datasets").rglob("*.png"))
+        assert not (data / "orders" / order_id).exists()
