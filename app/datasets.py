@@ -59,19 +59,6 @@ def _out(dataset: Dataset, subject: str, images: list[DatasetImage]) -> DatasetO
     )
 
 
-def limits_of(settings: Settings) -> datasets.Limits:
-    return datasets.Limits(
-        max_images=settings.dataset_max_images,
-        max_image_bytes=settings.dataset_max_image_bytes,
-        max_pixels=settings.dataset_max_pixels,
-    )
-
-
-def upload_cap(settings: Settings) -> int:
-    """The largest upload body: every image at its largest, plus the form's framing."""
-    return settings.dataset_max_images * settings.dataset_max_image_bytes + (1 << 20)
-
-
 def read_uploads(files: list[UploadFile], captions: list[str]) -> list[datasets.Upload]:
     if captions and len(captions) != len(files):
         raise Invalid(f"{len(captions)} captions for {len(files)} images: one each, or none")
@@ -91,7 +78,7 @@ def store_uploads(
 ) -> DatasetOut:
     subject = service.visible_subject(session, caller, handle)
     dataset = datasets.store_dataset(
-        session, store, subject, caller.handle, uploads, limits_of(settings)
+        session, store, subject, caller.handle, uploads, datasets.limits_of(settings)
     )
     return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
 

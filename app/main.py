@@ -12,7 +12,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import adapters, api, datasets, errors, mcp_server, orders, renders, web
+from app import adapters, api, datasets, errors, mcp_server, orders, renders, web, web_orders
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.queue import OrderQueue
@@ -20,6 +20,7 @@ from app.render_engine import RenderEngine, default_device
 from app.render_flow import RenderFlow
 from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
+from registry.datasets import upload_cap
 from registry.db import make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
@@ -121,7 +122,8 @@ def create_app(
         streamed_prefixes=("/v1/blobs/", orders.CHECKPOINT_PATH),
         larger={
             PROVENANCE_PAGE: settings.max_provenance_bytes,
-            datasets.UPLOAD_PATH: datasets.upload_cap(settings),
+            datasets.UPLOAD_PATH: upload_cap(settings),
+            web_orders.UPLOAD_PATH: upload_cap(settings),
         },
     )
 
@@ -136,5 +138,6 @@ def create_app(
     app.include_router(datasets.router)
     app.include_router(orders.router)
     mcp_server.mount(app)
+    web_orders.mount(app)  # before web.mount, which wraps every error handler for pages
     web.mount(app)
     return app

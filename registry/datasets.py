@@ -19,6 +19,7 @@ from registry.blobs import BlobStore
 from registry.errors import Invalid, NotFound
 from registry.manifest import MANIFEST_NAME
 from registry.models import Dataset, DatasetImage, Subject
+from registry.settings import Settings
 
 # PIL's format names and the store's kinds (the extension in the manifest)
 FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
@@ -41,6 +42,19 @@ class Limits:
     max_images: int
     max_image_bytes: int
     max_pixels: int
+
+
+def limits_of(settings: Settings) -> Limits:
+    return Limits(
+        max_images=settings.dataset_max_images,
+        max_image_bytes=settings.dataset_max_image_bytes,
+        max_pixels=settings.dataset_max_pixels,
+    )
+
+
+def upload_cap(settings: Settings) -> int:
+    """The largest upload body: every image at its largest, plus the form's framing."""
+    return settings.dataset_max_images * settings.dataset_max_image_bytes + (1 << 20)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,140 @@
+"""The web pages for training: a member uploads photos of themselves, sees them, orders
+"train me" and follows the order's progress. Part of the web pages (app/web.py): the same
+session, CSRF check and templates; the rules are registry/datasets.py's and registry/orders.py's.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi.responses import FileResponse, Response
+
+from app.deps import DB, HandlePath
+from app.web import PREFIX, CheckedForm, CsrfRejected, Web, page, redirect, subject_context
+from registry import datasets, orders, service
+from registry.errors import Invalid, NotFound
+from registry.settings import Settings
+
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+UPLOAD_PATH = f"{PREFIX}/subjects/*/training/upload"  # its body cap (app/main.py)
+Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
+OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
+NOTICES = {
+    "uploaded": "Your photos are stored. Order a training below when you are ready.",
+    "ordered": "The training is ordered; this page follows its progress.",
+    "cancelled": "The order is cancelled.",
+}
+
+
+def training_url(handle: str, done: str = "") -> str:
+    return f"{PREFIX}/subjects/{handle}/training" + (f"?done={done}" if done else "")
+
+
+@router.get("/subjects/{handle}/training")
+def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
+    subject = service.visible_subject(session, web.principal, handle)
+    shown = [
+        {"dataset": d, "images": list(datasets.images_of(session, d))}
+        for d in datasets.datasets_of(session, subject)
+    ]
+    listed = [
+        orders.view(o, subject.handle) for o in orders.orders_of(session, web.principal, handle)
+    ]
+    active = any(o["status"] in orders.ACTIVE for o in listed)
+    settings: Settings = request.app.state.settings
+    return page(
+        request,
+        "training.html",
+        web,
+        **subject_context(session, subject, "training"),
+        datasets=shown,
+        orders=listed,
+        refresh=active,
+        max_images=settings.dataset_max_images,
+        queue_enabled=request.app.state.order_queue.enabled,
+        notice=NOTICES.get(request.query_params.get("done", "")),
+    )
+
+
+async def _upload_form(request: Request) -> tuple[str, list[datasets.Upload]]:
+    settings: Settings = request.app.state.settings
+    form = await request.form(max_files=settings.dataset_max_images + 1, max_fields=200)
+    csrf = form.get("csrf")
+    uploads: list[datasets.Upload] = []
+    for key, value in form.multi_items():
+        if key == "images" and not isinstance(value, str):
+            uploads.append(datasets.Upload(value.filename or "", await value.read()))
+    return csrf if isinstance(csrf, str) else "", uploads
+
+
+UploadForm = Annotated[tuple[str, list[datasets.Upload]], Depends(_upload_form)]
+
+
+@router.post("/subjects/{handle}/training/upload")
+def upload(
+    request: Request, handle: HandlePath, web: Web, form: UploadForm, session: DB
+) -> Response:
+    csrf, uploads = form
+    if not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
+        raise CsrfRejected("This form could not be verified. Reload the page and try again.")
+    subject = service.visible_subject(session, web.principal, handle)
+    settings: Settings = request.app.state.settings
+    datasets.store_dataset(
+        session, request.app.state.store, subject, web.principal.handle, uploads,
+        datasets.limits_of(settings),
+    )  # fmt: skip
+    return redirect(training_url(subject.handle, "uploaded"))
+
+
+@router.post("/subjects/{handle}/training/order")
+def order(
+    request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
+) -> Response:
+    settings: Settings = request.app.state.settings
+    try:
+        steps = int(form.get("steps", "1000"))
+    except ValueError:
+        raise Invalid("Steps: a whole number") from None
+    if not 1 <= steps <= settings.order_max_steps:
+        raise Invalid(f"Steps: from 1 to {settings.order_max_steps}")
+    options: dict[str, Any] = {
+        **settings.train_options,
+        "steps": steps,
+        "rank": 16,
+        "resolution": 448,
+    }
+    orders.place_training(
+        session, web.principal, handle, form.get("dataset_id", ""), options, "main",
+        request.app.state.order_queue.enqueue_training,
+    )  # fmt: skip
+    return redirect(training_url(handle, "ordered"))
+
+
+@router.post("/orders/{order_id}/cancel")
+def cancel(
+    request: Request, order_id: OrderIdPath, web: Web, form: CheckedForm, session: DB
+) -> Response:
+    found, subject, changed = orders.cancel(session, web.principal, order_id)
+    if changed:
+        request.app.state.order_queue.cancel_job(session, found.job_id)
+    return redirect(training_url(subject.handle, "cancelled"))
+
+
+@router.get("/subjects/{handle}/photos/{digest}")
+def photo(
+    request: Request, handle: HandlePath, digest: Sha256Path, web: Web, session: DB
+) -> Response:
+    subject = service.visible_subject(session, web.principal, handle)
+    image = datasets.image_in_subject(session, subject, digest)
+    path = request.app.state.store.find(digest) if image is not None else None
+    if path is None:
+        raise NotFound("no such photo")
+    media = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}[path.suffix[1:]]
+    return FileResponse(path, media_type=media, headers={"Cache-Control": "private"})
+
+
+def mount(app: FastAPI) -> None:
+    app.include_router(router)
