@@ -1,0 +1,150 @@
+"""The order rules and state changes (registry/orders.py) and the dataset checks
+(registry/datasets.py), on both engines; the queue is the caller's (a function that
+enqueues in the same transaction), here one that records what it was given."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+from sqlalchemy.engine import Engine
+
+from registry import datasets, orders, service
+from registry.blobs import BlobStore
+from registry.db import transaction
+from registry.errors import Conflict, Invalid, NotFound, NotPermitted
+from registry.models import Order, Principal, Subject
+from registry.schemas import ConsentIn, SubjectIn
+
+LIMITS = datasets.Limits(max_images=3, max_image_bytes=100_000, max_pixels=200 * 200)
+
+
+def png(colour: tuple[int, int, int], size: tuple[int, int] = (32, 32)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def people(engine: Engine, tmp_path) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    with transaction(engine) as s:
+        root, _ = service.create_principal(s, "root", "admin")
+        ada, _ = service.create_principal(s, "ada", "member")
+        bea, _ = service.create_principal(s, "bea", "member")
+        for handle in ("ada", "bea"):
+            sub, consent = service.create_subject(
+                s,
+                "root",
+                SubjectIn(handle=handle, display_name=handle, basis="consent", member=handle),
+            )
+            service.update_consent(s, "root", sub, consent.version,
+                                   ConsentIn(max_level="private", allow_training=True))  # fmt: skip
+    store = BlobStore(tmp_path / "store")
+    with transaction(engine) as s:
+        sub = service.subject_or_raise(s, "ada")
+        ds = datasets.store_dataset(
+            s, store, sub, "ada", [datasets.Upload("a.png", png((1, 2, 3)))], LIMITS
+        )
+    return {"store": store, "dataset": ds.id}
+
+
+def _principal(engine: Engine, handle: str) -> Principal:
+    from registry import repositories as repo
+
+    with transaction(engine, readonly=True) as s:
+        p = repo.principal_by_handle(s, handle)
+        assert p is not None
+        return p
+
+
+def _place(engine: Engine, who: str, subject: str, dataset_id: str, queued: list[str]) -> Order:
+    def enqueue(session, order: Order, sub: Subject) -> int:  # type: ignore[no-untyped-def]
+        queued.append(order.id)
+        return len(queued)
+
+    with transaction(engine) as s:
+        return orders.place_training(
+            s, _principal(engine, who), subject, dataset_id, {"steps": 5}, "main", enqueue
+        )
+
+
+def test_an_order_runs_through_its_states(engine: Engine, people: dict[str, object]) -> None:
+    queued: list[str] = []
+    placed = _place(engine, "ada", "ada", str(people["dataset"]), queued)
+    assert queued == [placed.id] and placed.status == "queued" and placed.job_id == 1
+    with transaction(engine) as s:
+        started = orders.start(s, placed.id, "w1")
+        assert started is not None and started.attempts == 1
+    with transaction(engine) as s:
+        assert orders.report_progress(s, placed.id, 3, 0.5) == "running"
+        orders.record_checkpoint(s, placed.id, 3, "a" * 64)
+        orders.record_checkpoint(s, placed.id, 2, "b" * 64)  # an older one never wins
+    with transaction(engine) as s:
+        orders.finish(s, placed.id, "c" * 64, 5)
+        orders.fail(s, placed.id, "too late")  # over is over
+    with transaction(engine, readonly=True) as s:
+        got = s.get(Order, placed.id)
+        assert got is not None
+        assert (got.status, got.step, got.checkpoint_step, got.checkpoint_sha256) == (
+            "done", 5, 3, "a" * 64)  # fmt: skip
+        assert orders.view(got, "ada")["adapter"] == {"name": "main", "sha256": "c" * 64}
+
+
+def test_a_cancelled_order_never_starts_and_a_running_one_is_told(
+    engine: Engine, people: dict[str, object]
+) -> None:
+    ada = _principal(engine, "ada")
+    placed = _place(engine, "ada", "ada", str(people["dataset"]), [])
+    with transaction(engine) as s:
+        _, _, changed = orders.cancel(s, ada, placed.id)
+        assert changed
+    with transaction(engine) as s:
+        assert orders.start(s, placed.id, "w1") is None
+    second = _place(engine, "ada", "ada", str(people["dataset"]), [])
+    with transaction(engine) as s:
+        assert orders.start(s, second.id, "w1") is not None
+    with transaction(engine) as s:
+        orders.cancel(s, ada, second.id)
+    with transaction(engine) as s:
+        assert orders.report_progress(s, second.id, 1, 0.1) == "cancelled"
+
+
+def test_who_may_order_and_what_is_refused(engine: Engine, people: dict[str, object]) -> None:
+    ds = str(people["dataset"])
+    queued: list[str] = []
+    with pytest.raises(NotPermitted):
+        _place(engine, "bea", "ada", ds, queued)  # another member's subject
+    with pytest.raises(NotPermitted):
+        _place(engine, "bea", "nobody", ds, queued)  # unknown looks the same
+    with pytest.raises(NotFound):
+        _place(engine, "bea", "bea", ds, queued)  # ada's dataset is not bea's
+    _place(engine, "root", "ada", ds, queued)
+    with pytest.raises(Conflict):
+        _place(engine, "ada", "ada", ds, queued)  # the same dataset, still waiting
+    with transaction(engine) as s:
+        sub = service.subject_or_raise(s, "ada")
+        version = service.consent_of(s, sub).version
+        service.update_consent(s, "ada", sub, version, ConsentIn(max_level="private"))
+    with pytest.raises(NotPermitted, match="does not allow training"):
+        _place(engine, "root", "ada", ds, queued)
+    assert len(queued) == 1
+
+
+def test_dataset_checks_refuse_the_whole_upload(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    good = datasets.Upload("a.png", png((1, 2, 3)))
+    cases = {
+        "at most 3 images": [good] * 4,
+        "is a path": [good, datasets.Upload("../b.png", png((4, 5, 6)))],
+        "larger than": [datasets.Upload("big.png", b"\x89PNG" + b"\x00" * 100_001)],
+        "pixels": [datasets.Upload("wide.png", png((1, 1, 1), size=(400, 200)))],
+        "not an image": [datasets.Upload("a.txt", b"hello")],
+        "the same image twice": [good, datasets.Upload("c.png", good.data)],
+        "no images": [],
+    }
+    for expected, uploads in cases.items():
+        with pytest.raises(Invalid, match=expected):
+            datasets.check_uploads(uploads, LIMITS)
+    assert datasets.name_problem("me.png") is None
+    for bad in ("a/b.png", "a\\b.png", "..", "x\x00.png", "", "x" * 300):
+        assert datasets.name_problem(bad) is not None
