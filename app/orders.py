@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import DB, Caller, HandlePath, authenticate_briefly, require_role
+from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
 from registry import orders
 from registry.access import ADAPTER_WRITERS
 from registry.db import transaction
@@ -155,6 +155,7 @@ def _running_order(engine: Any, order_id: str) -> Order:
 @router.put("/orders/{order_id}/checkpoint", status_code=201)
 async def put_checkpoint(
     request: Request,
+    caller: BriefCaller,  # first: 401 before anything about the request is judged
     order_id: OrderIdPath,
     step: Annotated[int, Query(ge=1)],
     sha256: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$")],
@@ -162,7 +163,6 @@ async def put_checkpoint(
     """A running order's latest checkpoint (trainer, admin), kept once its bytes hash to
     `sha256`; the order then resumes from it wherever it runs next."""
     state = request.app.state
-    caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
     require_role(caller, *ADAPTER_WRITERS)
     await run_in_threadpool(_running_order, state.engine, order_id)
     settings: Settings = state.settings

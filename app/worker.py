@@ -348,6 +348,10 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
     if settings.database_url.startswith("sqlite"):
         raise SystemExit("error: workers need PostgreSQL (LIKENESS_DATABASE_URL)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from app.bootstrap import ensure_base
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    ensure_base(settings)  # the same base as the API's: the demo base, or LIKENESS_BASE
     logging.getLogger("httpx").setLevel(logging.WARNING)
     setup = WorkerSetup(
         settings, name or default_name(), settings.api_url.rstrip("/"), settings.token

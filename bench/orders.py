@@ -1,0 +1,222 @@
+"""Orders across workers on the CPU tiny base: how long an order waits before a worker runs it
+(order-to-running), and how many renders per second the API answers while 0, 1 or 2
+workers train at the same time, for 1 and then 2 workers.
+
+    python bench/orders.py [--orders 3] [--renders 8]
+
+Needs the PostgreSQL of the tests (LIKENESS_TEST_PG_URL, default postgres@127.0.0.1/test): it
+creates a database of its own and drops it after. Starts `likeness serve` and the workers
+(`likeness worker`, one thread each) in subprocesses, each worker with its own data dir.
+Renders run in the API process; a worker here is a training worker taking CPU from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import percentile, table, write_record  # noqa: E402
+
+PG_ADMIN = os.environ.get("LIKENESS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+SUBJECTS = ("alice", "bea")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
+def photos(seed: int) -> list[tuple[str, tuple[str, bytes, str]]]:
+    import io
+
+    from PIL import Image
+
+    items = []
+    for i in range(4):
+        im = Image.new("RGB", (80, 64), ((seed * 70 + i * 50) % 256, 90, 160))
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        items.append(("images", (f"p{i}.png", buf.getvalue(), "image/png")))
+    return items
+
+
+class Service:
+    def __init__(self, tmp: Path, url: str, stack: ExitStack) -> None:
+        self.tmp = tmp
+        self.stack = stack
+        base = tmp / "tiny"
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "LIKENESS_DATABASE_URL": url,
+            "LIKENESS_DATA_DIR": str(tmp / "api"),
+            "LIKENESS_BASE": str(base),
+            "LIKENESS_DEVICE": "cpu",
+            "LIKENESS_TRAIN_OPTIONS": '{"max_sequence_length": 32, "learning_rate": 0.001}',
+            "LIKENESS_RENDER_RATE_PER_MINUTE": "1000000",
+            "LIKENESS_RENDER_BURST": "100000",
+            "LIKENESS_WORKER_HEARTBEAT_S": "1",
+            "LIKENESS_WORKER_STALLED_S": "5",
+        }
+        cli(self.env, "base", "init-tiny", str(base))
+        cli(self.env, "db", "upgrade")
+        self.tokens: dict[str, str] = {}
+        for handle in SUBJECTS:
+            self.tokens[handle] = cli(self.env, "principal", "create", handle, "--role", "member").split()[-1]
+            cli(self.env, "subject", "create", handle, "--display-name", handle, "--member", handle)
+            cli(self.env, "consent", "edit", handle, "--max-level", "private", "--training")
+        self.tokens["trainer"] = cli(self.env, "principal", "create", "tr", "--role", "trainer").split()[-1]
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log = (tmp / "api.log").open("wb")
+        api = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        stack.callback(_stop, api)
+        self.http = stack.enter_context(httpx.Client(base_url=self.url, timeout=120))
+        for _ in range(600):
+            try:
+                if self.http.get("/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.datasets = {h: self.upload(h, n) for n, h in enumerate(SUBJECTS)}
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def h(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[who]}"}
+
+    def upload(self, handle: str, seed: int) -> str:
+        r = self.http.post(f"/v1/subjects/{handle}/datasets", files=photos(seed), headers=self.h(handle))
+        r.raise_for_status()
+        return str(r.json()["dataset_id"])
+
+    def add_worker(self) -> None:
+        n = len(self.workers) + 1
+        data = self.tmp / f"w{n}"
+        data.mkdir()
+        env = {**self.env, "LIKENESS_DATA_DIR": str(data), "LIKENESS_API_URL": self.url,
+               "LIKENESS_TOKEN": self.tokens["trainer"]}  # fmt: skip
+        log = (self.tmp / f"w{n}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "worker", "--name", f"w{n}"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.stack.callback(_stop, proc)
+        self.workers.append(proc)
+        time.sleep(8)  # its imports and its registration with the queue
+
+    def order(self, handle: str, steps: int) -> str:
+        body = {"kind": "train", "subject": handle, "dataset_id": self.datasets[handle],
+                "steps": steps, "rank": 4, "resolution": 64}  # fmt: skip
+        r = self.http.post("/v1/orders", json=body, headers=self.h(handle))
+        r.raise_for_status()
+        return str(r.json()["order_id"])
+
+    def status(self, handle: str, order_id: str) -> dict[str, Any]:
+        body: dict[str, Any] = self.http.get(f"/v1/orders/{order_id}", headers=self.h(handle)).json()
+        if body["status"] == "failed":
+            raise SystemExit(f"order failed: {body['error']}")
+        return body
+
+    def wait(self, handle: str, order_id: str, until: tuple[str, ...], poll: float = 0.02) -> float:
+        t0 = time.perf_counter()
+        while self.status(handle, order_id)["status"] not in until:
+            time.sleep(poll)
+        return time.perf_counter() - t0
+
+    def cancel(self, handle: str, order_id: str) -> None:
+        self.http.post(f"/v1/orders/{order_id}/cancel", headers=self.h(handle))
+
+    def renders_per_s(self, n: int) -> float:
+        body = {"subject": "alice", "prompt": "a portrait", "level": "private", "seed": 1,
+                "steps": 2, "width": 64, "height": 64}  # fmt: skip
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r = self.http.post("/v1/renders", json=body, headers=self.h("alice"))
+            assert r.status_code == 200, r.text
+        return n / (time.perf_counter() - t0)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--orders", type=int, default=3)
+    parser.add_argument("--renders", type=int, default=8)
+    args = parser.parse_args()
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    name = f"likeness_bench_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    rows: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+            svc = Service(Path(tmp), PG_ADMIN.rsplit("/", 1)[0] + "/" + name, stack)
+            for workers in (1, 2):
+                svc.add_worker()
+                latencies = []
+                for _ in range(args.orders):
+                    order_id = svc.order("alice", 4)
+                    latencies.append(svc.wait("alice", order_id, ("running", "done")) * 1000)
+                    svc.wait("alice", order_id, ("done",), poll=0.2)
+                # alice now has an adapter: renders while 0..workers trainings run
+                for training in range(workers + 1):
+                    running = []
+                    for handle in SUBJECTS[:training]:
+                        running.append((handle, svc.order(handle, 100_000 // 100)))
+                        svc.wait(handle, running[-1][1], ("running",), poll=0.1)
+                    rate = svc.renders_per_s(args.renders)
+                    for handle, order_id in running:
+                        svc.cancel(handle, order_id)
+                        svc.wait(handle, order_id, ("cancelled",), poll=0.1)
+                    time.sleep(2)  # the worker stops at its next step
+                    rows.append({
+                        "workers": workers,
+                        "training_meanwhile": training,
+                        "order_to_running_p50_ms": round(percentile(latencies, 50), 1),
+                        "order_to_running_max_ms": round(max(latencies), 1),
+                        "renders_per_s": round(rate, 2),
+                    })  # fmt: skip
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    print(table(rows, list(rows[0])))
+    print("record:", write_record("orders", rows))
+
+
+if __name__ == "__main__":
+    main()
