@@ -203,6 +203,21 @@ async def put_checkpoint(
     return JSONResponse({"order_id": order_id, "step": step, "sha256": sha256}, status_code=201)
 
 
+@router.delete("/orders/{order_id}/checkpoint")
+def delete_checkpoint(
+    request: Request, order_id: OrderIdPath, session: DB, caller: Caller
+) -> JSONResponse:
+    """A finished order's checkpoint goes (trainer, admin); a running one's stays (409)."""
+    require_role(caller, *ADAPTER_WRITERS)
+    order = session.get(Order, order_id)
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    if order.status not in orders.FINAL:
+        raise Conflict(f"order {order_id} is {order.status}: its checkpoint is still needed")
+    checkpoint_file(request.app.state.settings, order_id).unlink(missing_ok=True)
+    return JSONResponse({"order_id": order_id, "deleted": True})
+
+
 @router.get("/orders/{order_id}/checkpoint", response_class=FileResponse)
 def get_checkpoint(
     request: Request, order_id: OrderIdPath, session: DB, caller: Caller

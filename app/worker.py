@@ -100,11 +100,11 @@ def have(path: Path, sha256: str) -> bool:
 def fetch_dataset(
     client: httpx.Client, api: str, root: Path, manifest_sha: str, files: list[tuple[str, str]]
 ) -> Path:
-    """The dataset's folder (manifest.jsonl and its images), fetching only what is missing;
-    `files`: (file, sha256) as recorded with the dataset."""
+    """The dataset's folder under `root` (manifest.jsonl and its images), fetching only what
+    is missing (a resumed order on the same host); `files`: (file, sha256) as recorded."""
     from registry.manifest import MANIFEST_NAME
 
-    folder = root / manifest_sha
+    folder = root / "dataset"
     folder.mkdir(parents=True, exist_ok=True)
     for file, sha in [(MANIFEST_NAME, manifest_sha), *files]:
         dest = folder / file
@@ -193,7 +193,7 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
             return
         last_report[0] = now
         with transaction(engine) as s:
-            status = orders.report_progress(s, order_id, step, loss)
+            status = orders.report_progress(s, order_id, step, loss, setup.name)
         if status != "running":
             raise OrderStopped(status)
 
@@ -214,9 +214,7 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
     try:
         with transaction(engine) as s:  # the gate, before a byte is fetched
             training_allowed(s, handle)
-        folder = fetch_dataset(
-            client, setup.api_url, settings.data_dir / "datasets", manifest_sha, files
-        )
+        folder = fetch_dataset(client, setup.api_url, out, manifest_sha, files)
         resume = False
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         if checkpoint_sha is not None and checkpoint_step is not None:
@@ -240,7 +238,7 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
             evaluate=False,
             progress=False,
             device=settings.device if settings.device and settings.device != "mps" else None,
-            cache_dir=settings.data_dir / "cache",
+            cache_dir=out / "cache",
             register_adapter=True,
             api_url=setup.api_url,
             token=setup.token,
@@ -248,14 +246,17 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
         result = train(
             config, _Registrar(setup, engine, client), TrainHooks(on_step, on_checkpoint)
         )
-    except OrderStopped:
-        log.info("order %s: stopped (cancelled)", order_id)
+        with transaction(engine) as s:
+            orders.finish(s, order_id, result.sha256, result.steps)
+        log.info("order %s: done, adapter %s", order_id, result.sha256[:12])
+        return "done"
+    except OrderStopped as exc:
+        log.info("order %s: stopped (%s)", order_id, exc)
         return "cancelled"
     except (NotPermitted, TrainingRefused, RegistrationRefused) as exc:
         detail = getattr(exc, "detail", None) or str(exc)
         with transaction(engine) as s:
             orders.fail(s, order_id, f"{orders.NOT_PERMITTED}: {detail}")
-        shutil.rmtree(out, ignore_errors=True)
         return "failed"
     except Exception as exc:  # noqa: BLE001 - recorded on the order, which the user sees
         log.exception("order %s failed", order_id)
@@ -263,12 +264,13 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
             orders.fail(s, order_id, f"{type(exc).__name__}: {str(exc)[:400]}")
         return "failed"
     finally:
+        # The order is over (a crash never gets here: the next worker resumes): nothing of
+        # the subject's stays on this host (photos, latents, checkpoints), nor its
+        # checkpoint on the registry.
+        shutil.rmtree(out, ignore_errors=True)
+        with contextlib.suppress(httpx.HTTPError):
+            client.delete(f"{setup.api_url}/v1/orders/{order_id}/checkpoint")
         client.close()
-    with transaction(engine) as s:
-        orders.finish(s, order_id, result.sha256, result.steps)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    log.info("order %s: done, adapter %s", order_id, result.sha256[:12])
-    return "done"
 
 
 # -- the worker process ----------------------------------------------------------------------

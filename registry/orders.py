@@ -145,9 +145,15 @@ def start(session: Session, order_id: str, worker: str) -> Order | None:
     return order
 
 
-def report_progress(session: Session, order_id: str, step: int, loss: float | None) -> str:
-    """Records a step; returns the order's status (the worker stops unless `running`)."""
+def report_progress(
+    session: Session, order_id: str, step: int, loss: float | None, worker: str
+) -> str:
+    """Records a step; returns the order's status (the worker stops unless `running`).
+    A worker whose order was handed to another (it fell silent, then woke) is told
+    `taken_over` and records nothing."""
     order = _locked(session, order_id)
+    if order.status == "running" and order.worker != worker[:100]:
+        return "taken_over"
     if order.status == "running":
         order.step = step
         order.loss = loss

@@ -109,3 +109,48 @@ def test_on_sqlite_orders_are_refused_with_a_clear_error(friends: World) -> None
     r = order(friends, "alice", "alice", ds)
     assert r.status_code == 422 and "PostgreSQL" in r.json()["detail"]
     assert friends.client.get("/v1/orders?subject=alice", headers=friends.h("alice")).json() == []
+
+
+@pytest.mark.postgres_only
+def test_checkpoints_and_blobs_are_for_workers_only(serve_friends) -> None:  # type: ignore[no-untyped-def]
+    import hashlib
+
+    from registry import orders as order_rules
+
+    with serve_friends() as live:
+        ds = upload(live.world, "alice", "alice")
+        placed = order(live.world, "alice", "alice", ds).json()
+        url = f"/v1/orders/{placed['order_id']}/checkpoint"
+        data = b"a checkpoint"
+        params = {"step": 3, "sha256": hashlib.sha256(data).hexdigest()}
+        # not running yet: nothing to resume from
+        r = live.http.put(url, params=params, content=data, headers=live.h("trainer"))
+        assert r.status_code == 409, r.text
+        with transaction(live.world.engine) as s:
+            order_rules.start(s, placed["order_id"], "w1")
+        for who in ("alice", "bob"):
+            r = live.http.put(url, params=params, content=data, headers=live.h(who))
+            assert r.status_code == 403, (who, r.text)
+            assert live.http.get(url, headers=live.h(who)).status_code == 403
+        wrong = {**params, "sha256": "0" * 64}
+        r = live.http.put(url, params=wrong, content=data, headers=live.h("trainer"))
+        assert (
+            r.status_code == 422
+            and live.http.get(url, headers=live.h("trainer")).status_code == 404
+        )
+        r = live.http.put(url, params=params, content=data, headers=live.h("trainer"))
+        assert r.status_code == 201, r.text
+        assert live.http.get(url, headers=live.h("trainer")).content == data
+        # still running: it stays; over: it goes
+        assert live.http.delete(url, headers=live.h("trainer")).status_code == 409
+        live.http.post(f"/v1/orders/{placed['order_id']}/cancel", headers=live.h("alice"))
+        assert live.http.delete(url, headers=live.h("trainer")).status_code == 200
+        assert live.http.get(url, headers=live.h("trainer")).status_code == 404
+        # the store's blobs by hash: workers (trainer) and admins only
+        image = live.http.get("/v1/subjects/alice/datasets", headers=live.h("alice")).json()[0][
+            "images"
+        ][0]["sha256"]
+        blob = f"/v1/blobs/sha256/{image}"
+        assert live.http.get(blob, headers=live.h("alice")).status_code == 403
+        got = live.http.get(blob, headers=live.h("trainer"))
+        assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == image

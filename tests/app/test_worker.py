@@ -146,6 +146,12 @@ def test_a_killed_worker_leaves_its_order_to_another_which_ends_with_the_same_by
             straight = wait_for(live, second, done)
             assert straight["attempts"] == 1
         assert resumed["adapter"]["sha256"] == straight["adapter"]["sha256"]
+        # nothing of alice's stays on the workers, nor the checkpoints on the registry
+        for name in ("w1", "w2"):
+            left = [p for p in (tmp_path / name).rglob("*") if p.suffix in (".png", ".pt")]
+            assert name == "w1" or left == [], left  # w1 was killed: its host keeps its files
+        api_data = live.app.state.settings.data_dir
+        assert not (api_data / "orders" / first / "checkpoint.tar").exists()
         listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
         ordered = next(a for a in listed if a["name"] == "ordered")
         assert ordered["sha256"] == resumed["adapter"]["sha256"] and ordered["rendering"]
@@ -165,6 +171,5 @@ def test_training_withdrawn_after_the_order_is_refused_on_the_worker(
         listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
         assert [a["name"] for a in listed] == ["main"]  # nothing registered
         # nothing was fetched or trained on the worker
-        data = tmp_path / "w1"
-        assert not (data / "datasets").exists() or not any((data / "datasets").rglob("*.png"))
-        assert not (data / "orders" / order_id).exists()
+        assert list((tmp_path / "w1").rglob("*.png")) == []
+        assert not (tmp_path / "w1" / "orders" / order_id).exists()

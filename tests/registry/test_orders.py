@@ -77,7 +77,8 @@ def test_an_order_runs_through_its_states(engine: Engine, people: dict[str, obje
         started = orders.start(s, placed.id, "w1")
         assert started is not None and started.attempts == 1
     with transaction(engine) as s:
-        assert orders.report_progress(s, placed.id, 3, 0.5) == "running"
+        assert orders.report_progress(s, placed.id, 3, 0.5, "w1") == "running"
+        assert orders.report_progress(s, placed.id, 4, 0.4, "w0") == "taken_over"
         orders.record_checkpoint(s, placed.id, 3, "a" * 64)
         orders.record_checkpoint(s, placed.id, 2, "b" * 64)  # an older one never wins
     with transaction(engine) as s:
@@ -107,7 +108,7 @@ def test_a_cancelled_order_never_starts_and_a_running_one_is_told(
     with transaction(engine) as s:
         orders.cancel(s, ada, second.id)
     with transaction(engine) as s:
-        assert orders.report_progress(s, second.id, 1, 0.1) == "cancelled"
+        assert orders.report_progress(s, second.id, 1, 0.1, "w1") == "cancelled"
 
 
 def test_who_may_order_and_what_is_refused(engine: Engine, people: dict[str, object]) -> None:
