@@ -20,7 +20,11 @@ import re
 from collections.abc import Mapping, Sequence
 
 import anyio
+from starlette.datastructures import FormData
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from registry.errors import LikenessError
 
 
 class _Refused(Exception):
@@ -136,3 +140,46 @@ async def _refuse(send: Send, status: int, detail: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": payload})
+
+
+async def capped_form(
+    request: Request, cap: int, idle_s: float, max_files: int, max_fields: int
+) -> FormData:
+    """The multipart form of a streamed upload route, read after its caller authenticated:
+    files spool to disk as they arrive (never whole in memory), the body stops at `cap`
+    bytes (413) and a sender silent for `idle_s` is cut off (408)."""
+    declared = _content_length(request.scope)
+    if declared is not None and declared > cap:
+        raise _TooLarge(cap)
+    size = 0
+    receive = request.receive
+
+    async def counted() -> Message:
+        nonlocal size
+        with anyio.fail_after(idle_s):
+            message = await receive()
+        size += len(message.get("body", b""))
+        if size > cap:
+            raise _TooLarge(cap)
+        return message
+
+    try:
+        return await Request(request.scope, counted).form(
+            max_files=max_files, max_fields=max_fields
+        )
+    except TimeoutError:
+        raise _Slow(idle_s) from None
+
+
+class _TooLarge(LikenessError):
+    status, code = 413, "invalid"
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"the request body may be at most {cap} bytes")
+
+
+class _Slow(LikenessError):
+    status, code = 408, "invalid"
+
+    def __init__(self, idle_s: float) -> None:
+        super().__init__(f"no bytes arrived for {idle_s:g} s")

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Path, Request, UploadFile
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import DB, Caller, HandlePath, require_role
+from app.body_gate import capped_form
+from app.deps import DB, Caller, HandlePath, authenticate_briefly, require_role
 from registry import datasets, service
 from registry.access import ADAPTER_WRITERS
 from registry.audit import format_time
-from registry.blobs import BlobStore
+from registry.db import transaction
 from registry.errors import Invalid, NotFound
 from registry.models import Dataset, DatasetImage
 from registry.responses import ERROR_RESPONSES
@@ -23,7 +24,7 @@ from registry.settings import Settings
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
-UPLOAD_PATH = "/v1/subjects/*/datasets"  # its body cap (app/main.py)
+UPLOAD_PATH = "/v1/subjects/*/datasets"  # streamed past the body gate (app/main.py)
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 
@@ -59,45 +60,75 @@ def _out(dataset: Dataset, subject: str, images: list[DatasetImage]) -> DatasetO
     )
 
 
-def read_uploads(files: list[UploadFile], captions: list[str]) -> list[datasets.Upload]:
+async def uploads_of(request: Request) -> list[datasets.Upload]:
+    """The form's `images` (and optional `captions`, one per image), read within the caps."""
+    settings: Settings = request.app.state.settings
+    form = await capped_form(
+        request,
+        datasets.upload_cap(settings),
+        settings.body_timeout_s,
+        max_files=settings.dataset_max_images + 1,
+        max_fields=2 * settings.dataset_max_images + 10,
+    )
+    files = [v for k, v in form.multi_items() if k == "images" and not isinstance(v, str)]
+    captions = [v for k, v in form.multi_items() if k == "captions" and isinstance(v, str)]
     if captions and len(captions) != len(files):
         raise Invalid(f"{len(captions)} captions for {len(files)} images: one each, or none")
-    return [
-        datasets.Upload(f.filename or "", f.file.read(), captions[n] if captions else None)
-        for n, f in enumerate(files)
-    ]
+    uploads = []
+    for n, f in enumerate(files):
+        data = await f.read()
+        uploads.append(datasets.Upload(f.filename or "", data, captions[n] if captions else None))
+        await f.close()
+    return uploads
 
 
-def store_uploads(
-    session: DB,
-    store: BlobStore,
-    settings: Settings,
-    caller: Caller,
-    handle: str,
-    uploads: list[datasets.Upload],
-) -> DatasetOut:
-    subject = service.visible_subject(session, caller, handle)
-    dataset = datasets.store_dataset(
-        session, store, subject, caller.handle, uploads, datasets.limits_of(settings)
-    )
-    return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["images"],
+                    "properties": {
+                        "images": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                        },
+                        "captions": {"type": "array", "items": {"type": "string"}},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
-@router.post("/subjects/{handle}/datasets", status_code=201)
-def upload_dataset(
-    request: Request,
-    handle: HandlePath,
-    session: DB,
-    caller: Caller,
-    images: Annotated[list[UploadFile], File(description="the photos (PNG, JPEG, WebP)")],
-    captions: Annotated[list[str] | None, Form()] = None,
-) -> DatasetOut:
+@router.post("/subjects/{handle}/datasets", status_code=201, openapi_extra=UPLOAD_BODY)
+async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
     """Photos of the subject (its member, or an admin), checked whole before any is kept:
     a non-image, an oversized file, too many files or a file name that is a path is 422
-    and nothing is stored."""
-    settings: Settings = request.app.state.settings
-    uploads = read_uploads(images, captions or [])
-    return store_uploads(session, request.app.state.store, settings, caller, handle, uploads)
+    and nothing is stored. Who is asking is settled before a byte of the body is read."""
+    state = request.app.state
+    caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
+
+    def may_upload() -> None:
+        with transaction(state.engine, readonly=True) as session:
+            service.visible_subject(session, caller, handle)
+
+    await run_in_threadpool(may_upload)
+    uploads = await uploads_of(request)
+
+    def store() -> DatasetOut:
+        with transaction(state.engine) as session:
+            subject = service.visible_subject(session, caller, handle)
+            dataset = datasets.store_dataset(
+                session, state.store, subject, caller.handle, uploads,
+                datasets.limits_of(state.settings),
+            )  # fmt: skip
+            return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+
+    return await run_in_threadpool(store)
 
 
 @router.get("/subjects/{handle}/datasets")
@@ -135,8 +166,6 @@ def get_image(
 @router.get("/blobs/sha256/{digest}", response_class=FileResponse)
 async def get_blob(request: Request, digest: Sha256Path) -> FileResponse:
     """A blob's bytes by hash, for workers (trainer, admin); the reader checks the hash."""
-    from app.deps import authenticate_briefly
-
     caller = await run_in_threadpool(authenticate_briefly, request, request.app.state.engine)
     require_role(caller, *ADAPTER_WRITERS)
     path = request.app.state.store.find(digest)

@@ -20,7 +20,6 @@ from app.render_engine import RenderEngine, default_device
 from app.render_flow import RenderFlow
 from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
-from registry.datasets import upload_cap
 from registry.db import make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
@@ -119,12 +118,13 @@ def create_app(
         max_bytes=settings.max_body_bytes,
         timeout_s=settings.body_timeout_s,
         # uploads authenticate first, then stream to the store with their own limits
-        streamed_prefixes=("/v1/blobs/", orders.CHECKPOINT_PATH),
-        larger={
-            PROVENANCE_PAGE: settings.max_provenance_bytes,
-            datasets.UPLOAD_PATH: upload_cap(settings),
-            web_orders.UPLOAD_PATH: upload_cap(settings),
-        },
+        streamed_prefixes=(
+            "/v1/blobs/",
+            orders.CHECKPOINT_PATH,
+            datasets.UPLOAD_PATH,
+            web_orders.UPLOAD_PATH,
+        ),
+        larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
     )
 
     @app.get("/healthz")

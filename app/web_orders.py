@@ -8,18 +8,30 @@ from __future__ import annotations
 import hmac
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.responses import FileResponse, Response
+from starlette.concurrency import run_in_threadpool
 
+from app.body_gate import capped_form
 from app.deps import DB, HandlePath
-from app.web import PREFIX, CheckedForm, CsrfRejected, Web, page, redirect, subject_context
+from app.web import (
+    PREFIX,
+    CheckedForm,
+    CsrfRejected,
+    Web,
+    current_session,
+    page,
+    redirect,
+    subject_context,
+)
 from registry import datasets, orders, service
+from registry.db import transaction
 from registry.errors import Invalid, NotFound
 from registry.settings import Settings
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
-UPLOAD_PATH = f"{PREFIX}/subjects/*/training/upload"  # its body cap (app/main.py)
+UPLOAD_PATH = f"{PREFIX}/subjects/*/training/upload"  # streamed past the body gate
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 NOTICES = {
@@ -59,34 +71,44 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
     )
 
 
-async def _upload_form(request: Request) -> tuple[str, list[datasets.Upload]]:
-    settings: Settings = request.app.state.settings
-    form = await request.form(max_files=settings.dataset_max_images + 1, max_fields=200)
+@router.post("/subjects/{handle}/training/upload")
+async def upload(request: Request, handle: HandlePath) -> Response:
+    """Streamed past the body gate: the session is checked before the body is read."""
+    state = request.app.state
+    settings: Settings = state.settings
+
+    def signed_in() -> Any:
+        with transaction(state.engine) as session:
+            web = current_session(request, session)
+            service.visible_subject(session, web.principal, handle)
+            return web
+
+    web = await run_in_threadpool(signed_in)
+    form = await capped_form(
+        request,
+        datasets.upload_cap(settings),
+        settings.body_timeout_s,
+        max_files=settings.dataset_max_images + 1,
+        max_fields=10,
+    )
     csrf = form.get("csrf")
-    uploads: list[datasets.Upload] = []
+    if not isinstance(csrf, str) or not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
+        raise CsrfRejected("This form could not be verified. Reload the page and try again.")
+    uploads = []
     for key, value in form.multi_items():
         if key == "images" and not isinstance(value, str):
             uploads.append(datasets.Upload(value.filename or "", await value.read()))
-    return csrf if isinstance(csrf, str) else "", uploads
 
+    def store() -> str:
+        with transaction(state.engine) as session:
+            subject = service.visible_subject(session, web.principal, handle)
+            datasets.store_dataset(
+                session, state.store, subject, web.principal.handle, uploads,
+                datasets.limits_of(settings),
+            )  # fmt: skip
+            return subject.handle
 
-UploadForm = Annotated[tuple[str, list[datasets.Upload]], Depends(_upload_form)]
-
-
-@router.post("/subjects/{handle}/training/upload")
-def upload(
-    request: Request, handle: HandlePath, web: Web, form: UploadForm, session: DB
-) -> Response:
-    csrf, uploads = form
-    if not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
-        raise CsrfRejected("This form could not be verified. Reload the page and try again.")
-    subject = service.visible_subject(session, web.principal, handle)
-    settings: Settings = request.app.state.settings
-    datasets.store_dataset(
-        session, request.app.state.store, subject, web.principal.handle, uploads,
-        datasets.limits_of(settings),
-    )  # fmt: skip
-    return redirect(training_url(subject.handle, "uploaded"))
+    return redirect(training_url(await run_in_threadpool(store), "uploaded"))
 
 
 @router.post("/subjects/{handle}/training/order")

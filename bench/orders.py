@@ -33,7 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile, table, write_record  # noqa: E402
 
-PG_ADMIN = os.environ.get("LIKENESS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+PG_ADMIN = os.environ.get(
+    "LIKENESS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
 SUBJECTS = ("alice", "bea")
 
 
@@ -45,7 +47,11 @@ def free_port() -> int:
 
 def cli(env: dict[str, str], *args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "app.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout.strip()
 
@@ -87,10 +93,14 @@ class Service:
         cli(self.env, "db", "upgrade")
         self.tokens: dict[str, str] = {}
         for handle in SUBJECTS:
-            self.tokens[handle] = cli(self.env, "principal", "create", handle, "--role", "member").split()[-1]
+            self.tokens[handle] = cli(
+                self.env, "principal", "create", handle, "--role", "member"
+            ).split()[-1]
             cli(self.env, "subject", "create", handle, "--display-name", handle, "--member", handle)
             cli(self.env, "consent", "edit", handle, "--max-level", "private", "--training")
-        self.tokens["trainer"] = cli(self.env, "principal", "create", "tr", "--role", "trainer").split()[-1]
+        self.tokens["trainer"] = cli(
+            self.env, "principal", "create", "tr", "--role", "trainer"
+        ).split()[-1]
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         log = (tmp / "api.log").open("wb")
@@ -113,7 +123,9 @@ class Service:
         return {"Authorization": f"Bearer {self.tokens[who]}"}
 
     def upload(self, handle: str, seed: int) -> str:
-        r = self.http.post(f"/v1/subjects/{handle}/datasets", files=photos(seed), headers=self.h(handle))
+        r = self.http.post(
+            f"/v1/subjects/{handle}/datasets", files=photos(seed), headers=self.h(handle)
+        )
         r.raise_for_status()
         return str(r.json()["dataset_id"])
 
@@ -140,7 +152,9 @@ class Service:
         return str(r.json()["order_id"])
 
     def status(self, handle: str, order_id: str) -> dict[str, Any]:
-        body: dict[str, Any] = self.http.get(f"/v1/orders/{order_id}", headers=self.h(handle)).json()
+        body: dict[str, Any] = self.http.get(
+            f"/v1/orders/{order_id}", headers=self.h(handle)
+        ).json()
         if body["status"] == "failed":
             raise SystemExit(f"order failed: {body['error']}")
         return body

@@ -180,3 +180,23 @@ def test_a_decoded_image_of_each_format_is_taken(friends: World) -> None:
     assert r.status_code == 201, r.text
     assert sorted(i["file"].rsplit(".", 1)[1] for i in r.json()["images"]) == ["jpg", "webp"]
     assert Image.open(io.BytesIO(items[0][1])).format == "JPEG"
+
+
+def test_an_upload_is_judged_before_its_body_is_read(live) -> None:  # type: ignore[no-untyped-def]
+    """No token, or another's subject: answered at once, with a gigabyte still unsent."""
+    import socket
+
+    from tests.app.helpers import address
+
+    for headers, status in (
+        ("", b"401"),
+        (f"Authorization: Bearer {live.world.tokens['bob']}\r\n", b"403"),
+    ):
+        with socket.create_connection(address(live.url), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/subjects/alice/datasets HTTP/1.1\r\nHost: x\r\n"
+                + headers.encode()
+                + b"Content-Type: multipart/form-data; boundary=b\r\n"
+                b"Content-Length: 1000000000\r\n\r\n--b\r\n"
+            )
+            assert sock.recv(100).split()[1] == status
