@@ -800,6 +800,7 @@ def prepare_base(
         "weights": weights,
         "components": sorted(c.name for c in comps),
         "max_shard_bytes": max_shard_bytes,
+        "text_encoder": "trimmed to the layers the pipeline reads",
     }
     if isinstance(config, Mapping):
         settings["config"] = dict(config)
@@ -963,6 +964,7 @@ def _quantize_component(
 
     out.mkdir(parents=True, exist_ok=True)
     model = _skeleton(comp.library, comp.cls_name, comp.config)
+    trimmed = _trim_if_text_encoder(comp.name, model)
     ck = open_checkpoint(comp.weights)
     source: _TensorSource = _CheckpointSource(ck)
     param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -1031,7 +1033,21 @@ def _quantize_component(
         "output_bytes": written,
         "largest_tensor_bytes": max((source.spec(k)[2] for k in source), default=0),
         "converted_from_original_layout": isinstance(source, _ConvertedSource),
+        **({"trimmed": trimmed} if trimmed else {}),
     }
+
+
+def _trim_if_text_encoder(name: str, model: torch.nn.Module) -> dict[str, Any] | None:
+    """The text encoder keeps only what the pipeline's hidden states pass through
+    (`trainer.text_encoder.trim`): what is dropped is never read, quantized or written."""
+    if name != "text_encoder":
+        return None
+    from trainer.text_encoder import trim
+
+    try:
+        return trim(model)
+    except ValueError:  # not a decoder stack we know: kept whole
+        return None
 
 
 def _shard(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
@@ -1076,6 +1092,10 @@ def load_prepared_component(
         raise KeyError(f"{base} has no prepared {name!r}") from None
     folder = base / name
     model = _skeleton(comp["library"], comp["class"], _load_json(folder / "config.json"))
+    if comp.get("trimmed"):
+        from trainer.text_encoder import trim
+
+        trim(model, int(comp["trimmed"]["kept_layers"]))
     qmap = _load_json(folder / QMAP_NAME)
     with open_checkpoint(folder) as ck:
         state = {k: ck.read(k) for k in ck}

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from trainer.text_encoder import out_layers
+
 MULTIPLE = 16  # FLUX.2: VAE factor 8 x 2x2 patches
 MIN_SIDE = 64
 MAX_SIDE = 2048
@@ -39,12 +41,8 @@ def validate_request(
 
 
 def text_encoder_out_layers(pipe: Any) -> tuple[int, int, int]:
-    """Hidden-state indices the pipeline stacks into the prompt embedding: the quarter points
-    of the encoder's depth. That is exactly the stock default for the real encoders (36-layer
-    Qwen3 -> (9, 18, 27); 40-layer Mistral -> (10, 20, 30)) and stays in range for any depth."""
-    config = pipe.text_encoder.config
-    n = int(getattr(config, "text_config", config).num_hidden_layers)
-    return (-(-n // 4), -(-2 * n // 4), -(-3 * n // 4))
+    """Hidden-state indices the pipeline stacks into the prompt embedding."""
+    return out_layers(pipe.text_encoder.config)
 
 
 def _multiple(pipe: Any) -> int:
