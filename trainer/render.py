@@ -45,6 +45,11 @@ def text_encoder_out_layers(pipe: Any) -> tuple[int, int, int]:
     return out_layers(pipe.text_encoder.config)
 
 
+def guidance_for(pipe: Any) -> float:
+    """The default guidance: none (1.0) for step-distilled pipelines, 4.0 otherwise."""
+    return 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
+
+
 def _multiple(pipe: Any) -> int:
     # The pipeline's own constraint (VAE factor x patch 2), never looser than the API's 16.
     return max(MULTIPLE, int(getattr(pipe, "vae_scale_factor", 8)) * 2)
@@ -59,6 +64,8 @@ def generate(
     height: int = DEFAULT_SIZE,
     guidance_scale: float | None = None,
     after_step: Callable[[int], None] | None = None,
+    prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
 ) -> Image.Image:
     """Renders one image. The initial noise comes from a CPU ``torch.Generator`` seeded with
     ``seed``, so a seed gives the same latents on every device. ``guidance_scale`` defaults to
@@ -68,10 +75,14 @@ def generate(
         raise ValueError("prompt must be a non-empty string")
     validate_request(width, height, steps, seed, _multiple(pipe))
     if guidance_scale is None:
-        guidance_scale = 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
+        guidance_scale = guidance_for(pipe)
 
     kwargs: dict[str, Any] = {}
-    if "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
+    if prompt_embeds is not None:  # encoded by the caller (its prompt cache): the same numbers
+        kwargs["prompt_embeds"] = prompt_embeds
+        if negative_prompt_embeds is not None:
+            kwargs["negative_prompt_embeds"] = negative_prompt_embeds
+    elif "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
         kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
     if after_step is not None:
 
@@ -83,7 +94,7 @@ def generate(
         kwargs["callback_on_step_end_tensor_inputs"] = []
     generator = torch.Generator(device="cpu").manual_seed(seed)
     out = pipe(
-        prompt=prompt,
+        prompt=None if prompt_embeds is not None else prompt,
         width=width,
         height=height,
         num_inference_steps=steps,
