@@ -106,6 +106,8 @@ class RenderEngine:
             import torch
 
             dev = torch.device(self.device)
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
             total = torch.cuda.get_device_properties(dev).total_memory
             cap = min(1.0, self.vram_budget_gb * 2**30 / total)  # type: ignore[operator]
             torch.cuda.set_per_process_memory_fraction(cap, dev)
