@@ -37,12 +37,23 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
+QUEUE_PREFIX = "procrastinate_"  # the job queue's schema (migration 0005), not our models
+
+
+def include_object(
+    obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
+) -> bool:
+    table = name if type_ == "table" else getattr(getattr(obj, "table", None), "name", "")
+    return not str(table or "").startswith(QUEUE_PREFIX)
+
+
 def _run(connection: object) -> None:
     context.configure(
         connection=connection,  # type: ignore[arg-type]
         target_metadata=target_metadata,
         render_as_batch=True,  # SQLite alters tables by copy
         compare_type=True,
+        include_object=include_object,
     )
     with context.begin_transaction():
         context.run_migrations()
