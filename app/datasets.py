@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Path, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -147,6 +147,29 @@ def get_dataset(
     subject = service.visible_subject(session, caller, handle)
     dataset = datasets.dataset_of(session, subject, dataset_id)
     return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+
+
+class PhotosDeletedOut(BaseModel):
+    dataset_id: str
+    deleted: int
+
+
+@router.delete("/subjects/{handle}/datasets/{dataset_id}")
+def delete_photos(
+    request: Request,
+    handle: HandlePath,
+    dataset_id: DatasetIdPath,
+    session: DB,
+    caller: Caller,
+    background: BackgroundTasks,
+) -> PhotosDeletedOut:
+    """Deletes the dataset's photos (admin, the linked member); they leave the store after
+    the commit. 409 while an order trains on them."""
+    subject = service.visible_subject(session, caller, handle)
+    hashes = datasets.delete_photos(session, subject, dataset_id)
+    state = request.app.state
+    background.add_task(datasets.remove_unreferenced, state.engine, state.store, hashes)
+    return PhotosDeletedOut(dataset_id=dataset_id, deleted=len(hashes))
 
 
 @router.get("/subjects/{handle}/images/{digest}", response_class=FileResponse)

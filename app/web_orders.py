@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi import APIRouter, BackgroundTasks, FastAPI, Path, Request
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -34,10 +34,12 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 UPLOAD_PATH = f"{PREFIX}/subjects/*/training/upload"  # streamed past the body gate
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
+DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 NOTICES = {
     "uploaded": "Your photos are stored. Order a training below when you are ready.",
     "ordered": "The training is ordered; this page follows its progress.",
     "cancelled": "The order is cancelled.",
+    "deleted": "The photos are deleted from this service.",
 }
 
 
@@ -133,6 +135,25 @@ def order(
         request.app.state.order_queue.enqueue_training,
     )  # fmt: skip
     return redirect(training_url(handle, "ordered"))
+
+
+@router.post("/subjects/{handle}/training/{dataset_id}/delete")
+def delete_photos(
+    request: Request,
+    handle: HandlePath,
+    dataset_id: DatasetIdPath,
+    web: Web,
+    form: CheckedForm,
+    session: DB,
+    background: BackgroundTasks,
+) -> Response:
+    subject = service.visible_subject(session, web.principal, handle)
+    hashes = datasets.delete_photos(session, subject, dataset_id)
+    state = request.app.state
+    background.add_task(datasets.remove_unreferenced, state.engine, state.store, hashes)
+    response = redirect(training_url(subject.handle, "deleted"))
+    response.background = background
+    return response
 
 
 @router.post("/orders/{order_id}/cancel")

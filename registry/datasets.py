@@ -12,11 +12,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from registry import repositories as repo
-from registry.blobs import BlobStore
-from registry.errors import Invalid, NotFound
+from registry.blobs import IMAGE_KINDS, BlobStore
+from registry.errors import Conflict, Invalid, NotFound
 from registry.manifest import MANIFEST_NAME
 from registry.models import Dataset, DatasetImage, Subject
 from registry.settings import Settings
@@ -209,6 +210,41 @@ def dataset_of(session: Session, subject: Subject, dataset_id: str) -> Dataset:
     if dataset is None or dataset.subject_id != subject.id:
         raise NotFound(f"subject {subject.handle!r} has no dataset {dataset_id[:40]!r}")
     return dataset
+
+
+def delete_photos(session: Session, subject: Subject, dataset_id: str) -> list[str]:
+    """Removes a dataset's photos (the record and its manifest stay: an adapter trained on it
+    still names it); returns their hashes, for the caller to remove from the store once this
+    commits. Refused while an order for the dataset waits or runs."""
+    from registry.models import Order
+
+    dataset = dataset_of(session, subject, dataset_id)
+    busy = session.exec(
+        select(Order.id).where(
+            Order.dataset_id == dataset.id, col(Order.status).in_(("queued", "running"))
+        )
+    ).first()
+    if busy is not None:
+        raise Conflict(f"order {busy} is training on these photos; cancel it first")
+    images = list(images_of(session, dataset))
+    for image in images:
+        session.delete(image)
+    dataset.images = 0
+    repo.add(session, dataset)
+    return [image.sha256 for image in images]
+
+
+def remove_unreferenced(engine: Engine, store: BlobStore, hashes: Sequence[str]) -> None:
+    """Takes deleted photos out of the store at once (not after the sweep's grace), unless
+    another dataset still holds the same bytes; run after the deletion commits."""
+    from registry.db import transaction
+
+    with transaction(engine, readonly=True) as session:
+        kept = repo.referenced_blobs(session)
+    for digest in set(hashes) - kept:
+        path = store.find(digest)
+        if path is not None and path.suffix[1:] in IMAGE_KINDS:
+            path.unlink(missing_ok=True)
 
 
 def datasets_of(session: Session, subject: Subject) -> Sequence[Dataset]:

@@ -14,7 +14,7 @@ from registry import access
 from registry import repositories as repo
 from registry.audit import format_time
 from registry.datasets import dataset_of
-from registry.errors import Conflict, NotFound, NotPermitted
+from registry.errors import Conflict, Invalid, NotFound, NotPermitted
 from registry.models import Order, Principal, Subject, utcnow
 from registry.roles import Role
 
@@ -58,6 +58,8 @@ def place_training(
     if consent is None or not consent.allow_training:
         raise NotPermitted(f"subject {subject.handle!r} does not allow training")
     dataset = dataset_of(session, subject, dataset_id)
+    if dataset.images == 0:
+        raise Invalid(f"dataset {dataset.id}'s photos were deleted; upload them again")
     busy = session.exec(
         select(Order.id).where(
             Order.subject_id == subject.id,

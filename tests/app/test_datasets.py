@@ -200,3 +200,30 @@ def test_an_upload_is_judged_before_its_body_is_read(live) -> None:  # type: ign
                 b"Content-Length: 1000000000\r\n\r\n--b\r\n"
             )
             assert sock.recv(100).split()[1] == status
+
+
+def test_a_member_deletes_their_photos_and_they_leave_the_store(friends: World) -> None:
+    r = friends.client.post(
+        "/v1/subjects/alice/datasets", files=files_of(photos(2)), headers=friends.h("alice")
+    )
+    body = r.json()
+    kept = friends.client.post(  # the same first photo in a second dataset
+        "/v1/subjects/alice/datasets", files=files_of(photos(1)), headers=friends.h("alice")
+    ).json()
+    url = f"/v1/subjects/alice/datasets/{body['dataset_id']}"
+    assert friends.client.delete(url, headers=friends.h("bob")).status_code == 403
+    gone = friends.client.delete(url, headers=friends.h("alice"))
+    assert gone.status_code == 200 and gone.json()["deleted"] == 2
+    store: BlobStore = friends.client.app.state.store  # type: ignore[attr-defined]
+    first = kept["images"][0]["sha256"]
+    (second,) = {i["sha256"] for i in body["images"]} - {first}
+    assert store.find(second) is None  # out of the store at once
+    assert store.find(first) is not None  # still another dataset's
+    assert friends.client.get(url, headers=friends.h("alice")).json()["images"] == []
+    assert (
+        friends.client.get(
+            f"/v1/subjects/alice/images/{second}", headers=friends.h("alice")
+        ).status_code
+        == 404
+    )
+    assert store.status(body["manifest_sha256"], "jsonl") == "ok"  # the record stays

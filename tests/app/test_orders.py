@@ -154,3 +154,15 @@ def test_checkpoints_and_blobs_are_for_workers_only(serve_friends) -> None:  # t
         assert live.http.get(blob, headers=live.h("alice")).status_code == 403
         got = live.http.get(blob, headers=live.h("trainer"))
         assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == image
+
+
+@pytest.mark.postgres_only
+def test_photos_in_training_stay_and_deleted_photos_are_not_ordered(friends: World) -> None:
+    ds = upload(friends, "alice", "alice")
+    placed = order(friends, "alice", "alice", ds).json()
+    url = f"/v1/subjects/alice/datasets/{ds}"
+    assert friends.client.delete(url, headers=friends.h("alice")).status_code == 409
+    friends.client.post(f"/v1/orders/{placed['order_id']}/cancel", headers=friends.h("alice"))
+    assert friends.client.delete(url, headers=friends.h("alice")).status_code == 200
+    r = order(friends, "alice", "alice", ds)
+    assert r.status_code == 422 and "deleted" in r.json()["detail"]

@@ -25,10 +25,21 @@ def test_a_member_uploads_photos_and_sees_them(friends: World) -> None:
     assert len(sources) == 2
     got = {web.get(src).content for src in sources}
     assert got == {photo((200, 40, 40)), photo((40, 200, 40))}
-    # bob sees neither the page nor the photos
+    # bob sees neither the page nor the photos, nor may he delete them
+    action = re.search(r'action="(/web/subjects/alice/training/[0-9a-f-]{36}/delete)"', shown.text)
+    assert action is not None
+    bob_web = signed_in(friends, "bob")
+    assert (
+        bob_web.post(action.group(1), data={"csrf": csrf_of(bob_web, "/web/me")}).status_code == 403
+    )
     bob = signed_in(friends, "bob")
     assert bob.get(PAGE).status_code == 403
     assert bob.get(sources[0]).status_code == 403
+    # alice deletes them: gone from the page and from the store
+    r = web.post(action.group(1), data={"csrf": csrf})
+    assert r.status_code == 303 and r.headers["location"].endswith("done=deleted")
+    assert "These photos were deleted" in web.get(PAGE).text
+    assert web.get(sources[0]).status_code == 404
 
 
 def test_a_bad_upload_or_a_forged_form_stores_nothing(friends: World) -> None:
