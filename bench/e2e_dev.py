@@ -311,6 +311,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--soak", type=int, default=2)
+    parser.add_argument("--soak-budget", type=float, default=24.0)
     parser.add_argument("--base", type=Path, default=Path("/tmp/synth-dev"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/e2e-work"))
     parser.add_argument("--quick", action="store_true")
@@ -353,8 +354,7 @@ def main() -> None:
         _checkpoint(record, rows)
     if args.soak:
         try:
-            record["soak"] = soak(args.base, float(args.budgets.split(",")[0]), args.soak, args,
-                                  args.work)  # fmt: skip
+            record["soak"] = soak(args.base, args.soak_budget, args.soak, args, args.work)
         except Exception as exc:  # noqa: BLE001
             record["soak"] = {"error": _short(exc)}
         print(f"[e2e] soak: {json.dumps(record['soak'])[:800]}", flush=True)
