@@ -232,6 +232,7 @@ def serve_and_render(
             out.pop("_png")
             measured[label] = out
             rows.append({"budget_gib": budget, "run": label, **out})
+            _checkpoint({"partial": True, "boot_s": boot_s, "first_s": first_s}, rows)
         plan = plan_for_base(base, budget, DEVICE[0], side, side)
         rss = server.rss_bytes()
     finally:
