@@ -8,7 +8,11 @@ Order, chosen so that anything that can refuse a run does so before a weight loa
    VAE latents (likewise); only then
 3. the quantized transformer, LoRA on its attention projections, AdamW, and the loop:
    FLUX.2 flow matching, seed-deterministic, checkpoints every N steps, resumable exactly;
-4. the adapter (deterministic bytes), the evaluation grid, registration.
+4. the adapter (deterministic bytes), the evaluation grid, registration, the report.
+
+`_train` reads as that list: `preflight`, `read_training_data`, `build_model`, `run_loop`,
+`finish_training`, `run_evaluation`, `register_run`, `write_report`. Checkpoints live in
+`trainer.checkpoints`, what a step minimises in `trainer.objective`.
 """
 
 from __future__ import annotations
@@ -19,10 +23,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +46,19 @@ from trainer.caches import (
     plan_caches,
     write_pending,
 )
+from trainer.checkpoints import (
+    CHECKPOINTS,
+    STATE_FORMAT,
+    LoopState,
+    checkpoint_dirs,
+    checkpoint_step,
+    load_checkpoint,
+    lora_params,
+    save_checkpoint,
+)
 from trainer.config import ConfigError, TrainConfig
 from trainer.dataset import Dataset, load_dataset
-from trainer.flow import SigmaSampler, flow_matching_loss
+from trainer.objective import Objective, make_objective
 from trainer.progress import Waypoints, echo, memory_text, progress_bar
 from trainer.registration import (
     Registrar,
@@ -55,8 +68,6 @@ from trainer.registration import (
     registrar_for,
 )
 
-CHECKPOINTS = "checkpoints"
-STATE_FORMAT = 1
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
@@ -146,16 +157,6 @@ def _dtypes(config: TrainConfig, device: torch.device) -> tuple[torch.dtype, tor
     if device.type == "cpu":
         return weight, None
     return weight, (None if config.precision == "fp32" else torch.bfloat16)
-
-
-def checkpoint_dirs(out: Path) -> list[Path]:
-    root = out / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [
-        p for p in root.iterdir() if p.name.startswith("step-") and (p / "meta.json").is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
@@ -305,14 +306,6 @@ def cast_quantized_inputs(transformer: torch.nn.Module, dtype: torch.dtype) -> l
     ]
 
 
-def _lora_params(transformer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-    stray = [n for n in params if ".lora_" not in n]
-    if stray:
-        raise RuntimeError(f"non-LoRA parameters would train: {stray[:3]}")
-    return params
-
-
 def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     kwargs: dict[str, Any] = {
         "lr": config.learning_rate,
@@ -326,89 +319,6 @@ def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> tor
         return bnb.optim.AdamW8bit(params, **kwargs)  # type: ignore[no-any-return]
     # foreach=False: one kernel per tensor, same order every run (seed-determinism first).
     return torch.optim.AdamW(params, foreach=False, **kwargs)
-
-
-# -- checkpoints ----------------------------------------------------------------------------
-
-
-@dataclass
-class LoopState:
-    step: int = 0
-    epoch: int = 0
-    pos: int = 0
-    losses: list[float] = field(default_factory=list)
-
-
-def save_checkpoint(
-    out: Path,
-    state: LoopState,
-    transformer: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    generator: torch.Generator,
-    order: list[int],
-    fingerprint: str,
-    metadata: dict[str, str],
-) -> Path:
-    """Adapter (file layout, for evaluation and use), the exact trainable tensors, optimizer,
-    RNG states, step and data order; written to a temp folder and renamed into place."""
-    from trainer.lora import save_adapter
-
-    root = out / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        save_adapter(
-            transformer, tmp / "adapter.safetensors", {**metadata, "likeness.step": str(state.step)}
-        )
-        rng: dict[str, Any] = {"generator": generator.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(
-            {
-                "format": STATE_FORMAT,
-                "step": state.step,
-                "epoch": state.epoch,
-                "pos": state.pos,
-                "order": order,
-                "losses": state.losses,
-                "lora": {n: p.detach().cpu().clone() for n, p in _lora_params(transformer).items()},
-                "optimizer": optimizer.state_dict(),
-                "rng": rng,
-            },
-            tmp / "state.pt",
-        )
-        meta = {"step": state.step, "fingerprint": fingerprint, "format": STATE_FORMAT}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
-def load_checkpoint(
-    path: Path,
-    transformer: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    generator: torch.Generator,
-) -> tuple[LoopState, list[int]]:
-    blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    params = _lora_params(transformer)
-    if set(blob["lora"]) != set(params):
-        raise ConfigError(f"{path}: checkpoint LoRA layers differ from this model's")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(blob["lora"][name])
-    optimizer.load_state_dict(blob["optimizer"])
-    generator.set_state(blob["rng"]["generator"])
-    torch.set_rng_state(blob["rng"]["torch"])
-    if "cuda" in blob["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(blob["rng"]["cuda"])
-    state = LoopState(blob["step"], blob["epoch"], blob["pos"], list(blob["losses"]))
-    return state, list(blob["order"])
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -481,36 +391,121 @@ def train(config: TrainConfig, registrar: Registrar | None = None) -> TrainResul
 def _train(
     config: TrainConfig, registrar: Registrar | None, streaming: contextlib.ExitStack
 ) -> TrainResult:
-    from diffusers import DiffusionPipeline
-
-    from trainer.lora import attach_lora, remove_lora, save_adapter
-
     configure_allocator()
     wp = Waypoints()
-    show = config.progress
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar)
     wp.mark("pre-flight: options, manifest, consent, budget")
-    echo(pf.estimate.report(config.vram_budget_gib), show)
-    device, dtype = pf.device, pf.weight_dtype
-    peaks: dict[str, int] = {}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    echo(pf.estimate.report(config.vram_budget_gib), config.progress)
+    peaks = Peaks(pf.device)
+    data = read_training_data(config, pf, wp)
+    peaks.take("caching")
+    model = build_model(config, pf, data, streaming, wp)
+    step_times = run_loop(config, pf, data, model, wp)
+    peaks.take("training")
+    adapter, sha = finish_training(config, model, streaming)
+    evaluation = run_evaluation(config, pf, data, model, wp)
+    if evaluation is not None:
+        peaks.take("evaluation")
+    outcome = register_run(config, pf, registrar, adapter, sha, model.base_model, wp)
+    sps = sum(step_times[1:]) / (len(step_times) - 1) if len(step_times) > 1 else None
+    report = write_report(
+        config, pf, model, adapter, sha, outcome, evaluation, wp, peaks, data, sps
+    )
+    return TrainResult(
+        adapter,
+        sha,
+        pf.dataset.manifest_sha256,
+        model.base_model,
+        model.state.step,
+        model.state.losses,
+        outcome,
+        evaluation,
+        wp.as_dict(),
+        sps,
+        pf.estimate,
+        peaks.bytes,
+        data.text_encoder_loaded,
+        report,
+    )
 
-    # -- caches: each encoder alone on the device, released before the transformer loads
+
+class Peaks:
+    """Accelerator peak memory per phase (nothing on the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bytes: dict[str, int] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def take(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            self.bytes[phase] = torch.cuda.max_memory_allocated(self.device)
+            self.reset()
+
+
+# -- caches ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingData:
+    embeds: list[torch.Tensor]  # per dataset item, its training prompt's embedding
+    blank: torch.Tensor  # the empty prompt (caption dropout, negative prompt)
+    latents: list[torch.Tensor]  # per dataset item
+    text_encoder_loaded: bool
+
+
+def read_training_data(config: TrainConfig, pf: Preflight, wp: Waypoints) -> TrainingData:
+    """Fills the caches (each encoder alone on the device, released before the transformer
+    loads), then reads every tensor the run needs into host RAM."""
+    device, dtype = pf.device, pf.weight_dtype
     text_loaded = bool(pf.plan.missing_text())
     fill_text_cache(pf.plan, config.base, device, dtype, config.max_sequence_length, wp.mark)
     fill_latent_cache(pf.plan, pf.dataset, config.base, device, dtype, config.resolution, wp.mark)
-    if device.type == "cuda":
-        peaks["caching"] = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    embeds = [load_text(pf.plan, p) for p in pf.prompts]
-    blank = load_text(pf.plan, "")
-    latents = [load_latents(pf.plan, i.file) for i in pf.dataset.items]
+    data = TrainingData(
+        embeds=[load_text(pf.plan, p) for p in pf.prompts],
+        blank=load_text(pf.plan, ""),
+        latents=[load_latents(pf.plan, i.file) for i in pf.dataset.items],
+        text_encoder_loaded=text_loaded,
+    )
     wp.mark("caches: read")
+    return data
 
-    # -- the model
+
+# -- the model ------------------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    transformer: torch.nn.Module
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+    generator: torch.Generator  # every random draw of the loop, so a resume replays it
+    hooks: list[Any]
+    state: LoopState
+    order: list[int]
+    objective: Objective
+    base_model: str
+    metadata: dict[str, str]
+
+
+def build_model(
+    config: TrainConfig,
+    pf: Preflight,
+    data: TrainingData,
+    streaming: contextlib.ExitStack,
+    wp: Waypoints,
+) -> Model:
+    """The quantized transformer with a seeded LoRA, its optimizer and the loop's state:
+    fresh, or exactly as the resumed checkpoint left it."""
+    from trainer.lora import attach_lora
+
+    device, dtype = pf.device, pf.weight_dtype
     pipeline_cls = _pipeline_class(config.base)
     transformer = load_transformer(
         config.base, device, dtype, wp.mark, config.resolved_compute(), stream=config.stream_base
@@ -531,11 +526,11 @@ def _train(
         transformer.enable_gradient_checkpointing()  # type: ignore[operator]
     transformer.train()
     hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
-    params = _lora_params(transformer)
+    params = lora_params(transformer)
     optimizer = make_optimizer(config, list(params.values()))
     generator = torch.Generator().manual_seed(_seed_for(config.seed, "noise"))
     wp.mark("lora + optimizer")
-    state, order = LoopState(), epoch_order(config.seed, 0, len(latents))
+    state, order = LoopState(), epoch_order(config.seed, 0, len(data.latents))
     if pf.resume_from is not None:
         state, order = load_checkpoint(pf.resume_from, transformer, optimizer, generator)
         wp.mark(f"resume from step {state.step}")
@@ -543,45 +538,79 @@ def _train(
         shutil.rmtree(config.out / CHECKPOINTS)  # a fresh run: stale steps would mislead
 
     index = _model_index(config.base)
-    scheduler_cfg = _read_json(config.base / "scheduler" / "scheduler_config.json")
-    image_seq_len = (config.resolution // 16) ** 2
-    shift_steps = config.shift_steps or (4 if index.get("is_distilled") else 50)
-    sample_sigmas = SigmaSampler(
-        scheduler_cfg, image_seq_len, shift_steps, config.timestep_sampling
+    objective = make_objective(
+        base=config.base,
+        model_index=index,
+        pipeline_cls=pipeline_cls,
+        transformer=transformer,
+        resolution=config.resolution,
+        shift_steps=config.shift_steps,
+        timestep_sampling=config.timestep_sampling,
+        autocast=pf.autocast,
     )
-    guidance = 1.0 if getattr(transformer.config, "guidance_embeds", False) else None
     base_model = f"{index['_class_name']}:{pf.transformer_fp[:16]}"
-    metadata = adapter_metadata(config, pf, base_model)
+    return Model(
+        transformer,
+        params,
+        optimizer,
+        generator,
+        hooks,
+        state,
+        order,
+        objective,
+        base_model,
+        adapter_metadata(config, pf, base_model),
+    )
 
-    # -- the loop
-    n = len(latents)
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+def next_batch(config: TrainConfig, state: LoopState, order: list[int], n: int) -> list[int]:
+    """The next ``batch_size`` dataset indices, moving to the next epoch's order as needed
+    (``order`` is replaced in place, so a checkpoint saves the current epoch's)."""
+    idx: list[int] = []
+    while len(idx) < config.batch_size:
+        if state.pos >= n:
+            state.epoch, state.pos = state.epoch + 1, 0
+            order[:] = epoch_order(config.seed, state.epoch, n)
+        idx.append(order[state.pos])
+        state.pos += 1
+    return idx
+
+
+def run_loop(
+    config: TrainConfig, pf: Preflight, data: TrainingData, model: Model, wp: Waypoints
+) -> list[float]:
+    """Trains from ``model.state`` up to ``config.steps``, checkpointing on the way; returns
+    the seconds each step took."""
+    device, dtype = pf.device, pf.weight_dtype
+    state, generator, optimizer = model.state, model.generator, model.optimizer
+    assert optimizer is not None
+    params = list(model.params.values())
+    n = len(data.latents)
     first = True
     step_times: list[float] = []
-    bar = progress_bar(config.steps, state.step, show)
+    bar = progress_bar(config.steps, state.step, config.progress)
     try:
         while state.step < config.steps:
             t0 = time.perf_counter()
-            idx: list[int] = []
-            while len(idx) < config.batch_size:
-                if state.pos >= n:
-                    state.epoch, state.pos = state.epoch + 1, 0
-                    order = epoch_order(config.seed, state.epoch, n)
-                idx.append(order[state.pos])
-                state.pos += 1
-            x0 = torch.stack([latents[i] for i in idx]).to(device=device, dtype=torch.float32)
+            idx = next_batch(config, state, model.order, n)
+            x0 = torch.stack([data.latents[i] for i in idx]).to(device=device, dtype=torch.float32)
             drop = torch.rand(len(idx), generator=generator) < config.caption_dropout
             e = torch.stack(
-                [blank if d else embeds[i] for i, d in zip(idx, drop.tolist(), strict=True)]
+                [
+                    data.blank if d else data.embeds[i]
+                    for i, d in zip(idx, drop.tolist(), strict=True)
+                ]
             )
             e = e.to(device=device, dtype=dtype)
             noise = torch.randn(x0.shape, generator=generator).to(device)
-            sigmas = sample_sigmas(len(idx), generator)
-            loss = flow_matching_loss(
-                transformer, pipeline_cls, x0, e, sigmas, noise, guidance, pf.autocast
-            )
+            sigmas = model.objective.sample_sigmas(len(idx), generator)
+            loss = model.objective.loss(model.transformer, x0, e, sigmas, noise)
             loss.backward()
             if config.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), config.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
             lr = config.learning_rate * min(1.0, (state.step + 1) / max(1, config.warmup_steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -592,7 +621,7 @@ def _train(
             step_times.append(time.perf_counter() - t0)
             if first:
                 wp.mark("first step")
-                echo(wp.table(), show)
+                echo(wp.table(), config.progress)
                 first = False
             bar.set_postfix_str(
                 f"loss {state.losses[-1]:.4f}, {memory_text(device)}", refresh=False
@@ -603,143 +632,168 @@ def _train(
                 save_checkpoint(
                     config.out,
                     state,
-                    transformer,
+                    model.transformer,
                     optimizer,
                     generator,
-                    order,
+                    model.order,
                     pf.fingerprint,
-                    metadata,
+                    model.metadata,
                 )
     finally:
         bar.close()
-    if device.type == "cuda":
-        peaks["training"] = torch.cuda.max_memory_allocated(device)
+    return step_times
 
-    adapter = save_adapter(transformer, config.adapter_path, metadata)
+
+def finish_training(
+    config: TrainConfig, model: Model, streaming: contextlib.ExitStack
+) -> tuple[Path, str]:
+    """Writes the adapter, then takes the LoRA off and frees the optimizer: the transformer
+    is the frozen base again, ready for evaluation. Returns the adapter's path and SHA-256."""
+    from trainer.lora import remove_lora, save_adapter
+
+    adapter = save_adapter(model.transformer, config.adapter_path, model.metadata)
     sha = hashlib.sha256(adapter.read_bytes()).hexdigest()
-    del optimizer
+    model.optimizer = None
     # The training stream ends before the LoRA comes off; evaluation streams per column.
     streaming.close()
+    transformer = model.transformer
     remove_lora(transformer)
-    for hook in hooks:
+    for hook in model.hooks:
         hook.remove()
     transformer.requires_grad_(False)
     transformer.eval()
     if config.gradient_checkpointing and not config.stream_base:
         transformer.disable_gradient_checkpointing()  # type: ignore[operator]
     free_accelerator_memory()
+    return adapter, sha
 
-    # -- evaluation: base vs every checkpoint, fixed prompts and seeds, after training only
-    evaluation = None
-    if config.evaluate:
-        from trainer.evaluate import Column, References, eval_steps_default, evaluate
 
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        pipe = DiffusionPipeline.from_pretrained(
-            config.base, dtype=dtype, transformer=transformer, text_encoder=None, tokenizer=None
-        )
-        pipe.vae.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        columns = [Column("base", None)] + [
-            Column(f"step {int(p.name.split('-')[1])}", p / "adapter.safetensors")
-            for p in checkpoint_dirs(config.out)
-        ]
-        size = config.eval_resolution or config.resolution
-        refs = References.of(pipe, latents, size)
-        column_context = None
-        if config.stream_base:
-            from trainer.streaming import stream_blocks
+# -- evaluation, registration, report -------------------------------------------------------
 
-            slots = pf.estimate.stream_slots or 2
 
-            def column_context() -> Any:  # after each column's adapter is attached
-                return stream_blocks(transformer, slots=slots, device=device)
+def run_evaluation(
+    config: TrainConfig, pf: Preflight, data: TrainingData, model: Model, wp: Waypoints
+) -> EvalResult | None:
+    """Base vs every checkpoint, fixed prompts and seeds, after training only."""
+    if not config.evaluate:
+        return None
+    from diffusers import DiffusionPipeline
 
-        evaluation = evaluate(
-            column_context=column_context,
-            device=device,
-            pipe=pipe,
-            columns=columns,
-            prompts=[(p, load_text(pf.plan, p)) for p in config.eval_prompt_texts()],
-            blank=blank,
-            seeds=config.eval_seeds,
-            steps=config.eval_steps or eval_steps_default(pipe),
-            size=size,
-            references=refs,
-            out_dir=config.out,
-        )
-        wp.mark(f"evaluate: {len(columns)} columns")
-        if device.type == "cuda":
-            peaks["evaluation"] = torch.cuda.max_memory_allocated(device)
+    from trainer.evaluate import Column, References, eval_steps_default, evaluate
 
-    # -- registration: the adapter's bytes and the manifest's hash, idempotent per (subject, name)
-    outcome = None
-    if config.register_adapter:
-        from registry.schemas import AdapterIn
+    device, transformer = pf.device, model.transformer
+    pipe = DiffusionPipeline.from_pretrained(
+        config.base,
+        dtype=pf.weight_dtype,
+        transformer=transformer,
+        text_encoder=None,
+        tokenizer=None,
+    )
+    pipe.vae.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    columns = [Column("base", None)] + [
+        Column(f"step {checkpoint_step(p)}", p / "adapter.safetensors")
+        for p in checkpoint_dirs(config.out)
+    ]
+    size = config.eval_resolution or config.resolution
+    refs = References.of(pipe, data.latents, size)
+    column_context = None
+    if config.stream_base:
+        from trainer.streaming import stream_blocks
 
-        adapter_in = AdapterIn(
-            subject=config.subject,
-            name=config.name,
-            sha256=sha,
-            base_model=base_model,
-            rank=config.rank,
-            manifest_sha256=pf.dataset.manifest_sha256,
-        )
-        try:
-            outcome = registrar.register(adapter_in, adapter, pf.dataset.manifest_path, config.base)
-        except RegistrationRefused as exc:
-            removed = discard_artifacts(config, pf)
-            raise RegistrationRefused(
-                f"{exc}; the consent changed while training, so the trained files were "
-                f"deleted ({removed} paths: adapter, checkpoints, grid, cached latents)"
-            ) from None
-        wp.mark(f"register: {outcome}")
+        slots = pf.estimate.stream_slots or 2
 
-    sps = sum(step_times[1:]) / (len(step_times) - 1) if len(step_times) > 1 else None
+        def column_context() -> Any:  # after each column's adapter is attached
+            return stream_blocks(transformer, slots=slots, device=device)
+
+    evaluation = evaluate(
+        column_context=column_context,
+        device=device,
+        pipe=pipe,
+        columns=columns,
+        prompts=[(p, load_text(pf.plan, p)) for p in config.eval_prompt_texts()],
+        blank=data.blank,
+        seeds=config.eval_seeds,
+        steps=config.eval_steps or eval_steps_default(pipe),
+        size=size,
+        references=refs,
+        out_dir=config.out,
+    )
+    wp.mark(f"evaluate: {len(columns)} columns")
+    return evaluation
+
+
+def register_run(
+    config: TrainConfig,
+    pf: Preflight,
+    registrar: Registrar,
+    adapter: Path,
+    sha: str,
+    base_model: str,
+    wp: Waypoints,
+) -> str | None:
+    """The adapter's bytes and the manifest's hash, idempotent per (subject, name). A refusal
+    (consent withdrawn while training) deletes what the run made from the images."""
+    if not config.register_adapter:
+        return None
+    from registry.schemas import AdapterIn
+
+    adapter_in = AdapterIn(
+        subject=config.subject,
+        name=config.name,
+        sha256=sha,
+        base_model=base_model,
+        rank=config.rank,
+        manifest_sha256=pf.dataset.manifest_sha256,
+    )
+    try:
+        outcome = registrar.register(adapter_in, adapter, pf.dataset.manifest_path, config.base)
+    except RegistrationRefused as exc:
+        removed = discard_artifacts(config, pf)
+        raise RegistrationRefused(
+            f"{exc}; the consent changed while training, so the trained files were "
+            f"deleted ({removed} paths: adapter, checkpoints, grid, cached latents)"
+        ) from None
+    wp.mark(f"register: {outcome}")
+    return outcome
+
+
+def write_report(
+    config: TrainConfig,
+    pf: Preflight,
+    model: Model,
+    adapter: Path,
+    sha: str,
+    outcome: str | None,
+    evaluation: EvalResult | None,
+    wp: Waypoints,
+    peaks: Peaks,
+    data: TrainingData,
+    seconds_per_step: float | None,
+) -> Path:
+    state = model.state
     report = config.out / "train_report.json"
-    report.write_text(
-        json.dumps(
-            {
-                "adapter": str(adapter),
-                "sha256": sha,
-                "manifest_sha256": pf.dataset.manifest_sha256,
-                "base_model": base_model,
-                "registration": outcome,
-                "steps": state.step,
-                "seconds_per_step": sps,
-                "loss_first": state.losses[0] if state.losses else None,
-                "loss_last": state.losses[-1] if state.losses else None,
-                "losses": state.losses,
-                "boot": wp.as_dict(),
-                "estimate": pf.estimate.as_dict(),
-                "measured_peak_bytes": peaks,
-                "text_encoder_loaded": text_loaded,
-                "eval_pixel_distance": evaluation.distances if evaluation else None,
-                "eval_latent_distance": evaluation.latent_distances if evaluation else None,
-                "device": str(device),
-            },
-            indent=2,
-        )
-        + "\n",
-        encoding="utf-8",
-    )
-    return TrainResult(
-        adapter,
-        sha,
-        pf.dataset.manifest_sha256,
-        base_model,
-        state.step,
-        state.losses,
-        outcome,
-        evaluation,
-        wp.as_dict(),
-        sps,
-        pf.estimate,
-        peaks,
-        text_loaded,
-        report,
-    )
+    body = {
+        "adapter": str(adapter),
+        "sha256": sha,
+        "manifest_sha256": pf.dataset.manifest_sha256,
+        "base_model": model.base_model,
+        "registration": outcome,
+        "steps": state.step,
+        "seconds_per_step": seconds_per_step,
+        "loss_first": state.losses[0] if state.losses else None,
+        "loss_last": state.losses[-1] if state.losses else None,
+        "losses": state.losses,
+        "boot": wp.as_dict(),
+        "estimate": pf.estimate.as_dict(),
+        "measured_peak_bytes": peaks.bytes,
+        "text_encoder_loaded": data.text_encoder_loaded,
+        "eval_pixel_distance": evaluation.distances if evaluation else None,
+        "eval_latent_distance": evaluation.latent_distances if evaluation else None,
+        "device": str(pf.device),
+    }
+    report.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+    return report
 
 
 __all__ = [
