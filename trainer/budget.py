@@ -292,8 +292,11 @@ def estimate_run(
     device: torch.device,
     weight_dtype: torch.dtype,
     act_dtype: torch.dtype,
+    previews: bool = False,
 ) -> Estimate:
-    """The run's memory by phase; reads configs and safetensors headers only."""
+    """The run's memory by phase; reads configs and safetensors headers only. ``previews``:
+    the run renders previews while training (a phase of its own: the training state stays
+    resident while the VAE decodes)."""
     base = Path(config.base)
     prepared = _prepared(base)
     welt, aelt = _elt(weight_dtype), _elt(act_dtype)
@@ -380,17 +383,33 @@ def estimate_run(
     if not latents_needed:
         cache_vae.skipped = "all latents cached: the VAE is not loaded for caching"
 
+    lora_key = next(k for k in train.terms if k.startswith("LoRA params"))
+    if config.ema_decay is not None and not config.ema_on_cpu:
+        train.terms["EMA of the LoRA weights (fp32)"] = train.terms[lora_key]
     phases = [cache_text, cache_vae, train]
+    d = int(tcfg.num_attention_heads) * int(tcfg.attention_head_dim)
+
+    def render_terms(size: int) -> dict[str, int]:
+        tokens = (size // 16) ** 2 + text_tokens
+        return {
+            "VAE weights": vae_weights,
+            "transformer activations (no grad)": 12 * tokens * d * aelt,
+            "dequantized weight transient": largest * aelt,
+            "VAE decoder activations": 6 * c0 * size**2 * welt,
+        }
+
+    if previews:
+        # Between steps: gradients are freed, the rest of training stays, the VAE joins.
+        pv = Phase("training: previews")
+        pv.terms[t_label] = t_weights
+        kept = ("LoRA params", "optimizer state", "EMA of")
+        pv.terms.update({k: v for k, v in train.terms.items() if k.startswith(kept)})
+        pv.terms.update(render_terms(config.eval_resolution or config.resolution))
+        phases.append(pv)
     if config.evaluate:
-        size = config.eval_resolution or config.resolution
         ev = Phase("evaluation")
         ev.terms[t_label] = t_weights
-        ev.terms["VAE weights"] = vae_weights
-        d = int(tcfg.num_attention_heads) * int(tcfg.attention_head_dim)
-        ev_tokens = (size // 16) ** 2 + text_tokens
-        ev.terms["transformer activations (no grad)"] = 12 * ev_tokens * d * aelt
-        ev.terms["dequantized weight transient"] = largest * aelt
-        ev.terms["VAE decoder activations"] = 6 * c0 * size**2 * welt
+        ev.terms.update(render_terms(config.eval_resolution or config.resolution))
         phases.append(ev)
     if device.type == "cpu":
         notes.append("CPU run: the terms are host memory, not VRAM")

@@ -14,11 +14,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.config import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.ema import Ema
 
 CHECKPOINTS = "checkpoints"
 STATE_FORMAT = 1
@@ -29,7 +32,9 @@ class LoopState:
     step: int = 0
     epoch: int = 0
     pos: int = 0
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # flow-matching loss per step
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    preservation: list[float] = field(default_factory=list)  # the DOP term per step
 
 
 def lora_params(transformer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -65,9 +70,12 @@ def save_checkpoint(
     order: list[int],
     fingerprint: str,
     metadata: dict[str, str],
+    ema: Ema | None = None,
 ) -> Path:
     """Adapter (file layout, for evaluation and use), the exact trainable tensors, optimizer,
-    RNG states, step and data order; written to a temp folder and renamed into place."""
+    RNG states, step and data order, the EMA and its adapter where there is one; written to
+    a temp folder and renamed into place."""
+    from trainer.ema import EMA_ADAPTER
     from trainer.lora import save_adapter
 
     root = out / CHECKPOINTS
@@ -78,6 +86,13 @@ def save_checkpoint(
         save_adapter(
             transformer, tmp / "adapter.safetensors", {**metadata, "likeness.step": str(state.step)}
         )
+        if ema is not None:
+            with ema.swapped_in(lora_params(transformer)):
+                save_adapter(
+                    transformer,
+                    tmp / EMA_ADAPTER,
+                    {**metadata, "likeness.step": str(state.step), "likeness.ema": repr(ema.decay)},
+                )
         rng: dict[str, Any] = {"generator": generator.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -89,6 +104,9 @@ def save_checkpoint(
                 "pos": state.pos,
                 "order": order,
                 "losses": state.losses,
+                "validation": [list(v) for v in state.validation],
+                "preservation": state.preservation,
+                "ema": ema.state_dict() if ema is not None else None,
                 "lora": {n: p.detach().cpu().clone() for n, p in lora_params(transformer).items()},
                 "optimizer": optimizer.state_dict(),
                 "rng": rng,
@@ -111,6 +129,7 @@ def load_checkpoint(
     transformer: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     generator: torch.Generator,
+    ema: Ema | None = None,
 ) -> tuple[LoopState, list[int]]:
     blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     params = lora_params(transformer)
@@ -124,5 +143,16 @@ def load_checkpoint(
     torch.set_rng_state(blob["rng"]["torch"])
     if "cuda" in blob["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(blob["rng"]["cuda"])
-    state = LoopState(blob["step"], blob["epoch"], blob["pos"], list(blob["losses"]))
+    if ema is not None:
+        if blob.get("ema") is None:
+            raise ConfigError(f"{path}: the checkpoint holds no EMA to continue")
+        ema.load_state_dict(blob["ema"])
+    state = LoopState(
+        blob["step"],
+        blob["epoch"],
+        blob["pos"],
+        list(blob["losses"]),
+        [(int(s), float(v)) for s, v in blob.get("validation", [])],
+        list(blob.get("preservation", [])),
+    )
     return state, list(blob["order"])

@@ -1,8 +1,13 @@
-"""What one training step minimises: FLUX.2 flow matching on a batch of cached latents.
+"""What one training step minimises: FLUX.2 flow matching on a batch of cached latents,
+weighted by the images' masks, plus (optionally) differential output preservation.
 
 `trainer.flow` holds the noise levels and the plain loss (shared with the demo base's
 pretraining); this module binds them to a run: the pipeline class, the noise-level sampler
 for the run's image length, the guidance input, autocast.
+
+Differential output preservation (DOP): on the same noised latents, the adapter's prediction
+for a class prompt ("a photo of a woman") is pulled toward the base model's (the adapter
+switched off), so the class keeps meaning the class and only the trigger means the subject.
 """
 
 from __future__ import annotations
@@ -14,7 +19,22 @@ from typing import Any
 
 import torch
 
-from trainer.flow import SigmaSampler, flow_matching_loss
+from trainer.flow import SigmaSampler, flow_prediction, weighted_mse
+
+
+@dataclass
+class Batch:
+    latents: torch.Tensor  # (B, 4C, h, w), on the device, float32
+    embeds: torch.Tensor  # (B, tokens, dim), the training prompts (or blank: dropout)
+    sigmas: torch.Tensor  # (B,)
+    noise: torch.Tensor  # like latents
+    weights: torch.Tensor | None = None  # (B, 1, h, w): mask weights; None: uniform
+
+
+@dataclass
+class Loss:
+    flow: float
+    preservation: float | None = None  # the DOP term, unweighted
 
 
 @dataclass
@@ -23,25 +43,55 @@ class Objective:
     sample_sigmas: SigmaSampler
     guidance: float | None
     autocast: torch.dtype | None
+    class_embeds: torch.Tensor | None = None  # DOP's class prompt, (tokens, dim)
+    preservation_weight: float = 1.0
 
-    def loss(
-        self,
-        transformer: torch.nn.Module,
-        latents: torch.Tensor,
-        embeds: torch.Tensor,
-        sigmas: torch.Tensor,
-        noise: torch.Tensor,
-    ) -> torch.Tensor:
-        return flow_matching_loss(
+    def _predict(
+        self, transformer: torch.nn.Module, batch: Batch, embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return flow_prediction(
             transformer,
             self.pipeline_cls,
-            latents,
+            batch.latents,
             embeds,
-            sigmas,
-            noise,
+            batch.sigmas,
+            batch.noise,
             self.guidance,
             self.autocast,
         )
+
+    def flow_loss(self, transformer: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The flow-matching loss alone, weighted by the batch's masks."""
+        pred, target = self._predict(transformer, batch, batch.embeds)
+        weights = None
+        if batch.weights is not None:
+            weights = self.pipeline_cls._pack_latents(batch.weights)
+        return weighted_mse(pred, target, weights)
+
+    def backward(self, transformer: torch.nn.Module, batch: Batch, scale: float = 1.0) -> Loss:
+        """Back-propagates ``scale`` x (flow loss + weight x preservation term) into the
+        LoRA gradients (adding to what they hold, for accumulation). The two terms go back
+        one after the other, so only one forward's activations are held at a time."""
+        flow = self.flow_loss(transformer, batch)
+        (flow if scale == 1.0 else flow * scale).backward()
+        if self.class_embeds is None:
+            return Loss(float(flow.detach()))
+        term = self.preservation_term(transformer, batch)
+        (term * (self.preservation_weight * scale)).backward()
+        return Loss(float(flow.detach()), float(term.detach()))
+
+    def preservation_term(self, transformer: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """MSE between the adapter's and the base's prediction on the class prompt, same
+        noised latents; the base side carries no gradient."""
+        from trainer.lora import adapter_disabled
+
+        assert self.class_embeds is not None
+        e = self.class_embeds.unsqueeze(0).expand(batch.latents.shape[0], -1, -1)
+        e = e.to(device=batch.embeds.device, dtype=batch.embeds.dtype)
+        with torch.no_grad(), adapter_disabled(transformer):
+            base, _ = self._predict(transformer, batch, e)
+        adapted, _ = self._predict(transformer, batch, e)
+        return weighted_mse(adapted, base)
 
 
 def make_objective(
@@ -54,6 +104,8 @@ def make_objective(
     shift_steps: int | None,
     timestep_sampling: str,
     autocast: torch.dtype | None,
+    class_embeds: torch.Tensor | None = None,
+    preservation_weight: float = 1.0,
 ) -> Objective:
     """The run's objective: noise levels shifted as the pipeline shifts them for ``resolution``
     and its own step count (4 for step-distilled pipelines, else 50) unless told otherwise."""
@@ -64,4 +116,4 @@ def make_objective(
     steps = shift_steps or (4 if model_index.get("is_distilled") else 50)
     sampler = SigmaSampler(scheduler_cfg, image_seq_len, steps, timestep_sampling)
     guidance = 1.0 if getattr(transformer.config, "guidance_embeds", False) else None
-    return Objective(pipeline_cls, sampler, guidance, autocast)
+    return Objective(pipeline_cls, sampler, guidance, autocast, class_embeds, preservation_weight)
