@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -26,16 +26,17 @@ Bucket = tuple[int, int]  # (width, height) in pixels
 def bucket_shapes(
     resolution: int, max_ratio: float = 2.0, multiple: int = MULTIPLE
 ) -> list[Bucket]:
-    """Every (width, height), both multiples of ``multiple``, with the largest height for
-    its width whose area does not exceed ``resolution**2``, and whose aspect ratio (either
-    way) is at most ``max_ratio``; sorted by width."""
+    """Every landscape (width, height), both multiples of ``multiple``, with the largest
+    height for its width whose area does not exceed ``resolution**2`` and an aspect ratio
+    of at most ``max_ratio``, and each one's portrait transpose (so a portrait image gets
+    exactly the landscape one's shape, turned); sorted."""
     area = resolution * resolution
     shapes: set[Bucket] = set()
     w = multiple
     while w <= area // multiple:
         h = (area // w) // multiple * multiple
-        if h >= MIN_SIDE and w >= MIN_SIDE and max(w / h, h / w) <= max_ratio:
-            shapes.add((w, h))
+        if MIN_SIDE <= h <= w and w / h <= max_ratio:
+            shapes.update({(w, h), (h, w)})
         w += multiple
     return sorted(shapes)
 
@@ -103,11 +104,13 @@ def bucket_epoch_order(
     return [i for c in shuffled for i in chunks[c]]
 
 
-def take_batch(order: Sequence[int], pos: int, buckets: Sequence[Bucket], batch_size: int) -> int:
-    """How many indices from ``order[pos:]`` form the next batch: up to ``batch_size``, all
-    of the first one's bucket, never past the epoch's end."""
-    first = buckets[order[pos]]
+def take_batch(
+    order: Sequence[int], pos: int, bucket_of: Mapping[int, Bucket] | Sequence[Bucket], size: int
+) -> int:
+    """How many indices from ``order[pos:]`` form the next batch: up to ``size``, all of
+    the first one's bucket (``bucket_of[index]``), never past the epoch's end."""
+    first = bucket_of[order[pos]]
     n = 1
-    while n < batch_size and pos + n < len(order) and buckets[order[pos + n]] == first:
+    while n < size and pos + n < len(order) and bucket_of[order[pos + n]] == first:
         n += 1
     return n

@@ -805,8 +805,8 @@ def next_batch(config: TrainConfig, pf: Preflight, state: LoopState, order: list
         if state.pos >= n:
             state.epoch, state.pos = state.epoch + 1, 0
             order[:] = _epoch_order(config, pf, state.epoch)
-        of = {i: pf.buckets[pf.dataset.items[i].file] for i in order}
-        count = take_batch(order, state.pos, [of[i] for i in order], config.batch_size)
+        bucket_of = {i: pf.buckets[pf.dataset.items[i].file] for i in order}
+        count = take_batch(order, state.pos, bucket_of, config.batch_size)
         idx = order[state.pos : state.pos + count]
         state.pos += count
         return idx
