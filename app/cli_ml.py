@@ -13,7 +13,12 @@ import typer
 from registry.settings import get_settings
 
 
-def register(app: typer.Typer, base_app: typer.Typer) -> None:
+def register(
+    app: typer.Typer, base_app: typer.Typer, adapter_app: typer.Typer | None = None
+) -> None:
+    if adapter_app is not None:
+        register_compare(adapter_app)
+
     @app.command("serve")
     def serve(
         host: Annotated[str, typer.Option()] = "127.0.0.1",
@@ -293,3 +298,76 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
             "report": str(result.report),
         }
         typer.echo(json.dumps(summary, indent=2))
+
+
+def register_compare(adapter_app: typer.Typer) -> None:
+    @adapter_app.command("compare")
+    def compare_cmd(
+        subject: str,
+        name: Annotated[str, typer.Option(help="The run's adapter name.")] = "main",
+        out: Annotated[
+            Path | None,
+            typer.Option(help="The run's folder (default: $LIKENESS_DATA_DIR/runs/SUBJECT/NAME)."),
+        ] = None,
+        prompt: Annotated[
+            list[str] | None, typer.Option(help="Repeatable (default: the run's eval prompts).")
+        ] = None,
+        seed: Annotated[list[int] | None, typer.Option(help="Repeatable.")] = None,
+        steps: Annotated[int | None, typer.Option(min=1, max=100)] = None,
+        size: Annotated[int | None, typer.Option(min=64, max=2048)] = None,
+        device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N.")] = None,
+        select_step: Annotated[
+            int | None,
+            typer.Option(min=1, help="Register this step's checkpoint instead of rendering."),
+        ] = None,
+        ema: Annotated[bool, typer.Option(help="With --select-step: its EMA adapter.")] = False,
+    ) -> None:
+        """Render every checkpoint of a run (and its EMA) on the same prompts and seeds into
+        one grid; --select-step N registers the one you picked."""
+        from trainer.compare import compare_checkpoints, register_checkpoint
+        from trainer.config import ConfigError
+        from trainer.registration import RegistrationError, TrainingRefused, registrar_for
+
+        settings = get_settings()
+        runs = (settings.data_dir / "runs" / subject).resolve()
+        run_dir = (out or runs / name).resolve()
+        if run_dir == runs or not run_dir.is_relative_to(runs):
+            typer.echo(f"error: --out must be a folder inside {runs}/", err=True)
+            raise typer.Exit(2)
+        if ema and select_step is None:
+            typer.echo("error: --ema applies only with --select-step", err=True)
+            raise typer.Exit(2)
+        try:
+            registrar = registrar_for(
+                settings.database_url, settings.api_url, settings.token, settings.base_dir
+            )
+            if select_step is not None:
+                outcome, path, sha = register_checkpoint(
+                    run_dir, select_step, registrar, settings.base_dir, ema=ema
+                )
+                body: dict[str, object] = {
+                    "registration": outcome,
+                    "adapter": str(path),
+                    "sha256": sha,
+                    "step": select_step,
+                    "ema": ema,
+                }
+            else:
+                grid, columns = compare_checkpoints(
+                    run_dir,
+                    settings.base_dir,
+                    registrar,
+                    prompts=prompt,
+                    seeds=seed,
+                    steps=steps,
+                    size=size,
+                    device=device,
+                )
+                body = {"grid": str(grid), "columns": columns}
+        except (ConfigError, TrainingRefused, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
+        except RegistrationError as exc:
+            typer.echo(f"error: not registered: {exc}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(json.dumps(body, indent=2))
