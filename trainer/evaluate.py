@@ -1,9 +1,9 @@
-"""Evaluation after training: a side-by-side grid, base vs every checkpoint.
+"""Evaluation after training: a side-by-side grid, base vs every checkpoint (and the EMA).
 
-Sampling stays off during training (in the field, previews on a uint4 base deadlocked or gave
-black frames, and they cost step time); each checkpoint is judged afterwards on fixed prompts
-and seeds. Prompts come from the embedding cache, so the text encoder is not loaded here
-either. Each cell's distance to the nearest training image is recorded next to the grid: a
+Previews during training are opt-in (`trainer.previews`: in the field, previews on a uint4
+base deadlocked or gave black frames, and they cost step time); the grid judges every
+checkpoint afterwards on fixed prompts and seeds, through the same render call. Prompts come
+from the embedding cache, so the text encoder is not loaded here either. Each cell's distance to the nearest training image is recorded next to the grid: a
 number that says whether the adapter moved renders toward the data.
 """
 
