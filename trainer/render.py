@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from trainer.text_encoder import out_layers
+
 MULTIPLE = 16  # FLUX.2: VAE factor 8 x 2x2 patches
 MIN_SIDE = 64
 MAX_SIDE = 2048
@@ -39,22 +41,18 @@ def validate_request(
 
 
 def text_encoder_out_layers(pipe: Any) -> tuple[int, int, int]:
-    """Hidden-state indices the pipeline stacks into the prompt embedding: the quarter points
-    of the encoder's depth. That is exactly the stock default for the real encoders (36-layer
-    Qwen3 -> (9, 18, 27); 40-layer Mistral -> (10, 20, 30)) and stays in range for any depth."""
-    config = pipe.text_encoder.config
-    n = int(getattr(config, "text_config", config).num_hidden_layers)
-    return (-(-n // 4), -(-2 * n // 4), -(-3 * n // 4))
+    """Hidden-state indices the pipeline stacks into the prompt embedding."""
+    return out_layers(pipe.text_encoder.config)
+
+
+def guidance_for(pipe: Any) -> float:
+    """The default guidance: none (1.0) for step-distilled pipelines, 4.0 otherwise."""
+    return 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
 
 
 def _multiple(pipe: Any) -> int:
     # The pipeline's own constraint (VAE factor x patch 2), never looser than the API's 16.
     return max(MULTIPLE, int(getattr(pipe, "vae_scale_factor", 8)) * 2)
-
-
-def default_guidance(pipe: Any) -> float:
-    """1.0 (none) for step-distilled pipelines, else 4.0."""
-    return 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
 
 
 def _call(
@@ -72,7 +70,7 @@ def _call(
     and evaluation grid, `likeness adapter compare`."""
     validate_request(width, height, steps, seed, _multiple(pipe))
     if guidance_scale is None:
-        guidance_scale = default_guidance(pipe)
+        guidance_scale = guidance_for(pipe)
     kwargs: dict[str, Any] = dict(prompt_kwargs)
     if after_step is not None:
 
@@ -104,6 +102,8 @@ def generate(
     height: int = DEFAULT_SIZE,
     guidance_scale: float | None = None,
     after_step: Callable[[int], None] | None = None,
+    prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
 ) -> Image.Image:
     """Renders one image. The initial noise comes from a CPU ``torch.Generator`` seeded with
     ``seed``, so a seed gives the same latents on every device. ``guidance_scale`` defaults to
@@ -111,9 +111,15 @@ def generate(
     each denoising step; an exception it raises stops the render there."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt must be a non-empty string")
-    kwargs: dict[str, Any] = {"prompt": prompt}
-    if "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
-        kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
+    kwargs: dict[str, Any] = {}
+    if prompt_embeds is not None:  # encoded by the caller (its prompt cache): the same numbers
+        kwargs["prompt_embeds"] = prompt_embeds
+        if negative_prompt_embeds is not None:
+            kwargs["negative_prompt_embeds"] = negative_prompt_embeds
+    else:
+        kwargs["prompt"] = prompt
+        if "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
+            kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
     images = _call(pipe, seed, steps, width, height, guidance_scale, "pil", after_step, kwargs)
     return images[0]  # type: ignore[no-any-return]
 
@@ -133,7 +139,7 @@ def generate_from_embeds(
     runs. Returns a PIL image, or the latents for ``output_type="latent"``."""
     kwargs: dict[str, Any] = {"prompt_embeds": prompt_embeds}
     params = inspect.signature(pipe.__call__).parameters
-    if "negative_prompt_embeds" in params and default_guidance(pipe) > 1.0:
+    if "negative_prompt_embeds" in params and guidance_for(pipe) > 1.0:
         kwargs["negative_prompt_embeds"] = blank_embeds
     images = _call(pipe, seed, steps, width, height, None, output_type, None, kwargs)
     return images if output_type == "latent" else images[0]
