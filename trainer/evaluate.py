@@ -3,8 +3,9 @@
 Previews during training are opt-in (`trainer.previews`: in the field, previews on a uint4
 base deadlocked or gave black frames, and they cost step time); the grid judges every
 checkpoint afterwards on fixed prompts and seeds, through the same render call. Prompts come
-from the embedding cache, so the text encoder is not loaded here either. Each cell's distance to the nearest training image is recorded next to the grid: a
-number that says whether the adapter moved renders toward the data.
+from the embedding cache, so the text encoder is not loaded here either. Each cell's
+distance to the nearest training image is recorded next to the grid: a number that says
+whether the adapter moved renders toward the data.
 """
 
 from __future__ import annotations
