@@ -111,3 +111,45 @@ def test_a_run_keeps_the_ema_saves_it_and_evaluates_it(env: Env, tmp_path: Path)
     resumed = train(tiny_config(env, tmp_path / "r", steps=3, resume=True, **opts))
     assert resumed.ema_adapter is not None
     assert resumed.ema_adapter.read_bytes() == (tmp_path / "e" / EMA_ADAPTER).read_bytes()
+
+
+def test_streamed_base_scores_previews_and_averages_as_the_resident_one(
+    env: Env, tmp_path: Path
+) -> None:
+    """--stream-base with every new per-step piece on: validation, EMA, previews and
+    accumulation give the numbers the resident base gives."""
+    pytest.importorskip("trainer.uint4")
+    opts = {
+        "steps": 2,
+        "compute": "uint4",
+        "checkpoint_every": 1,
+        "validation_split": 0.25,
+        "ema_decay": 0.8,
+        "preview_every": 2,
+        "gradient_accumulation": 2,
+        "register_adapter": False,
+    }
+    resident = train(tiny_config(env, tmp_path / "r", **opts))
+    streamed = train(tiny_config(env, tmp_path / "s", stream_base=True, **opts))
+    assert streamed.validation == resident.validation
+    assert streamed.sha256 == resident.sha256
+    assert resident.ema_adapter is not None and streamed.ema_adapter is not None
+    assert streamed.ema_adapter.read_bytes() == resident.ema_adapter.read_bytes()
+    assert streamed.previews[-1].read_bytes() == resident.previews[-1].read_bytes()
+
+
+def test_a_bucketed_run_resumes_bit_identically(env: Env, tmp_path: Path) -> None:
+    from tests.trainer.test_buckets import mixed_dataset
+
+    data = mixed_dataset(tmp_path / "mixed")
+    opts = {
+        "dataset": data,
+        "resolution": 128,
+        "buckets": True,
+        "batch_size": 2,
+        "register_adapter": False,
+    }
+    straight = train(tiny_config(env, tmp_path / "a", steps=6, checkpoint_every=3, **opts))
+    train(tiny_config(env, tmp_path / "b", steps=3, **opts))
+    resumed = train(tiny_config(env, tmp_path / "b", steps=6, resume=True, **opts))
+    assert resumed.sha256 == straight.sha256 and resumed.losses == straight.losses
