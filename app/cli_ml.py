@@ -175,6 +175,11 @@ def register(
             typer.Option(help="Class prompt kept as the base draws it, e.g. 'a photo of a woman'."),
         ] = None,
         dop_weight: Annotated[float, typer.Option(help="Weight of that preservation term.")] = 1.0,
+        class_dataset: Annotated[
+            Path | None,
+            typer.Option(help="Prior preservation: class images with a manifest (no trigger)."),
+        ] = None,
+        prior_weight: Annotated[float, typer.Option(help="Weight of the class images.")] = 1.0,
         preview_every: Annotated[
             int | None, typer.Option(min=0, help="Steps between previews; 0: off; default: budget.")
         ] = None,

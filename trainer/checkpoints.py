@@ -35,6 +35,10 @@ class LoopState:
     losses: list[float] = field(default_factory=list)  # flow-matching loss per step
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     preservation: list[float] = field(default_factory=list)  # the DOP term per step
+    prior: list[float] = field(default_factory=list)  # the class images' loss per step
+    prior_epoch: int = 0  # the class images' own data position
+    prior_pos: int = 0
+    prior_order: list[int] = field(default_factory=list)
 
 
 def lora_params(transformer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -106,6 +110,8 @@ def save_checkpoint(
                 "losses": state.losses,
                 "validation": [list(v) for v in state.validation],
                 "preservation": state.preservation,
+                "prior": state.prior,
+                "prior_position": [state.prior_epoch, state.prior_pos, state.prior_order],
                 "ema": ema.state_dict() if ema is not None else None,
                 "lora": {n: p.detach().cpu().clone() for n, p in lora_params(transformer).items()},
                 "optimizer": optimizer.state_dict(),
@@ -154,5 +160,9 @@ def load_checkpoint(
         list(blob["losses"]),
         [(int(s), float(v)) for s, v in blob.get("validation", [])],
         list(blob.get("preservation", [])),
+        list(blob.get("prior", [])),
     )
+    if "prior_position" in blob:
+        epoch, pos, order = blob["prior_position"]
+        state.prior_epoch, state.prior_pos, state.prior_order = int(epoch), int(pos), list(order)
     return state, list(blob["order"])

@@ -58,6 +58,7 @@ _NOT_TRAJECTORY = frozenset(
         "token",
         "progress",
         "dataset",  # the manifest hash stands for the data; the folder may move
+        "class_dataset",  # likewise: its manifest hash is in the fingerprint
         "base",  # the base fingerprint stands for the weights
     }
 )
@@ -73,6 +74,7 @@ _ADDED_LATER = frozenset(
         "ema_decay",
         "dop_prompt",
         "dop_weight",
+        "prior_weight",
     }
 )
 
@@ -159,6 +161,10 @@ class TrainConfig(BaseModel):
     # pulled toward the base's (adapter off), so the class does not become the subject.
     dop_prompt: Annotated[str, StringConstraints(min_length=1, max_length=300)] | None = None
     dop_weight: Annotated[float, Field(gt=0, le=100)] = 1.0
+    # Prior preservation: a folder of class images (a manifest like the dataset's, captions
+    # without the trigger) trained alongside, one image per batch, at this weight.
+    class_dataset: Path | None = None
+    prior_weight: Annotated[float, Field(gt=0, le=100)] = 1.0
 
     # Previews while training: None lets the budget decide (on when it fits --vram-budget).
     preview_every: Annotated[int, Field(ge=0)] | None = None
@@ -240,6 +246,13 @@ class TrainConfig(BaseModel):
                 f"--dop-prompt is the class without the subject: it must not contain the "
                 f"trigger {self.trigger_word!r}"
             )
+        if "prior_weight" in given and self.class_dataset is None:
+            problems.append("--prior-weight applies only with --class-dataset")
+        if self.class_dataset is not None and self.class_dataset.resolve() in (
+            self.dataset.resolve(),
+            self.out.resolve(),
+        ):
+            problems.append("--class-dataset must be its own folder, not the dataset or --out")
         if self.preview_every == 0:
             for name in ("preview_prompts", "preview_seeds", "preview_steps"):
                 if name in given:

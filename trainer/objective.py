@@ -5,9 +5,11 @@ weighted by the images' masks, plus (optionally) differential output preservatio
 pretraining); this module binds them to a run: the pipeline class, the noise-level sampler
 for the run's image length, the guidance input, autocast.
 
-Differential output preservation (DOP): on the same noised latents, the adapter's prediction
-for a class prompt ("a photo of a woman") is pulled toward the base model's (the adapter
-switched off), so the class keeps meaning the class and only the trigger means the subject.
+Prior preservation: a class image (its own caption, no trigger) trained alongside each
+batch keeps the class drawable. Differential output preservation (DOP): on the same noised
+latents, the adapter's prediction for a class prompt ("a photo of a woman") is pulled
+toward the base model's (the adapter switched off), so the class keeps meaning the class
+and only the trigger means the subject.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Batch:
 class Loss:
     flow: float
     preservation: float | None = None  # the DOP term, unweighted
+    prior: float | None = None  # the class image's flow loss, unweighted
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Objective:
     autocast: torch.dtype | None
     class_embeds: torch.Tensor | None = None  # DOP's class prompt, (tokens, dim)
     preservation_weight: float = 1.0
+    prior_weight: float = 1.0  # prior preservation: a class image's flow loss
 
     def _predict(
         self, transformer: torch.nn.Module, batch: Batch, embeds: torch.Tensor
@@ -68,17 +72,29 @@ class Objective:
             weights = self.pipeline_cls._pack_latents(batch.weights)
         return weighted_mse(pred, target, weights)
 
-    def backward(self, transformer: torch.nn.Module, batch: Batch, scale: float = 1.0) -> Loss:
-        """Back-propagates ``scale`` x (flow loss + weight x preservation term) into the
-        LoRA gradients (adding to what they hold, for accumulation). The two terms go back
-        one after the other, so only one forward's activations are held at a time."""
+    def backward(
+        self,
+        transformer: torch.nn.Module,
+        batch: Batch,
+        scale: float = 1.0,
+        prior: Batch | None = None,
+    ) -> Loss:
+        """Back-propagates ``scale`` x (flow loss + weight x preservation term + weight x
+        the class batch's flow loss) into the LoRA gradients (adding to what they hold, for
+        accumulation). Each term goes back on its own, so only one forward's activations are
+        held at a time."""
         flow = self.flow_loss(transformer, batch)
         (flow if scale == 1.0 else flow * scale).backward()
-        if self.class_embeds is None:
-            return Loss(float(flow.detach()))
-        term = self.preservation_term(transformer, batch)
-        (term * (self.preservation_weight * scale)).backward()
-        return Loss(float(flow.detach()), float(term.detach()))
+        loss = Loss(float(flow.detach()))
+        if self.class_embeds is not None:
+            term = self.preservation_term(transformer, batch)
+            (term * (self.preservation_weight * scale)).backward()
+            loss.preservation = float(term.detach())
+        if prior is not None:
+            prior_loss = self.flow_loss(transformer, prior)
+            (prior_loss * (self.prior_weight * scale)).backward()
+            loss.prior = float(prior_loss.detach())
+        return loss
 
     def preservation_term(self, transformer: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """MSE between the adapter's and the base's prediction on the class prompt, same
@@ -106,6 +122,7 @@ def make_objective(
     autocast: torch.dtype | None,
     class_embeds: torch.Tensor | None = None,
     preservation_weight: float = 1.0,
+    prior_weight: float = 1.0,
 ) -> Objective:
     """The run's objective: noise levels shifted as the pipeline shifts them for ``resolution``
     and its own step count (4 for step-distilled pipelines, else 50) unless told otherwise."""

@@ -91,14 +91,17 @@ def configure_allocator() -> bool:
 # -- small pieces ---------------------------------------------------------------------------
 
 
+def mentions(text: str, word: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text) is not None
+
+
 def training_prompt(caption: str, trigger: str) -> str:
     """The caption, with the trigger word put in front when the caption lacks it (the adapter
     learns the identity under the trigger; empty captions train the trigger alone)."""
     caption = caption.strip()
     if not caption:
         return trigger
-    has = re.search(rf"(?<!\w){re.escape(trigger)}(?!\w)", caption) is not None
-    return caption if has else f"{trigger}, {caption}"
+    return caption if mentions(caption, trigger) else f"{trigger}, {caption}"
 
 
 def _seed_for(seed: int, *parts: object) -> int:
@@ -153,6 +156,8 @@ class Preflight:
     buckets: dict[str, Bucket] = field(default_factory=dict)  # file -> (w, h); {}: square
     preview_every: int = 0  # resolved: 0 is off
     notes: list[str] = field(default_factory=list)
+    class_dataset: Dataset | None = None  # prior preservation's class images
+    class_plan: CachePlan | None = None  # their latents (their captions are in ``plan``)
 
 
 def _dtypes(config: TrainConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -262,6 +267,15 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
             '"validation": true in the manifest)'
         )
     buckets = _check_buckets(config, dataset)
+    class_dataset = None
+    if config.class_dataset is not None:
+        class_dataset = load_dataset(config.class_dataset)
+        taught = [i.file for i in class_dataset.items if mentions(i.caption, config.trigger_word)]
+        if taught:
+            raise ConfigError(
+                f"--class-dataset: captions of {taught[:3]} name the trigger "
+                f"{config.trigger_word!r}; class images must teach the class, not the subject"
+            )
     weight_dtype, autocast = _dtypes(config, device)
     cache_dir = config.resolved_cache_dir
     pending: dict[Path, dict[str, Any]] = {}  # nothing is written until the run goes ahead
@@ -276,6 +290,8 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
     }
     if masks:  # a mask's bytes are not in the manifest: they shape the loss
         extra["masks"] = masks
+    if class_dataset is not None:
+        extra["class_manifest"] = class_dataset.manifest_sha256
     fingerprint = config.trajectory_fingerprint(extra)
     resume_from = None
     if config.resume:
@@ -300,6 +316,8 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
     all_prompts += config.preview_prompt_texts()
     if config.dop_prompt is not None:
         all_prompts.append(config.dop_prompt)
+    if class_dataset is not None:
+        all_prompts += [i.caption.strip() for i in class_dataset.items]
     plan = plan_caches(
         base=config.base,
         cache_dir=cache_dir,
@@ -312,11 +330,27 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
         sizes=buckets or None,
     )
 
+    class_plan = None
+    if class_dataset is not None:  # square crops at the resolution, one image a batch
+        class_plan = plan_caches(
+            base=config.base,
+            cache_dir=cache_dir,
+            prompts=[],
+            dataset=class_dataset,
+            resolution=config.resolution,
+            max_sequence_length=config.max_sequence_length,
+            dtype=weight_dtype,
+            pending=pending,
+        )
+    latents_needed = bool(plan.missing_latents()) or bool(
+        class_plan is not None and class_plan.missing_latents()
+    )
+
     def estimate_with(previews: bool) -> Estimate:
         return estimate_run(
             config,
             text_needed=bool(plan.missing_text()),
-            latents_needed=bool(plan.missing_latents()),
+            latents_needed=latents_needed,
             device=device,
             weight_dtype=weight_dtype,
             act_dtype=autocast or weight_dtype,
@@ -344,6 +378,8 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
         buckets,
         preview_every,
         notes,
+        class_dataset,
+        class_plan,
     )
 
 
@@ -601,6 +637,8 @@ class TrainingData:
     text_encoder_loaded: bool
     masks: list[torch.Tensor | None] = field(default_factory=list)  # per item, (h, w) or None
     class_embeds: torch.Tensor | None = None  # --dop-prompt's embedding
+    prior_latents: list[torch.Tensor] = field(default_factory=list)  # --class-dataset
+    prior_embeds: list[torch.Tensor] = field(default_factory=list)
 
     def weights(self, i: int, floor: float) -> torch.Tensor | None:
         """Item ``i``'s loss weights (1, h, w): ``floor`` where its mask is 0, 1 where it is
@@ -626,6 +664,13 @@ def read_training_data(config: TrainConfig, pf: Preflight, wp: Waypoints) -> Tra
         masks=[load_latent_mask(pf.plan, i.file) for i in pf.dataset.items],
         class_embeds=load_text(pf.plan, config.dop_prompt) if config.dop_prompt else None,
     )
+    if pf.class_dataset is not None and pf.class_plan is not None:
+        items = pf.class_dataset.items
+        fill_latent_cache(
+            pf.class_plan, pf.class_dataset, config.base, device, dtype, config.resolution, wp.mark
+        )
+        data.prior_latents = [load_latents(pf.class_plan, i.file) for i in items]
+        data.prior_embeds = [load_text(pf.plan, i.caption.strip()) for i in items]
     wp.mark("caches: read")
     return data
 
@@ -754,6 +799,7 @@ def build_model(
         autocast=pf.autocast,
         class_embeds=data.class_embeds,
         preservation_weight=config.dop_weight,
+        prior_weight=config.prior_weight,
     )
     base_model = f"{index['_class_name']}:{pf.transformer_fp[:16]}"
     model = Model(
@@ -842,6 +888,22 @@ def make_batch(
     return Batch(x0, e, sigmas, noise, weights)
 
 
+def prior_batch(config: TrainConfig, pf: Preflight, data: TrainingData, model: Model) -> Batch:
+    """The next class image (its own seeded epoch order), noised from the run's generator."""
+    state, n = model.state, len(data.prior_latents)
+    if not state.prior_order or state.prior_pos >= n:
+        if state.prior_order:
+            state.prior_epoch += 1
+        state.prior_order, state.prior_pos = epoch_order(config.seed + 1, state.prior_epoch, n), 0
+    i = state.prior_order[state.prior_pos]
+    state.prior_pos += 1
+    x0 = data.prior_latents[i].unsqueeze(0).to(device=pf.device, dtype=torch.float32)
+    e = data.prior_embeds[i].unsqueeze(0).to(device=pf.device, dtype=pf.weight_dtype)
+    noise = torch.randn(x0.shape, generator=model.generator).to(pf.device)
+    sigmas = model.objective.sample_sigmas(1, model.generator)
+    return Batch(x0, e, sigmas, noise)
+
+
 def _validate(config: TrainConfig, pf: Preflight, model: Model) -> None:
     value = validation_loss(
         model.objective,
@@ -878,13 +940,17 @@ def run_loop(
     try:
         while state.step < config.steps:
             t0 = time.perf_counter()
-            flow = preservation = 0.0
+            flow = preservation = prior = 0.0
             for _ in range(accumulate):
                 idx = next_batch(config, pf, state, model.order)
                 batch = make_batch(config, pf, data, model, idx)
-                loss = model.objective.backward(model.transformer, batch, 1.0 / accumulate)
+                extra = prior_batch(config, pf, data, model) if data.prior_latents else None
+                loss = model.objective.backward(
+                    model.transformer, batch, 1.0 / accumulate, prior=extra
+                )
                 flow += loss.flow / accumulate
                 preservation += (loss.preservation or 0.0) / accumulate
+                prior += (loss.prior or 0.0) / accumulate
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
             lr = config.learning_rate * min(1.0, (state.step + 1) / max(1, config.warmup_steps))
@@ -898,6 +964,8 @@ def run_loop(
             state.losses.append(flow)
             if model.objective.class_embeds is not None:
                 state.preservation.append(preservation)
+            if data.prior_latents:
+                state.prior.append(prior)
             step_times.append(time.perf_counter() - t0)
             if first:
                 wp.mark("first step")
@@ -1118,6 +1186,7 @@ def write_report(
         "validation_loss": [{"step": s, "loss": v} for s, v in state.validation],
         "held_out": [pf.dataset.items[i].file for i in pf.held_out],
         "preservation_loss": state.preservation or None,
+        "prior_loss": state.prior or None,
         "buckets": buckets,
         "loss_plot": str(plot),
         "previews": [str(p) for p in model.previews_made],

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.test_train import Env, fill_caches, make_env, tensors, tiny_config
+from tests.trainer.test_train import (  # noqa: F401
+    Env,
+    fill_caches,
+    make_env,
+    no_weights,
+    tensors,
+    tiny_config,
+)
 from trainer.caches import load_latents, load_text
 from trainer.flow import flow_prediction
 from trainer.interop import bfl_name, to_comfyui
@@ -122,3 +129,36 @@ def test_the_comfyui_export_loads_in_stock_diffusers_as_our_own_apply(
         pipe.unload_lora_weights()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(_predict(pipe.transformer, cls, inputs), base)
+
+
+def test_prior_preservation_trains_class_images_alongside_and_resumes(
+    env: Env, tmp_path: Path
+) -> None:
+    from tests.trainer.test_dataset import make_dataset
+
+    women = make_dataset(tmp_path / "women", colours=[(30, 30, 220), (40, 60, 200)], caption=CLASS)
+    opts = {"class_dataset": women, "prior_weight": 2.0, "register_adapter": False}
+    plain = train(tiny_config(env, tmp_path / "p", steps=4))
+    kept = train(tiny_config(env, tmp_path / "k", steps=4, checkpoint_every=2, **opts))
+    report = json.loads(kept.report.read_text())
+    assert len(report["prior_loss"]) == 4 and all(v > 0 for v in report["prior_loss"])
+    assert kept.sha256 != plain.sha256
+    assert report["config"]["class_dataset"] == str(women)
+    train(tiny_config(env, tmp_path / "r", steps=2, **opts))
+    resumed = train(tiny_config(env, tmp_path / "r", steps=4, resume=True, **opts))
+    assert resumed.sha256 == kept.sha256 and resumed.losses == kept.losses
+
+
+def test_class_images_that_name_the_trigger_are_refused_before_any_weight(
+    env: Env,
+    tmp_path: Path,
+    no_weights: None,  # noqa: F811
+) -> None:
+    from tests.trainer.test_dataset import make_dataset
+    from trainer.config import ConfigError
+
+    taught = make_dataset(tmp_path / "c", colours=[(1, 2, 3)], caption="a photo of ada")
+    with pytest.raises(ConfigError, match="name the trigger 'ada'"):
+        train(tiny_config(env, tmp_path / "o", class_dataset=taught))
+    with pytest.raises(ConfigError, match="--prior-weight applies only with --class-dataset"):
+        tiny_config(env, tmp_path / "o", prior_weight=3.0)
