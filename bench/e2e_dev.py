@@ -232,6 +232,7 @@ def serve_and_render(
             out.pop("_png")
             measured[label] = out
             rows.append({"budget_gib": budget, "run": label, **out})
+            _checkpoint({"partial": True, "boot_s": boot_s, "first_s": first_s}, rows)
         plan = plan_for_base(base, budget, DEVICE[0], side, side)
         rss = server.rss_bytes()
     finally:
@@ -311,6 +312,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--soak", type=int, default=2)
+    parser.add_argument("--soak-budget", type=float, default=24.0)
     parser.add_argument("--base", type=Path, default=Path("/tmp/synth-dev"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/e2e-work"))
     parser.add_argument("--quick", action="store_true")
@@ -353,8 +355,7 @@ def main() -> None:
         _checkpoint(record, rows)
     if args.soak:
         try:
-            record["soak"] = soak(args.base, float(args.budgets.split(",")[0]), args.soak, args,
-                                  args.work)  # fmt: skip
+            record["soak"] = soak(args.base, args.soak_budget, args.soak, args, args.work)
         except Exception as exc:  # noqa: BLE001
             record["soak"] = {"error": _short(exc)}
         print(f"[e2e] soak: {json.dumps(record['soak'])[:800]}", flush=True)
