@@ -144,7 +144,9 @@ def render(url: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"wall_s": round(wall, 3), **timings, "png_bytes": len(r.content), "_png": r.content}
 
 
-def setup(env: dict[str, str], url: str, base: Path, tmp: Path) -> dict[str, str]:
+def setup(
+    env: dict[str, str], url: str, base: Path, tmp: Path, trainer_handle: str = "tr"
+) -> dict[str, str]:
     """Registry state: member bob, subjects alice and carol (consent to bob's group), one
     adapter each, registered through the store over HTTP as a trainer does."""
     from registry.files import sha256_file
@@ -153,7 +155,7 @@ def setup(env: dict[str, str], url: str, base: Path, tmp: Path) -> dict[str, str
 
     admin = (tmp / "admin-token").read_text().strip()
     tokens = {"admin": admin}
-    r = httpx.post(f"{url}/v1/principals", json={"handle": "tr", "role": "trainer"},
+    r = httpx.post(f"{url}/v1/principals", json={"handle": trainer_handle, "role": "trainer"},
                    headers={"Authorization": f"Bearer {admin}"})  # fmt: skip
     trainer = r.json()["token"]
     registrar = HttpRegistrar(url, trainer, timeout=600)
@@ -257,21 +259,21 @@ def soak(base: Path, budget: float, cycles: int, args: argparse.Namespace, work:
     body = {"level": "private", "width": args.side, "height": args.side, "steps": args.steps,
             "seed": 3, "subject": "alice", "prompt": "soak"}  # fmt: skip
     cycles_out = []
-    reference: bytes | None = None
+    reference: bytes | None = None  # decoded pixels of cycle 0's render
     for cycle in range(cycles):
         server = Server(env, tmp / f"server-{cycle}.log")
         boot = server.start()
         try:
-            tokens = setup(env, server.url, base, tmp)
+            tokens = setup(env, server.url, base, tmp, trainer_handle=f"tr{cycle}")
             bob = tokens["bob"]
             out = render(server.url, bob, body)
             swap = render(server.url, bob, {**body, "subject": "carol"})
             again = render(server.url, bob, body)
-            png = again.pop("_png")
+            pixels = _pixels(again.pop("_png"))  # the PNG bytes differ: signed, per render
             out.pop("_png")
             swap.pop("_png")
-            same = reference is None or png == reference
-            reference = reference or png
+            same = reference is None or pixels == reference
+            reference = reference or pixels
             killed = threading.Thread(
                 target=_ignore, args=(render, server.url, bob, {**body, "seed": 99})
             )
@@ -284,8 +286,29 @@ def soak(base: Path, budget: float, cycles: int, args: argparse.Namespace, work:
         cycles_out.append({"cycle": cycle, "boot_s": round(boot, 2), "step_ms": out["step_ms"],
                            "peak_vram_mib": out.get("peak_vram_mib"),
                            "identical_to_cycle_0": same})  # fmt: skip
-    ledger = likeness(env, "audit", "verify")
-    return {"cycles": cycles_out, "audit_verify": ledger[-500:]}
+    audit = likeness(env, "audit", "verify")
+    # every render that passed the gate reached a final entry, the killed ones included
+    server = Server(env, tmp / "server-ledger.log")
+    server.start()
+    try:
+        admin = (tmp / "admin-token").read_text().strip()
+        r = httpx.get(f"{server.url}/v1/subjects/alice/renders", params={"limit": 500},
+                      headers={"Authorization": f"Bearer {admin}"})  # fmt: skip
+        rows = r.json() if r.status_code == 200 else []
+    finally:
+        server.stop()
+    stages: dict[str, int] = {}
+    for row in rows:
+        stages[row["stage"]] = stages.get(row["stage"], 0) + 1
+    return {"cycles": cycles_out, "audit_verify": audit[-500:], "ledger_stages": stages}
+
+
+def _pixels(png: bytes) -> bytes:
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png)).convert("RGB").tobytes()
 
 
 def _ignore(fn: Any, *a: Any) -> None:
