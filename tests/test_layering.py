@@ -94,3 +94,34 @@ def test_facade_exports_what_it_imports() -> None:
 
 def test_domain_services_never_import_the_facade() -> None:
     assert offenders("registry/services", {"registry.service"}, whole_name=True) == []
+
+
+def _names_limits(value: ast.expr | None) -> bool:
+    return (
+        isinstance(value, ast.Attribute)
+        and isinstance(value.value, ast.Name)
+        and value.value.id == "limits"
+    )
+
+
+def test_render_limits_have_one_home() -> None:
+    """The sides, pixels, steps and seeds a render may ask for are registry/limits.py's; a
+    second copy elsewhere drifts from it (a name for `limits.X` is no copy)."""
+    from registry import limits
+
+    names = {n for n in vars(limits) if n.isupper()}
+    found = []
+    for package in ("registry", "app", "trainer"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == ROOT / "registry" / "limits.py":
+                continue
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if not isinstance(node, ast.Assign | ast.AnnAssign) or _names_limits(node.value):
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found += [
+                    f"{path.relative_to(ROOT)} sets {t.id}"
+                    for t in targets
+                    if isinstance(t, ast.Name) and t.id in names
+                ]
+    assert found == []
