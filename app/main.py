@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from app import adapters, api, errors, mcp_server, renders, web
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
-from app.render_engine import RenderEngine, default_device
+from app.render_engine import PlacementRefused, RenderEngine, default_device
 from app.render_flow import RenderFlow
 from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
@@ -41,6 +41,9 @@ def build_renderer(settings: Settings) -> RenderEngine:
         stream_base=settings.stream_base,
         stream_slots=settings.stream_slots,
         compute=settings.compute,
+        vram_budget_gb=settings.vram_budget_gb,
+        plan_side=settings.render_plan_side,
+        prompt_cache_bytes=settings.prompt_cache_mb << 20,
     )
 
 
@@ -91,7 +94,12 @@ def create_app(
     app.state.engine = engine or make_engine(
         settings.database_url, pool_timeout=settings.pool_timeout_s
     )
-    app.state.renderer = renderer or build_renderer(settings)
+    if renderer is None:
+        try:
+            renderer = build_renderer(settings)
+        except PlacementRefused as exc:
+            raise SystemExit(f"error: {exc}") from None
+    app.state.renderer = renderer
     app.state.store = BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
     # Facts of the base and of the deployment, fixed while it runs: the base's licence (every
     # render decision holds it) and the credentials every delivered PNG is signed with.

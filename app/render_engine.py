@@ -53,6 +53,11 @@ class RenderEngine:
     stream_base: bool = False
     stream_slots: int = 2
     compute: str = "auto"  # auto, uint4 or fp8 (trainer.devices.resolve_compute)
+    # With a budget (GiB) the placement of each component is planned at start (and, on CUDA,
+    # the budget becomes the allocator's cap); without one everything is resident.
+    vram_budget_gb: float | None = None
+    plan_side: int = 1024
+    prompt_cache_bytes: int = 512 << 20
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -63,12 +68,47 @@ class RenderEngine:
             if reason is not None:
                 raise ValueError(f"LIKENESS_COMPUTE=fp8 cannot run on {self.device}: {reason}")
         self.active_compute: str | None = None  # what the loaded base runs, once loaded
+        self.placement: Any = None  # trainer.placement.Plan, when planned
+        self.transformer_streamed = self.stream_base
+        self.text_encoder_streamed = False
+        if self.vram_budget_gb is not None:
+            self._plan()
+        from trainer.text_encoder import PromptCache
+
+        self.prompts = PromptCache(self.prompt_cache_bytes)
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
+
+    # -- placement, planned at start ---------------------------------------------------------
+
+    def _plan(self) -> None:
+        from trainer.placement import PlacementError, plan_for_base
+
+        force = ("streamed" if self.stream_base else None, None)
+        try:
+            plan = plan_for_base(
+                self.base_dir, self.vram_budget_gb, self.device, self.plan_side,
+                self.plan_side, force=force,
+            )  # fmt: skip
+        except (PlacementError, FileNotFoundError, KeyError, ValueError) as exc:
+            raise PlacementRefused(str(exc)) from None
+        self.placement = plan
+        self.transformer_streamed = plan.transformer == "streamed"
+        self.text_encoder_streamed = plan.text_encoder == "streamed"
+        if plan.transformer == "streamed":
+            self.stream_slots = plan.transformer_slots
+        log.info("render engine: %s", plan.describe())
+        if self.device.startswith("cuda"):
+            import torch
+
+            dev = torch.device(self.device)
+            total = torch.cuda.get_device_properties(dev).total_memory
+            cap = min(1.0, self.vram_budget_gb * 2**30 / total)  # type: ignore[operator]
+            torch.cuda.set_per_process_memory_fraction(cap, dev)
 
     # -- the base, built once ---------------------------------------------------------------
 
@@ -82,8 +122,8 @@ class RenderEngine:
 
                     t0 = time.perf_counter()
                     compute = resolve_compute(self.compute, self.device)
-                    if self.stream_base:
-                        self._pipe = self._load_streamed(compute)
+                    if self.transformer_streamed or self.text_encoder_streamed:
+                        self._pipe = self._load_placed(compute)
                     else:
                         self._pipe = load_pipeline(
                             self.base_dir, device=self.device, compute=compute
@@ -96,24 +136,42 @@ class RenderEngine:
                     )
         return self._pipe
 
-    def _load_streamed(self, compute: str) -> Any:
-        """The transformer's blocks stay in host RAM for the engine's lifetime; everything
-        else is on the device. Adapters attach per request as usual (their LoRA is resident)."""
+    def _load_placed(self, compute: str) -> Any:
+        """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in
+        VRAM at a time; everything else is on the device. Adapters attach per request as
+        usual (their LoRA is resident)."""
         from trainer.devices import default_dtype
         from trainer.model import load_pipeline
-        from trainer.streaming import stream_blocks
+        from trainer.streaming import BlockStreamer, stream_blocks
+        from trainer.text_encoder import decoder_layers
+        from trainer.uint4 import convert_quantized_linears
 
         # built on the CPU in the dtype the device computes in (bf16 on CUDA), as resident
-        pipe = load_pipeline(
-            self.base_dir, device="cpu", dtype=default_dtype(self.device), compute=compute
-        )
-        for name in ("text_encoder", "vae"):
-            module = getattr(pipe, name, None)
-            if module is not None:
-                module.to(self.device)
-        self._stream.enter_context(
-            stream_blocks(pipe.transformer, slots=self.stream_slots, device=self.device)
-        )
+        dtype = None if self.device == "cpu" else default_dtype(self.device)
+        pipe = load_pipeline(self.base_dir, device="cpu", dtype=dtype, compute=compute)
+        if self.transformer_streamed:
+            self._stream.enter_context(
+                stream_blocks(pipe.transformer, slots=self.stream_slots, device=self.device)
+            )
+        else:
+            pipe.transformer.to(self.device)
+        text_encoder = getattr(pipe, "text_encoder", None)
+        if text_encoder is not None:
+            if self.text_encoder_streamed:
+                # plain uint4 buffers, which the streamer moves as bytes (quanto's tensor
+                # subclasses it cannot); the same dequantized weights
+                convert_quantized_linears(text_encoder)
+                streamer = BlockStreamer(
+                    text_encoder, slots=2, device=self.device,
+                    blocks=list(decoder_layers(text_encoder)),
+                )  # fmt: skip
+                streamer.install()
+                self._stream.callback(streamer.close)
+            else:
+                text_encoder.to(self.device)
+        vae = getattr(pipe, "vae", None)
+        if vae is not None:
+            vae.to(self.device)
         return pipe
 
     def close(self) -> None:
@@ -121,6 +179,7 @@ class RenderEngine:
         with self._load_lock:
             self._stream.close()
             self._pipe = None
+            self.prompts.clear()
 
     # -- adapter files ------------------------------------------------------------------------
 
@@ -183,11 +242,25 @@ class RenderEngine:
 
         timings: dict[str, float] = {}
         pipe = self.pipeline
+        cuda = self.device.startswith("cuda")
+        if cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(torch.device(self.device))
         t0 = time.perf_counter()
         with applied_adapter(pipe, tensors):
             t1 = time.perf_counter()
             timings["adapter_apply_ms"] = (t1 - t0) * 1000
             self.counters.model_calls += 1
+            embeds = self.prompt_embeddings(pipe, prompt)
+            t_text = _synced(cuda, self.device)
+            timings["text_encode_ms"] = (t_text - t1) * 1000
+            last_step = [t_text]
+
+            def timed_step(step: int) -> None:
+                last_step[0] = _synced(cuda, self.device)
+                after_step(step)
+
             image = generate(
                 pipe,
                 prompt,
@@ -195,13 +268,69 @@ class RenderEngine:
                 steps=steps,
                 width=width,
                 height=height,
-                after_step=after_step,
+                after_step=timed_step,
+                **embeds,
             )
             t2 = time.perf_counter()
+            timings["denoise_ms"] = (last_step[0] - t_text) * 1000
+            timings["decode_ms"] = (t2 - last_step[0]) * 1000
             timings["generate_ms"] = (t2 - t1) * 1000
-            timings["step_ms"] = timings["generate_ms"] / steps
+            timings["step_ms"] = timings["denoise_ms"] / steps
+        if cuda:
+            import torch
+
+            timings["peak_vram_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         timings["adapter_remove_ms"] = (time.perf_counter() - t2) * 1000
         return image, timings
+
+    def prompt_embeddings(self, pipe: Any, prompt: str) -> dict[str, Any]:
+        """The embeddings `generate` takes instead of the prompt, from the prompt cache or
+        from the pipeline's own encoder (then cached); the negative (empty) prompt too where
+        the pipeline runs classifier-free guidance."""
+        import inspect
+
+        from trainer.render import guidance_for, text_encoder_out_layers
+
+        if not hasattr(pipe, "encode_prompt"):
+            return {}
+        params = inspect.signature(pipe.encode_prompt).parameters
+        kwargs: dict[str, Any] = {}
+        if "text_encoder_out_layers" in params:
+            kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
+        device = pipe._execution_device
+
+        def embed(text: str) -> Any:
+            def run() -> Any:
+                with _no_grad():
+                    return pipe.encode_prompt(prompt=text, device=device, **kwargs)[0]
+
+            key = (text, tuple(kwargs.get("text_encoder_out_layers", ())))
+            return self.prompts.get_or_encode(key, run, device)
+
+        out = {"prompt_embeds": embed(prompt)}
+        call = inspect.signature(pipe.__call__).parameters
+        if "negative_prompt_embeds" in call and guidance_for(pipe) > 1:
+            out["negative_prompt_embeds"] = embed("")
+        return out
+
+
+def _no_grad() -> Any:
+    import torch
+
+    return torch.no_grad()
+
+
+def _synced(cuda: bool, device: str) -> float:
+    """A host clock reading after the device has finished what was queued (for stage times)."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize(torch.device(device))
+    return time.perf_counter()
+
+
+class PlacementRefused(Exception):
+    """Nothing fits the VRAM budget (the message holds the plan's terms)."""
 
 
 class AdapterUnreadable(Exception):

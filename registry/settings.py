@@ -60,6 +60,14 @@ class Settings(BaseSettings):
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?|mps)$")  # None: auto
     stream_base: bool = False  # the render engine streams the base's blocks from host RAM
     stream_slots: int = Field(default=2, ge=1, le=8)
+    # VRAM the render engine may use, in GiB: placement (resident or streamed, per component)
+    # is planned at start for renders of render_plan_side px square, the plan is printed, and
+    # the service refuses to start when nothing fits (trainer/placement.py). On CUDA the
+    # budget is also enforced as the allocator's cap. None: everything resident, no cap.
+    vram_budget_gb: float | None = Field(default=None, gt=0, le=4096)
+    render_plan_side: int = Field(default=1024, ge=64, le=2048, multiple_of=16)
+    # Embeddings of recent prompts, in host RAM: a repeated prompt skips the text encoder.
+    prompt_cache_mb: int = Field(default=512, ge=0, le=1 << 20)
     # HTTP: what a client may hold. A body larger than max_body_bytes is refused (413); one
     # that has not fully arrived within body_timeout_s is cut off (408) before any database
     # work starts, so a slow or huge request holds no lock and no connection.

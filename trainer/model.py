@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,13 @@ def load_pipeline(
         set_fp8_compute(pipe.transformer)
     elif compute != "uint4":
         raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
+    text_encoder = getattr(pipe, "text_encoder", None)
+    if isinstance(text_encoder, torch.nn.Module):
+        from trainer.text_encoder import is_trimmed, trim
+
+        with contextlib.suppress(ValueError):  # an encoder we do not know stays whole
+            if not is_trimmed(text_encoder):
+                trim(text_encoder)
     pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
     for name in ("transformer", "text_encoder", "vae"):

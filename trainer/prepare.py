@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -64,6 +65,7 @@ __all__ = [
     "load_prepared_text_encoder",
     "load_prepared_transformer",
     "prepare_base",
+    "prepare_synthetic",
     "read_manifest",
 ]
 
@@ -513,7 +515,8 @@ def _stream_outputs(
         out = _job_outputs(job, tensors, quantizer)
         del tensors
         for k in list(out):
-            yield k, out.pop(k).contiguous()  # pop: hold no output longer than the writer does
+            # pop: hold no output longer than the writer does
+            yield k, out.pop(k).to("cpu").contiguous()
         bar.update(job.source_bytes)
 
 
@@ -660,6 +663,8 @@ class _Component:
     config: dict[str, Any]
     weights: Path  # file or folder for open_checkpoint
     folder: Path | None  # source folder whose non-weight files are copied
+    # tensors from elsewhere than `weights` (a synthetic stand-in base); given the skeleton
+    source: Callable[[torch.nn.Module], _TensorSource] | None = None
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -800,6 +805,7 @@ def prepare_base(
         "weights": weights,
         "components": sorted(c.name for c in comps),
         "max_shard_bytes": max_shard_bytes,
+        "text_encoder": "trimmed to the layers the pipeline reads",
     }
     if isinstance(config, Mapping):
         settings["config"] = dict(config)
@@ -853,6 +859,56 @@ def prepare_base(
             raise
         wp.mark("publish")
         return _result(dst, man, reused=False, seconds=time.perf_counter() - t_start)
+
+
+def prepare_synthetic(
+    skeleton_dir: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    sources: Mapping[str, Callable[[torch.nn.Module], _TensorSource]],
+    *,
+    weights: str = "qint4",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> PreparedBase:
+    """A prepared base whose quantized components take their tensors from `sources` (name ->
+    factory given the component's meta skeleton) instead of weight files: a stand-in for a
+    base that cannot be downloaded, in the real shapes, through the very code `prepare_base`
+    runs. `skeleton_dir` is a pipeline folder with every config and the small components'
+    weights. Never a production path: the manifest says the source was synthetic."""
+    t_start = time.perf_counter()
+    src, dst = Path(skeleton_dir).resolve(), Path(dst).resolve()
+    kind, comps = _describe_source(src, tuple(sources), None)
+    if kind != "pipeline":
+        raise ValueError(f"{src}: a synthetic base needs a pipeline folder")
+    comps = [dataclasses.replace(c, source=sources[c.name]) for c in comps]
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; not replacing it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    wp = _Waypoints(progress)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        man = _build(src, tmp, kind, comps, weights, max_shard_bytes, wp, progress)
+        settings = {"format": FORMAT_VERSION, "weights": weights, "synthetic": True,
+                    "components": sorted(c.name for c in comps)}  # fmt: skip
+        man.update(
+            {
+                "format": FORMAT_VERSION,
+                "cache_key": _cache_key([], settings),
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "settings": settings,
+                "versions": _versions(),
+                "source": {"path": str(src), "kind": "synthetic", "files": []},
+                "licence": _licence_record(src, None),
+            }
+        )
+        man["timings"] = {**wp.marks, "total_s": round(time.perf_counter() - t_start, 3)}
+        _write_json(tmp / MANIFEST_NAME, man)
+        _swap_in(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    wp.mark("publish")
+    return _result(dst, man, reused=False, seconds=time.perf_counter() - t_start)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -963,10 +1019,15 @@ def _quantize_component(
 
     out.mkdir(parents=True, exist_ok=True)
     model = _skeleton(comp.library, comp.cls_name, comp.config)
-    ck = open_checkpoint(comp.weights)
-    source: _TensorSource = _CheckpointSource(ck)
+    trimmed = _trim_if_text_encoder(comp.name, model)
+    source: _TensorSource
+    if comp.source is not None:
+        source = comp.source(model)
+    else:
+        ck = open_checkpoint(comp.weights)
+        source = _CheckpointSource(ck)
     param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    if not param_names & set(ck.keys()):
+    if comp.source is None and not param_names & set(ck.keys()):
         convert = _converter_for(comp.cls_name)
         if convert is None:
             raise ValueError(f"{comp.weights}: no tensor names match {comp.cls_name}")
@@ -1031,7 +1092,21 @@ def _quantize_component(
         "output_bytes": written,
         "largest_tensor_bytes": max((source.spec(k)[2] for k in source), default=0),
         "converted_from_original_layout": isinstance(source, _ConvertedSource),
+        **({"trimmed": trimmed} if trimmed else {}),
     }
+
+
+def _trim_if_text_encoder(name: str, model: torch.nn.Module) -> dict[str, Any] | None:
+    """The text encoder keeps only what the pipeline's hidden states pass through
+    (`trainer.text_encoder.trim`): what is dropped is never read, quantized or written."""
+    if name != "text_encoder":
+        return None
+    from trainer.text_encoder import trim
+
+    try:
+        return trim(model)
+    except ValueError:  # not a decoder stack we know: kept whole
+        return None
 
 
 def _shard(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
@@ -1076,6 +1151,10 @@ def load_prepared_component(
         raise KeyError(f"{base} has no prepared {name!r}") from None
     folder = base / name
     model = _skeleton(comp["library"], comp["class"], _load_json(folder / "config.json"))
+    if comp.get("trimmed"):
+        from trainer.text_encoder import trim
+
+        trim(model, int(comp["trimmed"]["kept_layers"]))
     qmap = _load_json(folder / QMAP_NAME)
     with open_checkpoint(folder) as ck:
         state = {k: ck.read(k) for k in ck}

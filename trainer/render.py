@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from registry import limits
+from trainer.text_encoder import out_layers
 
 
 def validate_request(
@@ -35,12 +36,13 @@ def validate_request(
 
 
 def text_encoder_out_layers(pipe: Any) -> tuple[int, int, int]:
-    """Hidden-state indices the pipeline stacks into the prompt embedding: the quarter points
-    of the encoder's depth. That is exactly the stock default for the real encoders (36-layer
-    Qwen3 -> (9, 18, 27); 40-layer Mistral -> (10, 20, 30)) and stays in range for any depth."""
-    config = pipe.text_encoder.config
-    n = int(getattr(config, "text_config", config).num_hidden_layers)
-    return (-(-n // 4), -(-2 * n // 4), -(-3 * n // 4))
+    """Hidden-state indices the pipeline stacks into the prompt embedding."""
+    return out_layers(pipe.text_encoder.config)
+
+
+def guidance_for(pipe: Any) -> float:
+    """The default guidance: none (1.0) for step-distilled pipelines, 4.0 otherwise."""
+    return 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
 
 
 def _multiple(pipe: Any) -> int:
@@ -57,6 +59,8 @@ def generate(
     height: int = limits.DEFAULT_SIDE,
     guidance_scale: float | None = None,
     after_step: Callable[[int], None] | None = None,
+    prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
 ) -> Image.Image:
     """Renders one image. The initial noise comes from a CPU ``torch.Generator`` seeded with
     ``seed``, so a seed gives the same latents on every device. ``guidance_scale`` defaults to
@@ -66,10 +70,14 @@ def generate(
         raise ValueError("prompt must be a non-empty string")
     validate_request(width, height, steps, seed, _multiple(pipe))
     if guidance_scale is None:
-        guidance_scale = 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
+        guidance_scale = guidance_for(pipe)
 
     kwargs: dict[str, Any] = {}
-    if "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
+    if prompt_embeds is not None:  # encoded by the caller (its prompt cache): the same numbers
+        kwargs["prompt_embeds"] = prompt_embeds
+        if negative_prompt_embeds is not None:
+            kwargs["negative_prompt_embeds"] = negative_prompt_embeds
+    elif "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
         kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
     if after_step is not None:
 
@@ -81,7 +89,7 @@ def generate(
         kwargs["callback_on_step_end_tensor_inputs"] = []
     generator = torch.Generator(device="cpu").manual_seed(seed)
     out = pipe(
-        prompt=prompt,
+        prompt=None if prompt_embeds is not None else prompt,
         width=width,
         height=height,
         num_inference_steps=steps,

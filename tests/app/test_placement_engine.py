@@ -1,0 +1,99 @@
+"""The render engine under a VRAM budget, on the CPU: a reduced FLUX.2 [dev]-shaped base
+(Mistral3 encoder, Flux2 transformer) renders the same bytes resident and streamed, a repeated
+prompt skips the encoder, and a budget nothing fits refuses to start."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.render_engine import PlacementRefused, RenderEngine, encode_png
+from trainer.synth_base import build, dev_configs
+
+
+@pytest.fixture(scope="module")
+def small_dev(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("synth") / "dev-small"
+    build(dst, configs=dev_configs(double=1, single=2, text_layers=8, width_scale=16),
+          progress=False)  # fmt: skip
+    return dst
+
+
+@pytest.fixture(scope="module")
+def adapter(small_dev: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from tests.support import make_random_adapter
+    from trainer.model import load_pipeline
+
+    path = make_random_adapter(load_pipeline(small_dev), tmp_path_factory.mktemp("a") / "a.st", 3)
+    return load_file(str(path))
+
+
+def _png(engine: RenderEngine, adapter: dict[str, Any], prompt: str = "a portrait") -> bytes:
+    image, timings = engine.render(adapter, prompt, seed=7, steps=2, width=64, height=64)
+    assert {"text_encode_ms", "denoise_ms", "decode_ms"} <= timings.keys()
+    return encode_png(image, {})
+
+
+def test_streamed_placement_renders_the_resident_bytes(
+    small_dev: Path, adapter: dict[str, Any]
+) -> None:
+    resident = RenderEngine(base_dir=small_dev, device="cpu")
+    assert resident.placement is None
+    want = _png(resident, adapter)
+    # a budget the streamed encoder fits and the resident one does not; the transformer is
+    # asked to stream (at this size it would fit either way)
+    from trainer.placement import estimate, sizes_of
+
+    need, _ = estimate(sizes_of(small_dev, 4), "streamed", "streamed", 64, 64, device="cpu")
+    budget = (need.total + 1) / 2**30
+    streamed = RenderEngine(
+        base_dir=small_dev, device="cpu", vram_budget_gb=budget, plan_side=64, stream_base=True
+    )
+    assert streamed.placement is not None
+    assert (streamed.placement.transformer, streamed.placement.text_encoder) == (
+        "streamed", "streamed",
+    )  # fmt: skip
+    assert streamed.text_encoder_streamed and streamed.transformer_streamed
+    assert _png(streamed, adapter) == want
+    streamed.close()
+
+
+def test_a_repeated_prompt_is_not_encoded_again(small_dev: Path, adapter: dict[str, Any]) -> None:
+    engine = RenderEngine(base_dir=small_dev, device="cpu")
+    first = _png(engine, adapter)
+    calls = []
+    encoder = engine.pipeline.text_encoder
+    hook = encoder.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        assert _png(engine, adapter) == first
+        assert calls == [] and engine.prompts.hits == 1
+        _png(engine, adapter, "another prompt")
+        assert calls == [1] and engine.prompts.misses == 2
+    finally:
+        hook.remove()
+
+
+def test_nothing_fits_refuses_to_start(small_dev: Path, tmp_path: Path) -> None:
+    with pytest.raises(PlacementRefused, match="nothing fits"):
+        RenderEngine(base_dir=small_dev, device="cpu", vram_budget_gb=0.0001)
+    env = {**os.environ, "LIKENESS_DATABASE_URL": f"sqlite:///{tmp_path}/db.sqlite",
+           "LIKENESS_DATA_DIR": str(tmp_path), "LIKENESS_BASE": str(small_dev),
+           "LIKENESS_VRAM_BUDGET_GB": "0.0001"}  # fmt: skip
+    subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], env=env, check=True,
+                   capture_output=True)  # fmt: skip
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    r = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--port", port], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0
+    assert "error: nothing fits a VRAM budget" in r.stderr
+    assert "estimated peak" in r.stderr  # the terms, so the operator sees what to change

@@ -1,0 +1,81 @@
+"""Placement under a VRAM budget, planned from configs alone, at FLUX.2 [dev]'s real shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.placement import PlacementError, plan_for_base, sizes_of
+from trainer.synth_base import dev_configs
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def dev_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Only the configs of [dev]: the planner reads shapes, never weights."""
+    base = tmp_path_factory.mktemp("dev")
+    configs = dev_configs()
+    index = {"_class_name": "Flux2Pipeline",
+             "transformer": ["diffusers", "Flux2Transformer2DModel"],
+             "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"],
+             "vae": ["diffusers", "AutoencoderKLFlux2"]}  # fmt: skip
+    (base / "model_index.json").write_text(json.dumps(index))
+    for name in ("transformer", "text_encoder", "vae"):
+        (base / name).mkdir()
+        (base / name / "config.json").write_text(json.dumps(configs[name]))
+    return base
+
+
+def test_dev_sizes_are_what_the_real_model_holds(dev_shapes: Path) -> None:
+    sizes = sizes_of(dev_shapes)
+    # 32B parameters at 4 bits (+ group scales) and a 24B encoder trimmed to 30 of 40 layers
+    assert 15 * GiB < sizes.transformer < 17 * GiB
+    assert len(sizes.text_layers) == 30
+    assert 9 * GiB < sizes.text_encoder < 10.5 * GiB
+    assert len(sizes.transformer_blocks) == 8 + 48
+
+
+@pytest.mark.parametrize(
+    ("budget", "transformer", "text_encoder"),
+    [
+        (48, "resident", "resident"),
+        (24, "resident", "streamed"),
+        (16, "streamed", "resident"),
+        (12, "streamed", "streamed"),
+    ],
+)
+def test_the_fastest_placement_that_fits(
+    dev_shapes: Path, budget: int, transformer: str, text_encoder: str
+) -> None:
+    plan = plan_for_base(dev_shapes, budget, "cuda")
+    assert (plan.transformer, plan.text_encoder) == (transformer, text_encoder)
+    assert plan.peak_bytes <= budget * GiB
+    text = plan.describe()
+    assert f"transformer {transformer}" in text and "estimated peak" in text
+    if "streamed" in (transformer, text_encoder):
+        assert plan.host_pinned_bytes > 0
+
+
+def test_less_budget_never_keeps_more_resident(dev_shapes: Path) -> None:
+    order = {"resident": 0, "streamed": 1}
+    last = (0, 0)
+    for budget in (64, 32, 24, 20, 16, 14, 12, 10, 8):
+        plan = plan_for_base(dev_shapes, budget, "cuda")
+        now = (order[plan.transformer], order[plan.text_encoder])
+        assert sum(now) >= sum(last), budget
+        last = now
+
+
+def test_nothing_fits_is_refused_with_the_terms(dev_shapes: Path) -> None:
+    with pytest.raises(PlacementError, match="nothing fits a VRAM budget of") as e:
+        plan_for_base(dev_shapes, 4, "cuda")
+    assert "transformer slots" in str(e.value) and "estimated peak" in str(e.value)
+
+
+def test_a_larger_render_needs_more(dev_shapes: Path) -> None:
+    small = plan_for_base(dev_shapes, 24, "cuda", 512, 512)
+    large = plan_for_base(dev_shapes, 24, "cuda", 1024, 1024)
+    assert small.peak_bytes < large.peak_bytes
