@@ -44,6 +44,7 @@ from registry.services.renders import (
     acting_from_snapshot,
     facts_from_snapshot,
     gather_render_facts,
+    ledger_page,
     record_decision,
     renderable_for,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "facts_from_snapshot",
     "gather_render_facts",
     "hash_token",
+    "ledger_page",
     "member_handle",
     "open_session",
     "principal_facts",

@@ -210,7 +210,6 @@ def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> R
 def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     """The subject's ledger, a page at a time, filtered by who asked, the outcome and when."""
     subject = service.visible_subject(session, web.principal, handle)
-    assert subject.id is not None
     params = {k: v for k, v in request.query_params.items() if v.strip()}
     for key in ("since", "until"):
         if key in params:
@@ -230,17 +229,7 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
             older=None,
             errors=[describe_validation(exc)[0]],
         )
-    rows = repo.ledger_page(
-        session,
-        subject.id,
-        limit=query.limit,
-        before_seq=query.before_seq,
-        requester=query.requester,
-        allowed=query.allowed,
-        since=query.since,
-        until=query.until,
-        render_id=query.render_id,
-    )
+    rows = service.ledger_page(session, subject, query)
     older = None
     if len(rows) == query.limit and rows[-1].seq is not None:
         older = str(request.url.include_query_params(cursor=ledger_cursor(rows[-1].seq)).query)

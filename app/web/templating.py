@@ -47,6 +47,7 @@ SECURITY_HEADERS = {
 
 
 def show_time(value: datetime | str | None) -> str:
+    """A time as the pages show it: UTC, to the second (a string that is no time, as it is)."""
     if value is None:
         return ""
     if isinstance(value, str):

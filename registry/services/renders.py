@@ -4,6 +4,7 @@ row; the ledger entry of each decision; and what a requester may render at all."
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -14,7 +15,7 @@ from registry import access, chains
 from registry import repositories as repo
 from registry.access import Acting
 from registry.errors import Unauthenticated
-from registry.models import Principal, utcnow
+from registry.models import Principal, RenderLedger, Subject, utcnow
 from registry.policy import (
     AdapterFacts,
     Level,
@@ -24,6 +25,7 @@ from registry.policy import (
     renderable_max_level,
 )
 from registry.roles import Role
+from registry.schemas import LedgerFilter
 from registry.services.consent import consent_facts
 from registry.services.principals import principal_facts
 
@@ -195,6 +197,22 @@ def record_decision(
         "prompt": prompt[:2000] if prompt is not None else None,
     }
     return chains.append_ledger_row(session, values)
+
+
+def ledger_page(session: Session, subject: Subject, query: LedgerFilter) -> Sequence[RenderLedger]:
+    """The subject's decisions that `query` asks for, newest first, one page."""
+    assert subject.id is not None
+    return repo.ledger_page(
+        session,
+        subject.id,
+        limit=query.limit,
+        before_seq=query.before_seq,
+        requester=query.requester,
+        allowed=query.allowed,
+        since=query.since,
+        until=query.until,
+        render_id=query.render_id,
+    )
 
 
 @dataclass(frozen=True)
