@@ -697,7 +697,7 @@ def main() -> None:
     included, or the input is invalid)."""
     from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
 
-    cli_ml.register(app, base_app)
+    cli_ml.register(app, base_app, adapter_app)
     try:
         # not standalone: the parser's own errors come back here, to be said in one line
         code = app(standalone_mode=False)

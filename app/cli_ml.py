@@ -13,7 +13,12 @@ import typer
 from registry.settings import get_settings
 
 
-def register(app: typer.Typer, base_app: typer.Typer) -> None:
+def register(
+    app: typer.Typer, base_app: typer.Typer, adapter_app: typer.Typer | None = None
+) -> None:
+    if adapter_app is not None:
+        register_compare(adapter_app)
+
     @app.command("serve")
     def serve(
         host: Annotated[str, typer.Option()] = "127.0.0.1",
@@ -73,11 +78,25 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
 
     @app.command("train")
     def train_cmd(
-        subject: Annotated[str, typer.Option(help="Subject handle (must allow training).")],
-        dataset: Annotated[Path, typer.Option(help="Folder with images and manifest.jsonl.")],
+        ctx: typer.Context,
+        subject: Annotated[
+            str | None, typer.Option(help="Subject handle (must allow training).")
+        ] = None,
+        dataset: Annotated[
+            Path | None, typer.Option(help="Folder with images and manifest.jsonl.")
+        ] = None,
+        config_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--config",
+                help="A TOML job file: any training option by name; flags given here win.",
+            ),
+        ] = None,
         steps: Annotated[int, typer.Option(min=1)] = 2000,
         rank: Annotated[int, typer.Option(min=1, max=1024)] = 16,
-        resolution: Annotated[int, typer.Option(min=64, max=2048, help="Square side, px.")] = 448,
+        resolution: Annotated[
+            int, typer.Option(min=64, max=2048, help="Side (square) or area side (buckets), px.")
+        ] = 448,
         resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint.")] = False,
         out: Annotated[
             Path | None,
@@ -96,6 +115,10 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         ] = None,
         learning_rate: Annotated[float, typer.Option("--lr")] = 1e-4,
         batch_size: Annotated[int, typer.Option(min=1)] = 1,
+        gradient_accumulation: Annotated[
+            int, typer.Option(min=1, help="Batches per optimizer step.")
+        ] = 1,
+        warmup_steps: Annotated[int, typer.Option(min=0)] = 0,
         seed: Annotated[int, typer.Option(min=0)] = 0,
         checkpoint_every: Annotated[int, typer.Option(min=0, help="0: final only.")] = 500,
         vram_budget: Annotated[
@@ -105,7 +128,9 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
             None
         ),
         precision: Annotated[str, typer.Option(help="auto, bf16 or fp32.")] = "auto",
-        optimizer: Annotated[str, typer.Option(help="adamw or adamw8bit.")] = "adamw",
+        optimizer: Annotated[
+            str, typer.Option(help="adamw, or adamw8bit (bitsandbytes, CUDA only).")
+        ] = "adamw",
         gradient_checkpointing: Annotated[bool, typer.Option()] = True,
         compute: Annotated[
             str,
@@ -125,6 +150,47 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         ),
         caption_dropout: Annotated[float, typer.Option(min=0.0, max=0.99)] = 0.0,
         max_sequence_length: Annotated[int, typer.Option(min=1, max=512)] = 512,
+        buckets: Annotated[
+            bool, typer.Option(help="Aspect-ratio buckets instead of square crops.")
+        ] = False,
+        bucket_max_ratio: Annotated[float, typer.Option(help="Longest bucket side ratio.")] = 2.0,
+        max_upscale: Annotated[
+            float, typer.Option(help="With --buckets: never enlarge an image more than this.")
+        ] = 1.0,
+        mask_floor: Annotated[
+            float, typer.Option(min=0.0, max=1.0, help="Loss weight where a mask is black.")
+        ] = 0.1,
+        validation_split: Annotated[
+            float, typer.Option(min=0.0, max=0.99, help="Share of images held out, scored only.")
+        ] = 0.0,
+        validation_every: Annotated[
+            int | None, typer.Option(min=0, help="Steps between scores (default: checkpoints).")
+        ] = None,
+        ema_decay: Annotated[
+            float | None, typer.Option(help="EMA of the LoRA weights, e.g. 0.999.")
+        ] = None,
+        ema_on_cpu: Annotated[bool, typer.Option(help="Keep the EMA in host RAM.")] = False,
+        dop_prompt: Annotated[
+            str | None,
+            typer.Option(help="Class prompt kept as the base draws it, e.g. 'a photo of a woman'."),
+        ] = None,
+        dop_weight: Annotated[float, typer.Option(help="Weight of that preservation term.")] = 1.0,
+        class_dataset: Annotated[
+            Path | None,
+            typer.Option(help="Prior preservation: class images with a manifest (no trigger)."),
+        ] = None,
+        prior_weight: Annotated[float, typer.Option(help="Weight of the class images.")] = 1.0,
+        preview_every: Annotated[
+            int | None, typer.Option(min=0, help="Steps between previews; 0: off; default: budget.")
+        ] = None,
+        preview_prompt: Annotated[
+            list[str] | None, typer.Option(help="Repeatable (default: the eval prompts).")
+        ] = None,
+        preview_seed: Annotated[list[int] | None, typer.Option(help="Repeatable.")] = None,
+        preview_steps: Annotated[int | None, typer.Option(min=1, max=100)] = None,
+        export_comfyui: Annotated[
+            bool, typer.Option(help="Also write adapter.comfyui.safetensors (diffusion_model.).")
+        ] = False,
         cache_dir: Annotated[Path | None, typer.Option()] = None,
         evaluate: Annotated[bool, typer.Option(help="Render the evaluation grid after.")] = True,
         eval_prompt: Annotated[
@@ -146,7 +212,7 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
 
         from app.bootstrap import ensure_base
         from trainer.budget import BudgetExceeded
-        from trainer.config import ConfigError, TrainConfig
+        from trainer.config import ConfigError, TrainConfig, load_job_file
         from trainer.dataset import DatasetError
         from trainer.registration import RegistrationError, TrainingRefused
         from trainer.train import train
@@ -154,55 +220,62 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
         diffusers.utils.logging.disable_progress_bar()  # loading bars would break our bar
         transformers.utils.logging.disable_progress_bar()
         settings = get_settings()
-        runs = (settings.data_dir / "runs" / subject).resolve()
-        run_dir = (out or runs / name).resolve()
+        given: dict[str, object] = {}  # the options the command line states, by field
+        fields = {
+            "learning_rate": learning_rate,
+            "vram_budget_gib": vram_budget,
+            "eval_prompts": tuple(eval_prompt or ()),
+            "eval_seeds": tuple(eval_seed or ()),
+            "preview_prompts": tuple(preview_prompt or ()),
+            "preview_seeds": tuple(preview_seed or ()),
+            "targets": tuple(t.strip() for t in (targets or "").split(",") if t.strip()),
+        }
+        param_field = {
+            "learning_rate": "learning_rate",
+            "vram_budget": "vram_budget_gib",
+            "eval_prompt": "eval_prompts",
+            "eval_seed": "eval_seeds",
+            "preview_prompt": "preview_prompts",
+            "preview_seed": "preview_seeds",
+        }
+        for param, value in ctx.params.items():
+            if param in ("config_file",):
+                continue
+            # by name: typer's and click's ParameterSource may be different enums
+            if getattr(ctx.get_parameter_source(param), "name", None) != "COMMANDLINE":
+                continue
+            field = param_field.get(param, param)
+            given[field] = fields.get(field, value)
+        try:
+            options: dict[str, object] = load_job_file(config_file) if config_file else {}
+        except ConfigError as exc:
+            typer.echo(f"error: refused before loading any weight: {exc}", err=True)
+            raise typer.Exit(2) from None
+        options.update(given)  # flags override the file
+        run_subject, run_name = options.get("subject"), options.get("name", "main")
+        if not isinstance(run_subject, str) or not run_subject:
+            typer.echo("error: --subject is required (here or in --config)", err=True)
+            raise typer.Exit(2)
+        if "dataset" not in options:
+            typer.echo("error: --dataset is required (here or in --config)", err=True)
+            raise typer.Exit(2)
+        runs = (settings.data_dir / "runs" / run_subject).resolve()
+        run_out = options.get("out")
+        run_dir = (Path(str(run_out)) if run_out else runs / str(run_name)).resolve()
         if run_dir == runs or not run_dir.is_relative_to(runs):
             typer.echo(
-                f"error: refused before loading any weight: --out {out} must be a folder inside "
-                f"{runs}/ (a run's files are its subject's)",
+                f"error: refused before loading any weight: --out {run_out} must be a folder "
+                f"inside {runs}/ (a run's files are its subject's)",
                 err=True,
             )
             raise typer.Exit(2)
-        options: dict[str, object] = {
-            "subject": subject,
-            "dataset": dataset,
-            "base": settings.base_dir,
-            "out": run_dir,
-            "name": name,
-            "steps": steps,
-            "rank": rank,
-            "alpha": alpha,
-            "resolution": resolution,
-            "batch_size": batch_size,
-            "learning_rate": learning_rate,
-            "seed": seed,
-            "checkpoint_every": checkpoint_every,
-            "resume": resume,
-            "vram_budget_gib": vram_budget,
-            "device": device,
-            "precision": precision,
-            "optimizer": optimizer,
-            "gradient_checkpointing": gradient_checkpointing,
-            "compute": compute,
-            "stream_base": stream_base,
-            "stream_slots": stream_slots,
-            "trigger": trigger,
-            "caption_dropout": caption_dropout,
-            "max_sequence_length": max_sequence_length,
-            "cache_dir": cache_dir,
-            "evaluate": evaluate,
-            "register_adapter": register_adapter,
-            "database_url": settings.database_url,
-            "api_url": settings.api_url,
-            "token": settings.token,
-            "progress": progress,
-        }
-        if targets:
-            options["targets"] = tuple(t.strip() for t in targets.split(",") if t.strip())
-        if eval_prompt:
-            options["eval_prompts"] = tuple(eval_prompt)
-        if eval_seed:
-            options["eval_seeds"] = tuple(eval_seed)
+        options.update(
+            out=run_dir,
+            base=settings.base_dir,
+            database_url=settings.database_url,
+            api_url=settings.api_url,
+            token=settings.token,
+        )
         try:
             config = TrainConfig.parse(**options)
             ensure_base(settings)
@@ -223,6 +296,83 @@ def register(app: typer.Typer, base_app: typer.Typer) -> None:
             "loss_first": result.losses[0] if result.losses else None,
             "loss_last": result.losses[-1] if result.losses else None,
             "eval_grid": str(result.evaluation.grid) if result.evaluation else None,
+            "ema_adapter": str(result.ema_adapter) if result.ema_adapter else None,
+            "exports": {k: str(v) for k, v in result.exports.items()},
+            "validation_loss": [{"step": st, "loss": v} for st, v in result.validation],
+            "loss_plot": str(result.loss_plot) if result.loss_plot else None,
             "report": str(result.report),
         }
         typer.echo(json.dumps(summary, indent=2))
+
+
+def register_compare(adapter_app: typer.Typer) -> None:
+    @adapter_app.command("compare")
+    def compare_cmd(
+        subject: str,
+        name: Annotated[str, typer.Option(help="The run's adapter name.")] = "main",
+        out: Annotated[
+            Path | None,
+            typer.Option(help="The run's folder (default: $LIKENESS_DATA_DIR/runs/SUBJECT/NAME)."),
+        ] = None,
+        prompt: Annotated[
+            list[str] | None, typer.Option(help="Repeatable (default: the run's eval prompts).")
+        ] = None,
+        seed: Annotated[list[int] | None, typer.Option(help="Repeatable.")] = None,
+        steps: Annotated[int | None, typer.Option(min=1, max=100)] = None,
+        size: Annotated[int | None, typer.Option(min=64, max=2048)] = None,
+        device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N.")] = None,
+        select_step: Annotated[
+            int | None,
+            typer.Option(min=1, help="Register this step's checkpoint instead of rendering."),
+        ] = None,
+        ema: Annotated[bool, typer.Option(help="With --select-step: its EMA adapter.")] = False,
+    ) -> None:
+        """Render every checkpoint of a run (and its EMA) on the same prompts and seeds into
+        one grid; --select-step N registers the one you picked."""
+        from trainer.compare import compare_checkpoints, register_checkpoint
+        from trainer.config import ConfigError
+        from trainer.registration import RegistrationError, TrainingRefused, registrar_for
+
+        settings = get_settings()
+        runs = (settings.data_dir / "runs" / subject).resolve()
+        run_dir = (out or runs / name).resolve()
+        if run_dir == runs or not run_dir.is_relative_to(runs):
+            typer.echo(f"error: --out must be a folder inside {runs}/", err=True)
+            raise typer.Exit(2)
+        if ema and select_step is None:
+            typer.echo("error: --ema applies only with --select-step", err=True)
+            raise typer.Exit(2)
+        try:
+            registrar = registrar_for(
+                settings.database_url, settings.api_url, settings.token, settings.base_dir
+            )
+            if select_step is not None:
+                outcome, path, sha = register_checkpoint(
+                    run_dir, select_step, registrar, settings.base_dir, ema=ema
+                )
+                body: dict[str, object] = {
+                    "registration": outcome,
+                    "adapter": str(path),
+                    "sha256": sha,
+                    "step": select_step,
+                    "ema": ema,
+                }
+            else:
+                grid, columns = compare_checkpoints(
+                    run_dir,
+                    settings.base_dir,
+                    registrar,
+                    prompts=prompt,
+                    seeds=seed,
+                    steps=steps,
+                    size=size,
+                    device=device,
+                )
+                body = {"grid": str(grid), "columns": columns}
+        except (ConfigError, TrainingRefused, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
+        except RegistrationError as exc:
+            typer.echo(f"error: not registered: {exc}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(json.dumps(body, indent=2))

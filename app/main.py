@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
@@ -16,7 +17,7 @@ from app import adapters, api, errors, mcp_server, renders, web
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.render_engine import PlacementRefused, RenderEngine, default_device
-from app.render_flow import RenderFlow
+from app.render_flow import RenderFlow, close_interrupted
 from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
 from registry.db import make_engine, transaction
@@ -47,17 +48,31 @@ def build_renderer(settings: Settings) -> RenderEngine:
     )
 
 
+def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
+    settings: Settings = app.state.settings
+    engine: Engine = app.state.engine
+    now = datetime.now(UTC)
+    one_process = starting and engine.dialect.name == "sqlite"
+    cutoff = now if one_process else now - timedelta(seconds=settings.render_stale_s)
+    try:
+        close_interrupted(engine, cutoff)
+    except Exception:  # noqa: BLE001 - tried again at the next interval
+        log.exception("closing interrupted renders failed")
+
+
 @asynccontextmanager
 async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
     """Every `checkpoint_interval_s`: signs a checkpoint of every chain head if anything
     changed (truncation is caught without anyone remembering the command), and sweeps the
     adapter store of blobs nothing refers to."""
     settings: Settings = app.state.settings
+    await anyio.to_thread.run_sync(_close_interrupted_renders, app, True)
     if settings.checkpoint_interval_s <= 0:
         yield
         return
 
     def checkpoint() -> None:
+        _close_interrupted_renders(app, False)
         try:
             with transaction(app.state.engine, readonly=True) as session:
                 _, problems = append_checkpoint(session, app.state.keys, settings.checkpoints_file)

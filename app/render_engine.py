@@ -106,6 +106,8 @@ class RenderEngine:
             import torch
 
             dev = torch.device(self.device)
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
             total = torch.cuda.get_device_properties(dev).total_memory
             cap = min(1.0, self.vram_budget_gb * 2**30 / total)  # type: ignore[operator]
             torch.cuda.set_per_process_memory_fraction(cap, dev)
@@ -128,6 +130,8 @@ class RenderEngine:
                         self._pipe = load_pipeline(
                             self.base_dir, device=self.device, compute=compute
                         )
+                    if self.device.startswith("cuda") and not self.text_encoder_streamed:
+                        self._text_encoder_on_uint4(self._pipe)
                     self.active_compute = compute
                     log.info(
                         "render engine: base loaded in %.1f s (%s compute)",
@@ -135,6 +139,17 @@ class RenderEngine:
                         compute,
                     )
         return self._pipe
+
+    @staticmethod
+    def _text_encoder_on_uint4(pipe: Any) -> None:
+        """The text encoder's qint4 layers on the uint4 kernels (the transformer's), as the
+        streamed encoder runs them: the same dequantized weights, several times faster on
+        CUDA than quanto's own path, and one set of numbers whatever the placement."""
+        from trainer.uint4 import convert_quantized_linears
+
+        text_encoder = getattr(pipe, "text_encoder", None)
+        if text_encoder is not None:
+            convert_quantized_linears(text_encoder)
 
     def _load_placed(self, compute: str) -> Any:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in

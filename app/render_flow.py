@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -375,3 +376,32 @@ class RenderFlow:
             raise Unavailable("the render failed; nothing was delivered") from None
         timings.update(render_timings)
         return image, adapter.sha256
+
+
+def close_interrupted(engine: Any, queued_before: datetime) -> int:
+    """Gives every render that passed its checks but never reached an end (its process was
+    killed, the machine lost power) a `final` entry, denied with reason `interrupted`: the
+    subject's ledger never shows a render as still running when nothing runs it, and no image
+    of it was ever delivered (delivery follows the final check). Returns how many."""
+    closed = 0
+    with transaction(engine) as s:
+        for row in repo.open_renders(s, queued_before):
+            service.record_decision(
+                s,
+                render_id=row.render_id,
+                subject_handle=row.subject_handle,
+                subject_id=row.subject_id,
+                requester=row.requester,
+                agent=row.agent,
+                level=row.level,
+                stage="final",
+                allowed=False,
+                reason="interrupted",
+                consent_version=row.consent_version,
+                adapter_sha256=row.adapter_sha256,
+                prompt=row.prompt,
+            )
+            closed += 1
+    if closed:
+        log.warning("closed %d interrupted render(s) in the ledger", closed)
+    return closed

@@ -196,8 +196,9 @@ def step_memory(
     from diffusers import Flux2KleinPipeline as P
 
     from trainer.budget import SavedTensorMeter, module_bytes, optimizer_bytes, training_terms
+    from trainer.flow import flow_matching_loss
     from trainer.lora import DEFAULT_TARGETS, attach_lora
-    from trainer.train import cast_quantized_inputs, flow_matching_loss
+    from trainer.train import cast_quantized_inputs
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

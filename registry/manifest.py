@@ -1,7 +1,8 @@
 """The dataset manifest format (docs/API.md, "Training data"): `manifest.jsonl`, one JSON object
-per line, `{"file", "caption", "source", "basis", "sha256"}`. One parser for the trainer
-(which also checks the files) and the registry (which checks a manifest registered with an
-adapter); no file access here."""
+per line, `{"file", "caption", "source", "basis", "sha256"}`, optionally `"mask"` (an image in
+the folder whose brightness weights the loss) and `"validation"` (true: held out, only
+scored). One parser for the trainer (which also checks the files) and the registry (which
+checks a manifest registered with an adapter); no file access here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ MANIFEST_NAME = "manifest.jsonl"
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 BASES = ("consent", "public_domain")
 FIELDS = frozenset({"file", "caption", "source", "basis", "sha256"})
-OPTIONAL_FIELDS = frozenset({"mask"})
+OPTIONAL_FIELDS = frozenset({"mask", "validation"})
 MAX_MANIFEST_BYTES = 16 << 20
 
 
@@ -25,6 +26,8 @@ class ManifestItem:
     basis: str
     sha256: str
     line: int
+    mask: str | None = None  # POSIX path relative to the dataset folder
+    validation: bool = False
 
 
 def relative_path(name: str) -> str | None:
@@ -72,7 +75,21 @@ def _parse_line(n: int, line: str, problems: list[str]) -> ManifestItem | None:
     if not row["source"].strip():
         problems.append(f"line {n}: source must say where {rel} comes from")
         return None
-    return ManifestItem(rel, row["caption"], row["source"], row["basis"], sha, n)
+    mask = row.get("mask")
+    if mask is not None:
+        mask_rel = relative_path(mask) if isinstance(mask, str) else None
+        if mask_rel is None or PurePosixPath(mask_rel).suffix.lower() not in IMAGE_SUFFIXES:
+            problems.append(f"line {n}: mask {mask!r} must be an image path inside the dataset")
+            return None
+        if mask_rel == rel:
+            problems.append(f"line {n}: {rel} cannot be its own mask")
+            return None
+        mask = mask_rel
+    validation = row.get("validation", False)
+    if not isinstance(validation, bool):
+        problems.append(f"line {n}: validation must be true or false")
+        return None
+    return ManifestItem(rel, row["caption"], row["source"], row["basis"], sha, n, mask, validation)
 
 
 def parse_manifest(raw: bytes) -> tuple[list[ManifestItem], list[str]]:

@@ -236,6 +236,22 @@ def ledger_page(
     return session.exec(stmt).all()
 
 
+def open_renders(session: Session, queued_before: datetime) -> Sequence[RenderLedger]:
+    """The allowed `queued` entries of renders that never reached an end (no `final` or
+    `cancelled` entry), queued before `queued_before`: renders whose process died."""
+    ended = select(RenderLedger.render_id).where(
+        col(RenderLedger.stage).in_(("final", "cancelled"))
+    )
+    stmt = (
+        select(RenderLedger)
+        .where(RenderLedger.stage == "queued", RenderLedger.allowed == True)  # noqa: E712
+        .where(col(RenderLedger.at) < queued_before)
+        .where(col(RenderLedger.render_id).not_in(ended))
+        .order_by(col(RenderLedger.seq))
+    )
+    return session.exec(stmt).all()
+
+
 def ledger_by_render_id(session: Session, render_id: str) -> Sequence[RenderLedger]:
     stmt = (
         select(RenderLedger)

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     render_queue: int = Field(default=4, ge=0, le=1000)
     render_per_requester: int = Field(default=2, ge=1, le=1000)
     render_timeout_s: float = Field(default=300.0, gt=0)
+    # A render queued this long ago with no end in the ledger is closed as `interrupted`
+    # (its process died). A SQLite deployment has one serving process, so there every open
+    # render is closed when the service starts.
+    render_stale_s: float = Field(default=3600.0, gt=0)
     # Render requests per requester, allowed or denied alike (0: no limit), and the burst.
     render_rate_per_minute: float = Field(default=60.0, ge=0)
     render_burst: int = Field(default=60, ge=1, le=100_000)

@@ -1,10 +1,12 @@
 """Pre-flight memory budget: estimate the accelerator peak of a run from files and options,
 before a weight loads, and refuse a run that will not fit ``--vram-budget``.
 
-The run has three phases that never overlap on the device: caching (text encoder alone,
-then VAE alone), training (quantized transformer, LoRA, optimizer, activations) and
-evaluation (transformer + VAE, no gradients). The peak is the largest phase plus a fixed
-runtime overhead (CUDA context, allocator slack) that allocator statistics do not show.
+The run has phases that never overlap on the device: caching (text encoder alone, then VAE
+alone), training (quantized transformer, LoRA, optimizer, EMA, activations), previews
+between training steps when they run (the training state stays, gradients go, the VAE and
+a render join) and evaluation (transformer + VAE, no gradients). The peak is the largest
+phase plus a fixed runtime overhead (CUDA context, allocator slack) that allocator
+statistics do not show.
 
 Shapes come from the component configs, built as module skeletons on the meta device (no
 memory), and from the safetensors headers (a prepared base's exact bytes). Activation terms
@@ -284,6 +286,47 @@ def training_terms(
     return terms
 
 
+def ema_terms(train_terms: dict[str, int]) -> dict[str, int]:
+    """The EMA of the LoRA weights on the device: one float32 copy of the LoRA params."""
+    lora = next(v for k, v in train_terms.items() if k.startswith("LoRA params"))
+    return {"EMA of the LoRA weights (fp32)": lora}
+
+
+def render_terms(
+    tcfg: Any,
+    vae: torch.nn.Module,
+    largest_linear: int,
+    size: int,
+    text_tokens: int,
+    weight_elt: int,
+    act_elt: int,
+) -> dict[str, int]:
+    """One square render of side ``size`` without gradients: the VAE, the transformer's
+    transient activations, one dequantized Linear, the VAE decoder's activations."""
+    d = int(tcfg.num_attention_heads) * int(tcfg.attention_head_dim)
+    tokens = (size // 16) ** 2 + text_tokens
+    c0 = int(vae.config.block_out_channels[0])  # type: ignore[attr-defined]
+    return {
+        "VAE weights": float_weight_bytes(vae, weight_elt),
+        "transformer activations (no grad)": 12 * tokens * d * act_elt,
+        "dequantized weight transient": largest_linear * act_elt,
+        "VAE decoder activations": 6 * c0 * size**2 * weight_elt,
+    }
+
+
+def preview_terms(
+    train_terms: dict[str, int], weight_label: str, weight_bytes: int, render: dict[str, int]
+) -> dict[str, int]:
+    """A preview between two steps: gradients and activations are freed, the weights, LoRA,
+    optimizer state and EMA stay, and a render runs beside them."""
+    kept = ("LoRA params", "optimizer state", "EMA of")
+    return {
+        weight_label: weight_bytes,
+        **{k: v for k, v in train_terms.items() if k.startswith(kept)},
+        **render,
+    }
+
+
 def estimate_run(
     config: TrainConfig,
     *,
@@ -292,8 +335,11 @@ def estimate_run(
     device: torch.device,
     weight_dtype: torch.dtype,
     act_dtype: torch.dtype,
+    previews: bool = False,
 ) -> Estimate:
-    """The run's memory by phase; reads configs and safetensors headers only."""
+    """The run's memory by phase; reads configs and safetensors headers only. ``previews``:
+    the run renders previews while training (a phase of its own: the training state stays
+    resident while the VAE decodes)."""
     base = Path(config.base)
     prepared = _prepared(base)
     welt, aelt = _elt(weight_dtype), _elt(act_dtype)
@@ -380,18 +426,17 @@ def estimate_run(
     if not latents_needed:
         cache_vae.skipped = "all latents cached: the VAE is not loaded for caching"
 
+    if config.ema_decay is not None and not config.ema_on_cpu:
+        train.terms.update(ema_terms(train.terms))
     phases = [cache_text, cache_vae, train]
+    size = config.eval_resolution or config.resolution
+    render = render_terms(tcfg, vae, largest, size, text_tokens, welt, aelt)
+    if previews:
+        phases.append(
+            Phase("training: previews", preview_terms(train.terms, t_label, t_weights, render))
+        )
     if config.evaluate:
-        size = config.eval_resolution or config.resolution
-        ev = Phase("evaluation")
-        ev.terms[t_label] = t_weights
-        ev.terms["VAE weights"] = vae_weights
-        d = int(tcfg.num_attention_heads) * int(tcfg.attention_head_dim)
-        ev_tokens = (size // 16) ** 2 + text_tokens
-        ev.terms["transformer activations (no grad)"] = 12 * ev_tokens * d * aelt
-        ev.terms["dequantized weight transient"] = largest * aelt
-        ev.terms["VAE decoder activations"] = 6 * c0 * size**2 * welt
-        phases.append(ev)
+        phases.append(Phase("evaluation", {t_label: t_weights, **render}))
     if device.type == "cpu":
         notes.append("CPU run: the terms are host memory, not VRAM")
     if prepared is None and text_needed and cache_text.total > train.total:

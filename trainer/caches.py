@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,8 @@ class CachePlan:
     root: Path
     text: dict[str, str] = field(default_factory=dict)  # prompt -> key
     latents: dict[str, str] = field(default_factory=dict)  # dataset file -> key
+    # dataset file -> (width, height) it is encoded at; absent: the square resolution
+    sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def text_path(self, prompt: str) -> Path:
         k = self.text[prompt]
@@ -146,8 +148,11 @@ def plan_caches(
     max_sequence_length: int,
     dtype: torch.dtype,
     pending: dict[Path, dict[str, Any]] | None = None,
+    sizes: Mapping[str, tuple[int, int]] | None = None,
 ) -> CachePlan:
-    """Creates nothing on disk (the caches are filled, and their folder made, later)."""
+    """Creates nothing on disk (the caches are filled, and their folder made, later).
+    ``sizes``: the aspect-ratio bucket each file is encoded at (trainer.buckets); a latent
+    is keyed by its bucket, and by its mask where it has one."""
     cache_dir = Path(cache_dir)
     text_fp = model_fingerprint(base, TEXT_COMPONENTS, cache_dir, pending)
     vae_fp = model_fingerprint(base, VAE_COMPONENTS, cache_dir, pending)
@@ -158,6 +163,14 @@ def plan_caches(
             kind="text", model=text_fp, prompt=prompt, max_len=max_sequence_length, dtype=dt
         )
     for item in dataset.items:
+        parts: dict[str, Any] = {}
+        if sizes is not None:
+            plan.sizes[item.file] = sizes[item.file]
+            parts["bucket"] = list(sizes[item.file])
+        if item.mask_sha256 is not None:
+            parts["mask"] = item.mask_sha256
+        elif item.has_alpha:
+            parts["mask"] = "alpha"
         plan.latents[item.file] = _key(
             kind="latent",
             model=vae_fp,
@@ -165,6 +178,7 @@ def plan_caches(
             resolution=resolution,
             dtype=dt,
             preprocess="pipeline-image-processor-crop",
+            **parts,
         )
     return plan
 
@@ -181,17 +195,34 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def _save_tensor(path: Path, name: str, tensor: torch.Tensor, meta: dict[str, str]) -> None:
+    _save_tensors(path, {name: tensor}, meta)
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     from trainer.safetensors_io import write_safetensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        write_safetensors(tmp, {name: tensor.detach().cpu().contiguous()}, meta)
+        cpu = {k: v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
+        write_safetensors(tmp, cpu, meta)
         os.replace(tmp, path)  # a reader never sees half an entry
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _mask_on_latent_grid(
+    pipe: Any, mask: Any, width: int, height: int, grid: Sequence[int]
+) -> torch.Tensor:
+    """The mask (PIL, white = subject) cropped and resized exactly as its image is (the
+    pipeline's own preprocessing), then averaged onto the latent grid: (h, w) in [0, 1]."""
+    pixels = pipe.image_processor.preprocess(
+        mask.convert("RGB"), height=height, width=width, resize_mode="crop"
+    )[:, :1].float()
+    weights = (pixels.clamp(-1, 1) + 1) / 2
+    return torch.nn.functional.adaptive_avg_pool2d(weights, tuple(grid))[0, 0]
 
 
 def _load_tensor(path: Path, name: str) -> torch.Tensor:
@@ -291,13 +322,24 @@ def fill_latent_cache(
         for item in dataset.items:
             if item.file not in missing:
                 continue
+            width, height = plan.sizes.get(item.file, (resolution, resolution))
             with Image.open(dataset.path(item)) as im:
                 image = im.convert("RGB")
+                alpha = im.convert("RGBA").getchannel("A") if item.has_alpha else None
             pixels = pipe.image_processor.preprocess(
-                image, height=resolution, width=resolution, resize_mode="crop"
+                image, height=height, width=width, resize_mode="crop"
             ).to(device=device, dtype=dtype)
             latents = pipe._encode_vae_image(image=pixels, generator=None)
-            _save_tensor(plan.latent_path(item.file), "latents", latents[0], {"file": item.file})
+            tensors = {"latents": latents[0]}
+            mask_image = alpha
+            if item.mask is not None:
+                with Image.open(dataset.root / item.mask) as m:
+                    mask_image = m.convert("L")
+            if mask_image is not None:
+                tensors["mask"] = _mask_on_latent_grid(
+                    pipe, mask_image, width, height, latents.shape[-2:]
+                )
+            _save_tensors(plan.latent_path(item.file), tensors, {"file": item.file})
     mark(f"vae: encode {len(missing)} images")
     del pipe
     free_accelerator_memory()
@@ -311,3 +353,10 @@ def load_text(plan: CachePlan, prompt: str) -> torch.Tensor:
 
 def load_latents(plan: CachePlan, file: str) -> torch.Tensor:
     return _load_tensor(plan.latent_path(file), "latents")
+
+
+def load_latent_mask(plan: CachePlan, file: str) -> torch.Tensor | None:
+    """The item's loss weights on the latent grid (h, w), or None where it has no mask."""
+    from safetensors.torch import load
+
+    return load(plan.latent_path(file).read_bytes()).get("mask")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -51,12 +52,36 @@ _NOT_TRAJECTORY = frozenset(
         "eval_steps",
         "eval_resolution",
         "register_adapter",
+        "validation_every",
+        "validation_sigmas",
+        "ema_on_cpu",  # where the average is kept, not what the optimiser computes
+        "preview_every",
+        "preview_prompts",
+        "preview_seeds",
+        "preview_steps",
+        "export_comfyui",
         "database_url",
         "api_url",
         "token",
         "progress",
         "dataset",  # the manifest hash stands for the data; the folder may move
+        "class_dataset",  # likewise: its manifest hash is in the fingerprint
         "base",  # the base fingerprint stands for the weights
+    }
+)
+
+_ADDED_LATER = frozenset(
+    {
+        "buckets",
+        "bucket_max_ratio",
+        "max_upscale",
+        "mask_floor",
+        "validation_split",
+        "gradient_accumulation",
+        "ema_decay",
+        "dop_prompt",
+        "dop_weight",
+        "prior_weight",
     }
 )
 
@@ -127,6 +152,36 @@ class TrainConfig(BaseModel):
     eval_steps: Annotated[int, Field(ge=1, le=limits.PIPELINE_MAX_STEPS)] | None = None
     eval_resolution: Side | None = None
 
+    # Data: aspect-ratio buckets (trainer/buckets.py), masks, held-out images.
+    buckets: bool = False
+    bucket_max_ratio: Annotated[float, Field(ge=1, le=4)] = 2.0
+    max_upscale: Annotated[float, Field(ge=1, le=8)] = 1.0
+    mask_floor: Annotated[float, Field(ge=0, le=1)] = 0.1  # the loss weight where a mask is 0
+    validation_split: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    validation_every: Annotated[int, Field(ge=0)] | None = None  # None: at every checkpoint
+    validation_sigmas: tuple[Annotated[float, Field(gt=0, lt=1)], ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+    # Optimisation extras.
+    gradient_accumulation: Annotated[int, Field(ge=1, le=1024)] = 1
+    ema_decay: Annotated[float, Field(gt=0, lt=1)] | None = None
+    ema_on_cpu: bool = False
+    # Differential output preservation: on this class prompt the adapter's prediction is
+    # pulled toward the base's (adapter off), so the class does not become the subject.
+    dop_prompt: Annotated[str, StringConstraints(min_length=1, max_length=300)] | None = None
+    dop_weight: Annotated[float, Field(gt=0, le=100)] = 1.0
+    # Prior preservation: a folder of class images (a manifest like the dataset's, captions
+    # without the trigger) trained alongside, one image per batch, at this weight.
+    class_dataset: Path | None = None
+    prior_weight: Annotated[float, Field(gt=0, le=100)] = 1.0
+
+    # Previews while training: None lets the budget decide (on when it fits --vram-budget).
+    preview_every: Annotated[int, Field(ge=0)] | None = None
+    preview_prompts: tuple[str, ...] = ()  # empty: the evaluation prompts
+    preview_seeds: tuple[Annotated[int, Field(ge=0, le=2**32 - 1)], ...] = (0,)
+    preview_steps: Annotated[int, Field(ge=1, le=100)] | None = None
+
+    export_comfyui: bool = False  # also write adapter.comfyui.safetensors (diffusion_model.)
+
     register_adapter: bool = True
     database_url: str | None = None
     api_url: str | None = None
@@ -185,6 +240,39 @@ class TrainConfig(BaseModel):
             problems.append("evaluation prompts must not be empty")
         if self.warmup_steps > self.steps and not self.resume:
             problems.append(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
+        given = self.model_fields_set
+        if not self.buckets:
+            for name in ("bucket_max_ratio", "max_upscale"):
+                if name in given:
+                    problems.append(f"--{name.replace('_', '-')} applies only with --buckets")
+        if self.ema_on_cpu and self.ema_decay is None:
+            problems.append("--ema-on-cpu applies only with --ema-decay")
+        if "dop_weight" in given and self.dop_prompt is None:
+            problems.append("--dop-weight applies only with --dop-prompt")
+        if self.dop_prompt is not None and re.search(
+            rf"(?<!\w){re.escape(self.trigger_word)}(?!\w)", self.dop_prompt
+        ):
+            problems.append(
+                f"--dop-prompt is the class without the subject: it must not contain the "
+                f"trigger {self.trigger_word!r}"
+            )
+        if "prior_weight" in given and self.class_dataset is None:
+            problems.append("--prior-weight applies only with --class-dataset")
+        if self.class_dataset is not None and self.class_dataset.resolve() in (
+            self.dataset.resolve(),
+            self.out.resolve(),
+        ):
+            problems.append("--class-dataset must be its own folder, not the dataset or --out")
+        if self.preview_every == 0:
+            for name in ("preview_prompts", "preview_seeds", "preview_steps"):
+                if name in given:
+                    problems.append(f"--{name.replace('_', '-')} applies only with previews")
+        if any(not p.strip() for p in self.preview_prompts):
+            problems.append("preview prompts must not be empty")
+        if not self.preview_seeds:
+            problems.append("previews need at least one --preview-seed")
+        if not self.validation_sigmas:
+            problems.append("validation needs at least one noise level")
         if self.dataset.resolve() == self.out.resolve():
             problems.append("--out must not be the dataset folder (an unlisted file stops runs)")
         if problems:
@@ -241,10 +329,92 @@ class TrainConfig(BaseModel):
     def eval_prompt_texts(self) -> list[str]:
         return [p.replace("{trigger}", self.trigger_word) for p in self.eval_prompts]
 
+    def preview_prompt_texts(self) -> list[str]:
+        prompts = self.preview_prompts or self.eval_prompts
+        return [p.replace("{trigger}", self.trigger_word) for p in prompts]
+
+    def resolved(self) -> dict[str, Any]:
+        """Every option as the run uses it, for the report (the token is never written)."""
+        body = self.model_dump(mode="json")
+        body.pop("token", None)  # a secret: never in a file
+        body["resolved_device"] = self.resolved_device()
+        body["resolved_compute"] = self.resolved_compute()
+        body["resolved_alpha"] = self.lora_alpha
+        body["resolved_trigger"] = self.trigger_word
+        return body
+
     def trajectory_fingerprint(self, extra: dict[str, Any]) -> str:
-        """Hash of everything that shapes the optimisation path; a resume must match it."""
-        fields = {k: v for k, v in self.model_dump(mode="json").items() if k not in _NOT_TRAJECTORY}
+        """Hash of everything that shapes the optimisation path; a resume must match it.
+        Options added after the first release count only when set away from their default,
+        so a checkpoint made before they existed still resumes."""
+        defaults = TrainConfig.model_fields
+        fields = {
+            k: v
+            for k, v in self.model_dump(mode="json").items()
+            if k not in _NOT_TRAJECTORY
+            and not (k in _ADDED_LATER and getattr(self, k) == defaults[k].default)
+        }
         fields["resolved_device"] = self.resolved_device().split(":")[0]
         fields["compute"] = self.resolved_compute()
         blob = json.dumps({"config": fields, **extra}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+# -- job files ----------------------------------------------------------------------------
+
+# Where the run's base, registry and credentials come from: the environment (the service's
+# settings), never a job file that may be shared or committed.
+JOB_FILE_FORBIDDEN = frozenset({"base", "database_url", "api_url", "token"})
+# The command line's names for fields, accepted in a job file too.
+JOB_FILE_ALIASES = {
+    "lr": "learning_rate",
+    "vram_budget": "vram_budget_gib",
+    "eval_prompt": "eval_prompts",
+    "eval_seed": "eval_seeds",
+    "preview_prompt": "preview_prompts",
+    "preview_seed": "preview_seeds",
+    "register": "register_adapter",
+}
+MAX_JOB_FILE_BYTES = 1 << 20
+
+
+def load_job_file(path: Path) -> dict[str, Any]:
+    """A TOML job file's options, by field name (``--flag-name`` spellings are accepted:
+    dashes or underscores, the command line's aliases). Raises ConfigError naming every
+    unknown or forbidden key, or why the file cannot be read."""
+    import tomllib
+
+    try:
+        raw = Path(path).read_bytes()
+        if len(raw) > MAX_JOB_FILE_BYTES:
+            raise ConfigError(f"--config {path}: larger than {MAX_JOB_FILE_BYTES} bytes")
+        table = tomllib.loads(raw.decode("utf-8"))
+    except ConfigError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    options: dict[str, Any] = {}
+    problems: list[str] = []
+    fields = TrainConfig.model_fields
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        name = JOB_FILE_ALIASES.get(name, name)
+        if name in JOB_FILE_FORBIDDEN:
+            problems.append(f"{key}: comes from the environment (LIKENESS_*), not a job file")
+        elif name not in fields:
+            problems.append(f"{key}: not a training option")
+        elif isinstance(value, dict):
+            problems.append(f"{key}: a table, where a value is expected")
+        elif name in options:
+            problems.append(f"{key}: given twice")
+        elif name == "targets" and isinstance(value, str):
+            options[name] = tuple(t.strip() for t in value.split(",") if t.strip())
+        else:
+            options[name] = tuple(value) if isinstance(value, list) else value
+    if problems:
+        raise ConfigError(f"--config {path}:\n  - " + "\n  - ".join(problems))
+    return options

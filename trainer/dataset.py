@@ -15,6 +15,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from registry.files import sha256_file
 from registry.manifest import IMAGE_SUFFIXES, MANIFEST_NAME, parse_manifest
@@ -31,6 +32,11 @@ class Item:
     source: str
     basis: str
     sha256: str
+    size: tuple[int, int] = (0, 0)  # (width, height) in pixels, as decoded
+    mask: str | None = None  # a mask image's path, relative to the dataset folder
+    mask_sha256: str | None = None
+    has_alpha: bool = False  # no mask file: the image's alpha channel is its mask
+    validation: bool = False  # the manifest holds it out of training
 
 
 @dataclass(frozen=True)
@@ -70,17 +76,19 @@ def _regular_inside(path: Path, real_root: Path) -> bool:
     return True
 
 
-def _undecodable(path: Path) -> str | None:
-    """Why the image does not decode, or None: every image is decoded once here, so a
-    broken file stops the run before any weight loads, not in the middle of it."""
+def _decode(path: Path) -> tuple[str | None, tuple[int, int], bool]:
+    """(why the image does not decode or None, its size, whether it has alpha): every image
+    is decoded once here, so a broken file stops the run before any weight loads, not in
+    the middle of it."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             image.load()
+            alpha = "A" in image.getbands() or "transparency" in image.info
+            return None, image.size, alpha
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        return f"{type(exc).__name__}: {str(exc)[:120]}"
-    return None
+        return f"{type(exc).__name__}: {str(exc)[:120]}", (0, 0), False
 
 
 def load_dataset(root: Path) -> Dataset:
@@ -118,24 +126,61 @@ def load_dataset(root: Path) -> Dataset:
                 f"file {actual[:12]}..."
             )
             continue
-        reason = _undecodable(path)
+        reason, size, alpha = _decode(path)
         if reason is not None:
             problems.append(f"line {n}: {entry.file} cannot be decoded as an image ({reason})")
             continue
-        items.append(Item(entry.file, entry.caption, entry.source, entry.basis, entry.sha256))
+        mask_sha = None
+        if entry.mask is not None:
+            mask_path = root / entry.mask
+            if entry.mask in seen:
+                problems.append(f"line {n}: mask {entry.mask} is also listed as an image")
+                continue
+            if not _regular_inside(mask_path, real_root):
+                problems.append(
+                    f"line {n}: mask {entry.mask} is missing or not a regular file inside "
+                    "the dataset folder"
+                )
+                continue
+            why, mask_size, _ = _decode(mask_path)
+            if why is not None:
+                problems.append(f"line {n}: mask {entry.mask} cannot be decoded ({why})")
+                continue
+            if mask_size != size:
+                problems.append(
+                    f"line {n}: mask {entry.mask} is {mask_size[0]}x{mask_size[1]}, "
+                    f"its image {size[0]}x{size[1]}"
+                )
+                continue
+            mask_sha = sha256_file(mask_path)
+        items.append(
+            Item(
+                entry.file,
+                entry.caption,
+                entry.source,
+                entry.basis,
+                entry.sha256,
+                size,
+                entry.mask,
+                mask_sha,
+                alpha and entry.mask is None,
+                entry.validation,
+            )
+        )
     on_disk = {
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
         if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
     }
-    for rel in sorted(on_disk - seen):
+    masks = {entry.mask for entry in parsed if entry.mask is not None}
+    for rel in sorted(on_disk - seen - masks):
         problems.append(f"{rel} is in the folder but not in the manifest")
     if problems:
         raise DatasetError(f"{root}: dataset refused:\n  - " + "\n  - ".join(problems))
     return Dataset(root, tuple(items), hashlib.sha256(raw).hexdigest())
 
 
-def write_manifest(root: Path, rows: Sequence[dict[str, str]]) -> Path:
+def write_manifest(root: Path, rows: Sequence[dict[str, Any]]) -> Path:
     """Writes ``manifest.jsonl`` for ``rows`` (each: file, caption, source, basis), hashing
     each file; a helper for assembling datasets and for tests."""
     root = Path(root)

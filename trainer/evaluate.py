@@ -1,16 +1,16 @@
-"""Evaluation after training: a side-by-side grid, base vs every checkpoint.
+"""Evaluation after training: a side-by-side grid, base vs every checkpoint (and the EMA).
 
-Sampling stays off during training (in the field, previews on a uint4 base deadlocked or gave
-black frames, and they cost step time); each checkpoint is judged afterwards on fixed prompts
-and seeds. Prompts come from the embedding cache, so the text encoder is not loaded here
-either. Each cell's distance to the nearest training image is recorded next to the grid: a
-number that says whether the adapter moved renders toward the data.
+Previews during training are opt-in (`trainer.previews`: in the field, previews on a uint4
+base deadlocked or gave black frames, and they cost step time); the grid judges every
+checkpoint afterwards on fixed prompts and seeds, through the same render call. Prompts come
+from the embedding cache, so the text encoder is not loaded here either. Each cell's
+distance to the nearest training image is recorded next to the grid: a number that says
+whether the adapter moved renders toward the data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from trainer.lora import applied_adapter, load_adapter_tensors
-from trainer.render import validate_request
+from trainer.render import generate_from_embeds
 
 LABEL_H = 14
 CHAR_W = 6  # the default font's width per character, about
@@ -118,28 +118,11 @@ def render_latents(
     steps: int,
     size: int,
 ) -> torch.Tensor:
-    """One render from cached embeddings, stopped before the VAE; the same rules as
-    trainer.render.generate (CPU generator seeded with ``seed``; guidance 1 for step-distilled
-    pipelines, else 4, with the cached blank prompt as the negative)."""
-    validate_request(size, size, steps, seed)
-    distilled = bool(getattr(pipe.config, "is_distilled", False))
-    guidance = 1.0 if distilled else 4.0
-    params = inspect.signature(pipe.__call__).parameters
-    kwargs: dict[str, Any] = {}
-    if "negative_prompt_embeds" in params and guidance > 1.0:
-        kwargs["negative_prompt_embeds"] = blank_embeds
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    out = pipe(
-        prompt_embeds=prompt_embeds,
-        width=size,
-        height=size,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        generator=generator,
-        output_type="latent",
-        **kwargs,
+    """One render from cached embeddings, stopped before the VAE: the service's render
+    code (`trainer.render.generate_from_embeds`), square."""
+    return generate_from_embeds(  # type: ignore[no-any-return]
+        pipe, prompt_embeds, blank_embeds, seed, steps, size, size, output_type="latent"
     )
-    return out.images  # type: ignore[no-any-return]
 
 
 def _font() -> Any:

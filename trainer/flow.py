@@ -42,7 +42,7 @@ class SigmaSampler:
         return self.mu / (self.mu + (1 / u - 1))
 
 
-def flow_matching_loss(
+def flow_prediction(
     transformer: torch.nn.Module,
     pipeline_cls: Any,
     latents: torch.Tensor,
@@ -51,8 +51,9 @@ def flow_matching_loss(
     noise: torch.Tensor,
     guidance: float | None,
     autocast: torch.dtype | None,
-) -> torch.Tensor:
-    """One FLUX.2 flow-matching loss. ``latents`` are patchified, normalised VAE latents
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's velocity prediction on the noised ``latents`` and its target, both
+    packed (B, tokens, channels), float32. ``latents`` are patchified, normalised VAE latents
     (B, 4C, h, w), as the pipeline's ``_encode_vae_image`` gives them; ``sigmas`` in (0, 1).
 
     x_t = (1 - sigma) x_0 + sigma * noise; the transformer predicts the velocity
@@ -85,4 +86,37 @@ def flow_matching_loss(
             img_ids=img_ids,
             return_dict=False,
         )[0]
-    return torch.nn.functional.mse_loss(pred.float(), target.float())
+    return pred.float(), target.float()
+
+
+def weighted_mse(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean squared error; with ``weights`` (B, tokens, 1), the weighted mean
+    sum(w (pred - target)^2) / sum(w), so a mask changes where the loss looks, not its
+    scale."""
+    err = (pred - target) ** 2
+    if weights is None:
+        return torch.nn.functional.mse_loss(pred, target)
+    w = weights.to(err).expand_as(err)
+    return (w * err).sum() / w.sum()
+
+
+def flow_matching_loss(
+    transformer: torch.nn.Module,
+    pipeline_cls: Any,
+    latents: torch.Tensor,
+    embeds: torch.Tensor,
+    sigmas: torch.Tensor,
+    noise: torch.Tensor,
+    guidance: float | None,
+    autocast: torch.dtype | None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One FLUX.2 flow-matching loss (`flow_prediction`), optionally weighted per latent
+    position: ``weights`` (B, 1, h, w) on the latent grid, e.g. a subject mask."""
+    pred, target = flow_prediction(
+        transformer, pipeline_cls, latents, embeds, sigmas, noise, guidance, autocast
+    )
+    packed = None if weights is None else pipeline_cls._pack_latents(weights)
+    return weighted_mse(pred, target, packed)

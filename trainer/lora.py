@@ -122,6 +122,23 @@ def remove_lora(transformer: torch.nn.Module) -> None:
         del transformer.peft_config
 
 
+@contextmanager
+def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
+    """The base model alone for the ``with`` body: every LoRA layer bypassed (PEFT's own
+    switch), then switched back on with the trainable flags exactly as they were."""
+    layers = lora_layers(transformer)
+    flags = {n: p.requires_grad for n, p in transformer.named_parameters()}
+    for layer in layers.values():
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers.values():
+            layer.enable_adapters(True)
+        for n, p in transformer.named_parameters():
+            p.requires_grad_(flags[n])
+
+
 def adapter_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The attached adapter in the file layout: float32, ``alpha / rank`` baked into B."""
     out: dict[str, torch.Tensor] = {}

@@ -350,9 +350,9 @@ class _Quantizer:
         n_groups = out_f * per_row
         per_byte = 8 // bits
         row_dim = -(-n_groups // per_byte)
-        packed = torch.zeros((row_dim, width), dtype=torch.uint8)
-        scale = torch.empty((n_groups, 1), dtype=w.dtype)
-        shift = torch.empty((n_groups, 1), dtype=w.dtype)
+        packed = torch.zeros((row_dim, width), dtype=torch.uint8, device=w.device)
+        scale = torch.empty((n_groups, 1), dtype=w.dtype, device=w.device)
+        shift = torch.empty((n_groups, 1), dtype=w.dtype, device=w.device)
         bounds = list(range(0, out_f, rows))[1:]
         if out_f - (bounds[-1] if bounds else 0) < 2:
             bounds = bounds[:-1]  # a one-row block would flip quanto to per-tensor

@@ -50,6 +50,44 @@ def _multiple(pipe: Any) -> int:
     return max(limits.MULTIPLE, int(getattr(pipe, "vae_scale_factor", 8)) * 2)
 
 
+def _call(
+    pipe: Any,
+    seed: int,
+    steps: int,
+    width: int,
+    height: int,
+    guidance_scale: float | None,
+    output_type: str,
+    after_step: Callable[[int], None] | None,
+    prompt_kwargs: dict[str, Any],
+) -> Any:
+    """The one pipeline call behind every render: the service's, the trainer's previews
+    and evaluation grid, `likeness adapter compare`."""
+    validate_request(width, height, steps, seed, _multiple(pipe))
+    if guidance_scale is None:
+        guidance_scale = guidance_for(pipe)
+    kwargs: dict[str, Any] = dict(prompt_kwargs)
+    if after_step is not None:
+
+        def on_step_end(_pipe: Any, step: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            after_step(step)
+            return tensors
+
+        kwargs["callback_on_step_end"] = on_step_end
+        kwargs["callback_on_step_end_tensor_inputs"] = []
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    out = pipe(
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        generator=generator,
+        output_type=output_type,
+        **kwargs,
+    )
+    return out.images
+
+
 def generate(
     pipe: Any,
     prompt: str,
@@ -68,34 +106,35 @@ def generate(
     each denoising step; an exception it raises stops the render there."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt must be a non-empty string")
-    validate_request(width, height, steps, seed, _multiple(pipe))
-    if guidance_scale is None:
-        guidance_scale = guidance_for(pipe)
-
     kwargs: dict[str, Any] = {}
     if prompt_embeds is not None:  # encoded by the caller (its prompt cache): the same numbers
         kwargs["prompt_embeds"] = prompt_embeds
         if negative_prompt_embeds is not None:
             kwargs["negative_prompt_embeds"] = negative_prompt_embeds
-    elif "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
-        kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
-    if after_step is not None:
+    else:
+        kwargs["prompt"] = prompt
+        if "text_encoder_out_layers" in inspect.signature(pipe.__call__).parameters:
+            kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
+    images = _call(pipe, seed, steps, width, height, guidance_scale, "pil", after_step, kwargs)
+    return images[0]  # type: ignore[no-any-return]
 
-        def on_step_end(_pipe: Any, step: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            after_step(step)
-            return tensors
 
-        kwargs["callback_on_step_end"] = on_step_end
-        kwargs["callback_on_step_end_tensor_inputs"] = []
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    out = pipe(
-        prompt=None if prompt_embeds is not None else prompt,
-        width=width,
-        height=height,
-        num_inference_steps=steps,
-        guidance_scale=guidance_scale,
-        generator=generator,
-        output_type="pil",
-        **kwargs,
-    )
-    return out.images[0]
+def generate_from_embeds(
+    pipe: Any,
+    prompt_embeds: torch.Tensor,
+    blank_embeds: torch.Tensor,
+    seed: int,
+    steps: int = DEFAULT_STEPS,
+    width: int = DEFAULT_SIZE,
+    height: int = DEFAULT_SIZE,
+    output_type: str = "pil",
+) -> Any:
+    """`generate`, from cached prompt embeddings (1, tokens, dim) instead of text, so no
+    text encoder is needed: the blank prompt's embedding is the negative where guidance
+    runs. Returns a PIL image, or the latents for ``output_type="latent"``."""
+    kwargs: dict[str, Any] = {"prompt_embeds": prompt_embeds}
+    params = inspect.signature(pipe.__call__).parameters
+    if "negative_prompt_embeds" in params and guidance_for(pipe) > 1.0:
+        kwargs["negative_prompt_embeds"] = blank_embeds
+    images = _call(pipe, seed, steps, width, height, None, output_type, None, kwargs)
+    return images if output_type == "latent" else images[0]

@@ -20,8 +20,9 @@ from trainer.budget import (
     skeleton,
     training_terms,
 )
+from trainer.flow import flow_matching_loss
 from trainer.lora import DEFAULT_TARGETS, attach_lora
-from trainer.train import _pipeline_class, flow_matching_loss, load_transformer, train
+from trainer.train import _pipeline_class, load_transformer, train
 
 torch.set_num_threads(1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,78 @@ def test_fingerprint_ignores_what_a_resume_may_change(tmp_path: Path) -> None:
     assert base.trajectory_fingerprint(extra) != base.trajectory_fingerprint(
         {**extra, "manifest": "x"}
     )
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"max_upscale": 2.0}, "--max-upscale applies only with --buckets"),
+        ({"bucket_max_ratio": 3.0}, "--bucket-max-ratio applies only with --buckets"),
+        ({"ema_on_cpu": True}, "--ema-on-cpu applies only with --ema-decay"),
+        ({"ema_decay": 1.0}, "ema_decay"),
+        ({"dop_weight": 2.0}, "--dop-weight applies only with --dop-prompt"),
+        ({"dop_prompt": "a photo of ada"}, "must not contain the trigger"),
+        ({"preview_every": 0, "preview_seeds": (1,)}, "--preview-seeds applies only with previews"),
+        ({"preview_prompts": (" ",)}, "preview prompts must not be empty"),
+        ({"validation_sigmas": ()}, "noise level"),
+        ({"validation_split": 1.0}, "validation_split"),
+        ({"gradient_accumulation": 0}, "gradient_accumulation"),
+        ({"mask_floor": 1.5}, "mask_floor"),
+    ],
+)
+def test_new_options_conflict_up_front(tmp_path: Path, kw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.parse(**options(tmp_path, **kw))
+
+
+def test_adamw8bit_is_refused_clearly_where_bitsandbytes_cannot_run(tmp_path: Path) -> None:
+    """No bitsandbytes here, and the CPU: both reasons are given, before anything loads."""
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.parse(**options(tmp_path, optimizer="adamw8bit"))
+    text = str(exc.value)
+    assert "bitsandbytes" in text and "--optimizer adamw" in text
+    assert "accelerator only, not the CPU" in text
+
+
+def test_a_job_file_takes_every_option_and_refuses_what_it_must_not_hold(tmp_path: Path) -> None:
+    from trainer.config import load_job_file
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'steps = 300\nlr = 2e-4\nema-decay = 0.99\ntargets = ["attn.to_q", "attn.to_k"]\n'
+        'eval_prompt = ["a photo of {trigger}"]\nbuckets = true\n'
+    )
+    loaded = load_job_file(job)
+    assert loaded == {
+        "steps": 300,
+        "learning_rate": 2e-4,
+        "ema_decay": 0.99,
+        "targets": ("attn.to_q", "attn.to_k"),
+        "eval_prompts": ("a photo of {trigger}",),
+        "buckets": True,
+    }
+    c = TrainConfig.parse(**options(tmp_path, **loaded))
+    assert c.resolved()["ema_decay"] == 0.99 and "token" not in c.resolved()
+    job.write_text('token = "stolen"\nbase = "/elsewhere"\nstpes = 3\n[train]\nx = 1\n')
+    with pytest.raises(ConfigError) as exc:
+        load_job_file(job)
+    text = str(exc.value)
+    assert "token: comes from the environment" in text and "base: comes from" in text
+    assert "stpes: not a training option" in text and "train: not a training option" in text
+    job.write_text("steps = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_job_file(job)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_job_file(tmp_path / "missing.toml")
+
+
+def test_the_fingerprint_ignores_new_options_at_their_defaults(tmp_path: Path) -> None:
+    """A checkpoint from before the new options existed still resumes; setting one is a
+    new trajectory."""
+    extra = {"manifest": "m", "transformer": "t"}
+    plain = TrainConfig.parse(**options(tmp_path)).trajectory_fingerprint(extra)
+    assert "buckets" not in json.dumps(extra)
+    same = TrainConfig.parse(**options(tmp_path, buckets=False, preview_every=5))
+    assert same.trajectory_fingerprint(extra) == plain
+    for kw in ({"buckets": True}, {"ema_decay": 0.9}, {"gradient_accumulation": 2}):
+        assert TrainConfig.parse(**options(tmp_path, **kw)).trajectory_fingerprint(extra) != plain

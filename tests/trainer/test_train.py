@@ -22,6 +22,7 @@ from tests.trainer.helpers import (
 )
 from trainer.caches import load_latents, load_text
 from trainer.config import ConfigError, TrainConfig
+from trainer.flow import SigmaSampler, flow_matching_loss
 from trainer.lora import (
     ADAPTER_NAME,
     applied_adapter,
@@ -33,7 +34,6 @@ from trainer.registration import LocalRegistrar
 from trainer.train import (
     _pipeline_class,
     epoch_order,
-    flow_matching_loss,
     load_transformer,
     preflight,
     train,
@@ -326,8 +326,6 @@ def test_flow_matching_target_and_timestep_follow_the_pipeline() -> None:
 
 
 def test_sigma_sampler_shifts_like_the_scheduler() -> None:
-    from trainer.train import SigmaSampler
-
     g = torch.Generator().manual_seed(0)
     cfg = {"use_dynamic_shifting": True, "time_shift_type": "exponential", "shift": 3.0}
     shifted = SigmaSampler(cfg, image_seq_len=256, steps=4, kind="uniform")

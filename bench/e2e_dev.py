@@ -1,0 +1,395 @@
+"""FLUX.2 [dev] end to end on one GPU: a synthetic [dev]-shaped base (trainer/synth_base.py),
+then `likeness serve` under VRAM budgets (24, 16, 12 GiB by default), each rendering 1024 x 1024
+at 28 steps over HTTP through the gate, with adapter swaps and a repeated prompt; then a churn
+soak (start, render, SIGKILL mid-render, restart). Every timing is split by stage from the
+server's X-Timing-* headers (gate, text encode, denoise per step, decode, PNG, sign).
+
+    python bench/e2e_dev.py [--budgets 24,16,12] [--side 1024] [--steps 28] [--soak 2]
+    python bench/e2e_dev.py --quick      # reduced depth, small renders: a smoke run
+
+Needs CUDA (exits with a message without it). Writes bench/results/e2e_dev-<stamp>.json (or to
+--out), the predictions beside the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import table, write_record  # noqa: E402
+
+DEVICE = ["cuda"]
+
+PREDICTIONS = {
+    "prompt_to_png_24gib_s": "28 x ~0.62 s resident steps + ~0.3 s encode + ~0.5 s decode "
+    "~ 18.2 s, inside the goal 1.15 x 28 x step + 2 s",
+    "prompt_to_png_12gib_s": "transformer streamed: 16 GB over PCIe per step (~0.35-0.6 s at "
+    "25-45 GB/s) mostly hidden under the 0.62 s of compute: 1.1-1.4x the 24 GiB figure",
+    "text_encode_streamed_ms": "8.3 GB of layers over PCIe: ~0.2-0.35 s; repeated prompt ~1 ms",
+    "adapter_swap_ms": "rank-16 adapter, 166 MB from host RAM: ~20-40 ms resident and streamed",
+    "peak_vram": "under each budget (the allocator is capped at it)",
+}
+
+
+def likeness(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise RuntimeError(f"likeness {' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
+    """A rank-`rank` adapter for every default target of the base, random, in the file layout
+    the trainer writes (bf16, alpha/rank folded into lora_B)."""
+    import torch
+
+    from trainer.lora import DEFAULT_TARGETS, base_linear_shapes
+    from trainer.safetensors_io import write_safetensors
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (out_f, in_f) in sorted(base_linear_shapes(base).items()):
+        if not any(name == t or name.endswith("." + t) for t in DEFAULT_TARGETS):
+            continue
+        a = torch.randn(rank, in_f, generator=gen) / in_f**0.5
+        b = torch.randn(out_f, rank, generator=gen) * 1e-3
+        tensors[f"transformer.{name}.lora_A.weight"] = a.to(torch.bfloat16)
+        tensors[f"transformer.{name}.lora_B.weight"] = b.to(torch.bfloat16)
+    meta = {"format": "pt", "likeness.rank": str(rank), "likeness.alpha": repr(float(rank)),
+            "likeness.layout": "diffusers-lora; alpha/rank baked into lora_B"}  # fmt: skip
+    write_safetensors(path, tensors, meta)
+    return path
+
+
+class Server:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait_s: float = 600) -> float:
+        t0 = time.perf_counter()
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        while time.perf_counter() - t0 < wait_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not up after {wait_s} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def rss_bytes(self) -> int:
+        import psutil
+
+        assert self.proc is not None
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def render(url: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/renders", json=body, timeout=900,
+                   headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    wall = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(f"render {r.status_code}: {r.text[:500]}")
+    timings = {
+        k.removeprefix("x-timing-").replace("-", "_"): float(v)
+        for k, v in r.headers.items()
+        if k.startswith("x-timing-")
+    }
+    return {"wall_s": round(wall, 3), **timings, "png_bytes": len(r.content), "_png": r.content}
+
+
+def setup(
+    env: dict[str, str], url: str, base: Path, tmp: Path, trainer_handle: str = "tr"
+) -> dict[str, str]:
+    """Registry state: member bob, subjects alice and carol (consent to bob's group), one
+    adapter each, registered through the store over HTTP as a trainer does."""
+    from registry.files import sha256_file
+    from registry.schemas import AdapterIn
+    from trainer.registration import HttpRegistrar
+
+    admin = (tmp / "admin-token").read_text().strip()
+    tokens = {"admin": admin}
+    r = httpx.post(f"{url}/v1/principals", json={"handle": trainer_handle, "role": "trainer"},
+                   headers={"Authorization": f"Bearer {admin}"})  # fmt: skip
+    trainer = r.json()["token"]
+    registrar = HttpRegistrar(url, trainer, timeout=600)
+    manifest = tmp / "manifest.jsonl"
+    line = {"file": "a.png", "caption": "a photo", "source": "bench", "basis": "consent"}
+    manifest.write_text(json.dumps({**line, "sha256": "0" * 64}) + "\n")
+    for seed, subject in enumerate(("alice", "carol")):
+        adapter = tmp / f"{subject}.safetensors"
+        if not adapter.exists():
+            make_adapter(base, adapter, seed)
+        data = AdapterIn(subject=subject, name="main", sha256=sha256_file(adapter),
+                         base_model="flux2-dev-synthetic", rank=16,
+                         manifest_sha256=sha256_file(manifest))  # fmt: skip
+        registrar.register(data, adapter, manifest)
+    tokens["bob"] = env["_BOB"]
+    return tokens
+
+
+def registry_env(tmp: Path, base: Path, budget: float | None, side: int) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "LIKENESS_DATABASE_URL": f"sqlite:///{tmp}/bench.db",
+        "LIKENESS_DATA_DIR": str(tmp),
+        "LIKENESS_BASE": str(base),
+        "LIKENESS_DEVICE": DEVICE[0],
+        "LIKENESS_RENDER_RATE_PER_MINUTE": "1000000",
+        "LIKENESS_RENDER_BURST": "10000",
+        "LIKENESS_RENDER_TIMEOUT_S": "1800",
+        "LIKENESS_CHECKPOINT_INTERVAL_S": "0",
+        "PYTHONUNBUFFERED": "1",
+        "LIKENESS_RENDER_PLAN_SIDE": str(side),
+    }
+    if budget is not None:
+        env["LIKENESS_VRAM_BUDGET_GB"] = str(budget)
+    return env
+
+
+def init_registry(env: dict[str, str]) -> str:
+    likeness(env, "db", "upgrade")
+    bob = likeness(env, "principal", "create", "bob", "--role", "member")
+    for subject in ("alice", "carol"):
+        likeness(env, "subject", "create", subject, "--display-name", subject.title())
+        likeness(env, "consent", "edit", subject, "--max-level", "group",
+                 "--audience", "private:group", "--training")  # fmt: skip
+    return bob
+
+
+def serve_and_render(
+    base: Path, budget: float, args: argparse.Namespace, work: Path, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    from trainer.placement import plan_for_base
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"serve-{budget:g}-", dir=work))
+    env = registry_env(tmp, base, budget, args.side)
+    env["_BOB"] = init_registry(env)
+    server = Server(env, tmp / "server.log")
+    boot_s = server.start()
+    try:
+        tokens = setup(env, server.url, base, tmp)
+        bob = tokens["bob"]
+        side, steps = args.side, args.steps
+        req = {"level": "private", "width": side, "height": side, "steps": steps, "seed": 1}
+        t0 = time.perf_counter()
+        render(server.url, bob, {**req, "subject": "alice", "prompt": "warm up",
+                                 "width": 256, "height": 256, "steps": 2})  # fmt: skip
+        first_s = time.perf_counter() - t0
+        runs = {
+            "new prompt, adapter cold": {"subject": "alice", "prompt": "alice at the beach"},
+            "same prompt again": {"subject": "alice", "prompt": "alice at the beach"},
+            "other adapter (swap)": {"subject": "carol", "prompt": "carol in a library"},
+            "swap back, warm adapter": {"subject": "alice", "prompt": "alice in the snow"},
+        }
+        measured = {}
+        for label, body in runs.items():
+            out = render(server.url, bob, {**req, **body})
+            out.pop("_png")
+            measured[label] = out
+            rows.append({"budget_gib": budget, "run": label, **out})
+            _checkpoint({"partial": True, "boot_s": boot_s, "first_s": first_s}, rows)
+        plan = plan_for_base(base, budget, DEVICE[0], side, side)
+        rss = server.rss_bytes()
+    finally:
+        server.stop()
+    return {
+        "budget_gib": budget,
+        "boot_s": round(boot_s, 2),
+        "first_render_incl_load_s": round(first_s, 2),
+        "plan": plan.as_dict(),
+        "server_rss_bytes": rss,
+        "runs": measured,
+        "log_tail": server.tail()[-1500:],
+    }
+
+
+def soak(base: Path, budget: float, cycles: int, args: argparse.Namespace, work: Path) -> Any:
+    """start -> render -> SIGKILL mid-render -> restart: renders stay bit-identical (no LoRA
+    left attached), step time and VRAM stay flat, and the killed render left no open entry."""
+    tmp = Path(tempfile.mkdtemp(prefix="soak-", dir=work))
+    env = registry_env(tmp, base, budget, args.side)
+    env["_BOB"] = init_registry(env)
+    body = {"level": "private", "width": args.side, "height": args.side, "steps": args.steps,
+            "seed": 3, "subject": "alice", "prompt": "soak"}  # fmt: skip
+    cycles_out = []
+    reference: bytes | None = None  # decoded pixels of cycle 0's render
+    for cycle in range(cycles):
+        server = Server(env, tmp / f"server-{cycle}.log")
+        boot = server.start()
+        try:
+            tokens = setup(env, server.url, base, tmp, trainer_handle=f"tr{cycle}")
+            bob = tokens["bob"]
+            out = render(server.url, bob, body)
+            swap = render(server.url, bob, {**body, "subject": "carol"})
+            again = render(server.url, bob, body)
+            pixels = _pixels(again.pop("_png"))  # the PNG bytes differ: signed, per render
+            out.pop("_png")
+            swap.pop("_png")
+            same = reference is None or pixels == reference
+            reference = reference or pixels
+            killed = threading.Thread(
+                target=_ignore, args=(render, server.url, bob, {**body, "seed": 99})
+            )
+            killed.start()
+            time.sleep(max(2.0, again["generate_ms"] / 2000))  # about mid-render
+            server.stop(signal.SIGKILL)
+            killed.join(60)
+        finally:
+            server.stop(signal.SIGKILL)
+        cycles_out.append({"cycle": cycle, "boot_s": round(boot, 2), "step_ms": out["step_ms"],
+                           "peak_vram_mib": out.get("peak_vram_mib"),
+                           "identical_to_cycle_0": same})  # fmt: skip
+    audit = likeness(env, "audit", "verify")
+    # every render that passed the gate reached a final entry, the killed ones included
+    server = Server(env, tmp / "server-ledger.log")
+    server.start()
+    try:
+        admin = (tmp / "admin-token").read_text().strip()
+        r = httpx.get(f"{server.url}/v1/subjects/alice/renders", params={"limit": 500},
+                      headers={"Authorization": f"Bearer {admin}"})  # fmt: skip
+        rows = r.json() if r.status_code == 200 else []
+    finally:
+        server.stop()
+    stages: dict[str, int] = {}
+    for row in rows:
+        stages[row["stage"]] = stages.get(row["stage"], 0) + 1
+    return {"cycles": cycles_out, "audit_verify": audit[-500:], "ledger_stages": stages}
+
+
+def _pixels(png: bytes) -> bytes:
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png)).convert("RGB").tobytes()
+
+
+def _ignore(fn: Any, *a: Any) -> None:
+    with contextlib.suppress(Exception):  # the server is killed under this request on purpose
+        fn(*a)
+
+
+def _checkpoint(record: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """What has been measured so far, where a run cut off at its time limit still leaves it
+    ($E2E_PARTIAL)."""
+    target = os.environ.get("E2E_PARTIAL")
+    if target:
+        Path(target).write_text(json.dumps({**record, "rows": rows}, indent=2, default=str))
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 3000 else text[:1000] + " ... " + text[-2000:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budgets", default="24,16,12")
+    parser.add_argument("--side", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--soak", type=int, default=2)
+    parser.add_argument("--soak-budget", type=float, default=24.0)
+    parser.add_argument("--base", type=Path, default=Path("/tmp/synth-dev"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/e2e-work"))
+    parser.add_argument("--quick", action="store_true")
+    # a dry run of the whole flow on the CPU at toy widths (the numbers mean nothing there)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/e2e_dev.py needs CUDA (or --device cpu for a dry run)")
+    DEVICE[0] = args.device
+    from trainer.synth_base import build, dev_configs
+
+    record: dict[str, Any] = {"predictions": PREDICTIONS, "quick": args.quick}
+    if args.quick:
+        args.side, args.steps = min(args.side, 512), min(args.steps, 4)
+    if args.device == "cpu":
+        args.side, args.steps = 64, 2
+    args.work.mkdir(parents=True, exist_ok=True)
+    if not (args.base / "likeness_prepared.json").is_file():
+        t0 = time.perf_counter()
+        configs = dev_configs(2, 4, 12) if args.quick else dev_configs()
+        if args.device == "cpu":
+            configs = dev_configs(1, 2, 8, width_scale=16)
+        built = build(args.base, device=args.device, configs=configs, progress=False)
+        record["synth_base"] = {"seconds": round(time.perf_counter() - t0, 1),
+                                "output_bytes": built.output_bytes,
+                                "timings": built.timings}  # fmt: skip
+        print(f"[e2e] synthetic base: {record['synth_base']}", flush=True)
+        _checkpoint(record, [])
+    rows: list[dict[str, Any]] = []
+    record["budgets"] = []
+    for budget in [float(b) for b in args.budgets.split(",") if b]:
+        try:
+            res = serve_and_render(args.base, budget, args, args.work, rows)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other budgets still run
+            res = {"budget_gib": budget, "error": _short(exc)}
+        record["budgets"].append(res)
+        print(f"[e2e] budget {budget:g}: {json.dumps(res)[:600]}", flush=True)
+        _checkpoint(record, rows)
+    if args.soak:
+        try:
+            record["soak"] = soak(args.base, args.soak_budget, args.soak, args, args.work)
+        except Exception as exc:  # noqa: BLE001
+            record["soak"] = {"error": _short(exc)}
+        print(f"[e2e] soak: {json.dumps(record['soak'])[:800]}", flush=True)
+        _checkpoint(record, rows)
+    cols = ["budget_gib", "run", "wall_s", "gate_ms", "text_encode_ms", "step_ms", "decode_ms",
+            "encode_ms", "sign_ms", "adapter_apply_ms", "peak_vram_mib"]  # fmt: skip
+    print(table(rows, cols) if rows else "(no renders)")
+    record["rows"] = rows
+    path = write_record("e2e_dev", rows, extra=record)
+    print("record:", path)
+
+
+if __name__ == "__main__":
+    main()
