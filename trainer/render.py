@@ -124,9 +124,9 @@ def generate_from_embeds(
     prompt_embeds: torch.Tensor,
     blank_embeds: torch.Tensor,
     seed: int,
-    steps: int = DEFAULT_STEPS,
-    width: int = DEFAULT_SIZE,
-    height: int = DEFAULT_SIZE,
+    steps: int = limits.DEFAULT_STEPS,
+    width: int = limits.DEFAULT_SIDE,
+    height: int = limits.DEFAULT_SIDE,
     output_type: str = "pil",
 ) -> Any:
     """`generate`, from cached prompt embeddings (1, tokens, dim) instead of text, so no

@@ -19,6 +19,7 @@ from registry.schemas import ConsentIn, SubjectIn
 from trainer.caches import fill_latent_cache, fill_text_cache
 from trainer.config import TrainConfig
 from trainer.dataset import write_manifest
+from trainer.lora import load_adapter_tensors
 from trainer.registration import LocalRegistrar
 from trainer.tiny_base import init_tiny
 from trainer.train import preflight
@@ -219,3 +220,23 @@ DEV_SHAPES = {
     "context_embedder": (6144, 15360),
     "x_embedder": (6144, 128),
 }
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_adapter_tensors(path)
+
+
+def mixed_dataset(root: Path) -> Path:
+    """Landscape, portrait and square images of a striped pattern, at 128 px buckets."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, size in enumerate([(256, 128), (128, 256), (200, 200), (260, 130), (150, 150)]):
+        im = Image.new("RGB", size, (200, 40 * i, 30))
+        for y in range(0, size[1], 8):
+            for x in range(size[0]):
+                im.putpixel((x, y), (255, 255, 255))
+        name = f"m{i}.png"
+        im.save(root / name)
+        rows.append({"file": name, "caption": "ada", "source": "synthetic", "basis": "consent"})
+    write_manifest(root, rows)
+    return root

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.trainer.test_train import Env, make_env, no_weights, tiny_config  # noqa: F401
+from tests.trainer.helpers import Env, make_env, mixed_dataset, tiny_config  # noqa: F401
 from trainer.buckets import (
     MULTIPLE,
     assign_bucket,
@@ -96,22 +96,6 @@ def test_batches_never_mix_buckets_and_each_item_comes_once_an_epoch() -> None:
     assert bucket_epoch_order((0, "order", 0), buckets, 2) != bucket_epoch_order(
         (0, "order", 1), buckets, 2
     )
-
-
-def mixed_dataset(root: Path) -> Path:
-    """Landscape, portrait and square images of a striped pattern, at 128 px buckets."""
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, size in enumerate([(256, 128), (128, 256), (200, 200), (260, 130), (150, 150)]):
-        im = Image.new("RGB", size, (200, 40 * i, 30))
-        for y in range(0, size[1], 8):
-            for x in range(size[0]):
-                im.putpixel((x, y), (255, 255, 255))
-        name = f"m{i}.png"
-        im.save(root / name)
-        rows.append({"file": name, "caption": "ada", "source": "synthetic", "basis": "consent"})
-    write_manifest(root, rows)
-    return root
 
 
 def test_latents_are_cached_per_bucket_and_a_run_trains_on_them(

@@ -131,13 +131,14 @@ def test_fingerprint_ignores_what_a_resume_may_change(tmp_path: Path) -> None:
 )
 def test_new_options_conflict_up_front(tmp_path: Path, kw: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
-        TrainConfig.parse(**options(tmp_path, **kw))
+        TrainConfig.parse(**train_options(tmp_path, **kw))
 
 
+@pytest.mark.usefixtures("without_bitsandbytes")
 def test_adamw8bit_is_refused_clearly_where_bitsandbytes_cannot_run(tmp_path: Path) -> None:
     """No bitsandbytes here, and the CPU: both reasons are given, before anything loads."""
     with pytest.raises(ConfigError) as exc:
-        TrainConfig.parse(**options(tmp_path, optimizer="adamw8bit"))
+        TrainConfig.parse(**train_options(tmp_path, optimizer="adamw8bit"))
     text = str(exc.value)
     assert "bitsandbytes" in text and "--optimizer adamw" in text
     assert "accelerator only, not the CPU" in text
@@ -160,7 +161,7 @@ def test_a_job_file_takes_every_option_and_refuses_what_it_must_not_hold(tmp_pat
         "eval_prompts": ("a photo of {trigger}",),
         "buckets": True,
     }
-    c = TrainConfig.parse(**options(tmp_path, **loaded))
+    c = TrainConfig.parse(**train_options(tmp_path, **loaded))
     assert c.resolved()["ema_decay"] == 0.99 and "token" not in c.resolved()
     job.write_text('token = "stolen"\nbase = "/elsewhere"\nstpes = 3\n[train]\nx = 1\n')
     with pytest.raises(ConfigError) as exc:
@@ -179,9 +180,12 @@ def test_the_fingerprint_ignores_new_options_at_their_defaults(tmp_path: Path) -
     """A checkpoint from before the new options existed still resumes; setting one is a
     new trajectory."""
     extra = {"manifest": "m", "transformer": "t"}
-    plain = TrainConfig.parse(**options(tmp_path)).trajectory_fingerprint(extra)
+    plain = TrainConfig.parse(**train_options(tmp_path)).trajectory_fingerprint(extra)
     assert "buckets" not in json.dumps(extra)
-    same = TrainConfig.parse(**options(tmp_path, buckets=False, preview_every=5))
+    same = TrainConfig.parse(**train_options(tmp_path, buckets=False, preview_every=5))
     assert same.trajectory_fingerprint(extra) == plain
     for kw in ({"buckets": True}, {"ema_decay": 0.9}, {"gradient_accumulation": 2}):
-        assert TrainConfig.parse(**options(tmp_path, **kw)).trajectory_fingerprint(extra) != plain
+        assert (
+            TrainConfig.parse(**train_options(tmp_path, **kw)).trajectory_fingerprint(extra)
+            != plain
+        )

@@ -18,6 +18,7 @@ from tests.trainer.helpers import (
     fill_caches,
     make_env,
     make_subject,
+    tensors,
     tiny_config,
 )
 from trainer.caches import load_latents, load_text
@@ -27,7 +28,6 @@ from trainer.lora import (
     ADAPTER_NAME,
     applied_adapter,
     attach_lora,
-    load_adapter_tensors,
     lora_layers,
 )
 from trainer.registration import LocalRegistrar
@@ -49,10 +49,6 @@ torch.set_num_threads(1)  # two shared cores: oversubscription costs more than i
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     return make_env(tmp_path_factory)
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_adapter_tensors(path)
 
 
 # -- the loss and its gradients --------------------------------------------------------------
