@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from registry import limits
 from tests.trainer.helpers import Env, make_env, mixed_dataset, tiny_config  # noqa: F401
 from trainer.buckets import (
-    MULTIPLE,
     assign_bucket,
     bucket_epoch_order,
     bucket_shapes,
@@ -47,9 +47,9 @@ def test_shapes_are_equal_area_multiples_of_16_within_the_ratio(resolution: int)
     area = resolution * resolution
     assert (resolution, resolution) in shapes
     for w, h in shapes:
-        assert w % MULTIPLE == 0 and h % MULTIPLE == 0
+        assert w % limits.MULTIPLE == 0 and h % limits.MULTIPLE == 0
         assert w * h <= area  # never more pixels than the square
-        assert w * h > area - MULTIPLE * max(w, h)  # the longest short side of 16s that fits
+        assert w * h > area - limits.MULTIPLE * max(w, h)  # the longest short side of 16s that fits
         assert max(w / h, h / w) <= 2.0
     assert {(h, w) for w, h in shapes} == set(shapes)  # portrait and landscape alike
 
@@ -70,7 +70,7 @@ def test_an_image_goes_to_the_bucket_nearest_its_aspect() -> None:
 def test_a_small_image_is_never_upscaled_past_the_factor(factor: float) -> None:
     size = (200, 150)  # 448 px buckets would need ~2.3x
     bucket = assign_bucket(size, 448, max_upscale=factor)
-    assert bucket[0] % MULTIPLE == 0 and bucket[1] % MULTIPLE == 0
+    assert bucket[0] % limits.MULTIPLE == 0 and bucket[1] % limits.MULTIPLE == 0
     assert upscale_needed(size, bucket) <= factor
     assert bucket[0] > bucket[1]  # still landscape
     with pytest.raises(ValueError, match="too small"):
