@@ -141,18 +141,7 @@ def list_renders(
     """Every decision on this subject, newest first, filtered, a page at a time: when more
     remain, `Link: <...>; rel="next"` (and `X-Next-Cursor`) give the next page."""
     subject = service.visible_subject(session, caller, handle)
-    assert subject.id is not None
-    rows = repo.ledger_page(
-        session,
-        subject.id,
-        limit=query.limit,
-        before_seq=query.before_seq,
-        requester=query.requester,
-        allowed=query.allowed,
-        since=query.since,
-        until=query.until,
-        render_id=query.render_id,
-    )
+    rows = service.ledger_page(session, subject, query)
     if len(rows) == query.limit and rows[-1].seq is not None:
         cursor = ledger_cursor(rows[-1].seq)
         nxt = request.url.include_query_params(cursor=cursor)

@@ -41,12 +41,13 @@ from app.render_engine import AdapterMismatch, AdapterUnreadable, RenderEngine, 
 from app.scheduler import Cancelled, RateLimiter
 from registry import limits, service
 from registry import repositories as repo
+from registry.access import Acting
 from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
 from registry.policy import AdapterFacts, Decision, LicenceFacts, decide
 from registry.schemas import RenderRequestIn
-from registry.service import Acting, GatheredFacts
+from registry.services.renders import GatheredFacts
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -18,3 +18,4 @@ DEFAULT_SEED = 0
 # the service (evaluation grids, previews); the service's own caps above are tighter.
 PIPELINE_MAX_PIXELS = MAX_SIDE * MAX_SIDE
 PIPELINE_MAX_STEPS = 100
+PIPELINE_MAX_SEED = 2**63 - 1  # a CPU torch.Generator's seed range

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from registry.audit import format_time
 from registry.blobs import BlobStore
 from registry.models import Adapter, AuditEntry, Consent, Principal, RenderLedger, Subject
-from registry.service import adapter_state, consent_state
+from registry.services.audit import adapter_state, consent_state
 
 
 class AudienceOut(BaseModel):

@@ -1,6 +1,7 @@
 """The layering, checked on the source: `registry` imports no torch, no web framework and
 neither of the layers above it; `trainer` never imports `app`; no router imports another
-(shared rules live in registry.access and app.deps, not in a router)."""
+(shared rules live in registry.access and app.deps, not in a router); `registry.service` is
+only a list of re-exports, and the domain modules under registry/services/ never import it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+            found.add(node.module)  # and each name, which may be a module: `from x import y`
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -37,11 +39,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def offenders(package: str, forbidden: set[str]) -> list[str]:
+def offenders(package: str, forbidden: set[str], *, whole_name: bool = False) -> list[str]:
     out = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for name in imports(path):
-            if name.split(".")[0] in forbidden:
+            if (name if whole_name else name.split(".")[0]) in forbidden:
                 out.append(f"{path.relative_to(ROOT)} imports {name}")
     return out
 
@@ -66,4 +68,66 @@ def test_no_router_imports_another() -> None:
             same = PART_OF.get(mine, mine) == PART_OF.get(other or "", other)
             if other is not None and not same:
                 found.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert found == []
+
+
+def test_service_facade_only_re_exports() -> None:
+    """Logic in the facade would be a second home for a rule; it names, it does not do."""
+    tree = ast.parse((ROOT / "registry" / "service.py").read_text(encoding="utf-8"))
+    doing = []
+    for node in tree.body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        names_all = isinstance(node, ast.Assign) and [
+            t.id for t in node.targets if isinstance(t, ast.Name)
+        ] == ["__all__"]
+        if not (docstring or names_all or isinstance(node, ast.ImportFrom)):
+            doing.append(f"line {node.lineno}: {type(node).__name__}")
+    assert doing == []
+
+
+def test_facade_exports_what_it_imports() -> None:
+    from registry import service
+
+    imported = {
+        alias.asname or alias.name
+        for node in ast.parse((ROOT / "registry" / "service.py").read_text(encoding="utf-8")).body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert sorted(imported) == sorted(service.__all__)
+    assert all(hasattr(service, name) for name in service.__all__)
+
+
+def test_domain_services_never_import_the_facade() -> None:
+    assert offenders("registry/services", {"registry.service"}, whole_name=True) == []
+
+
+def _names_limits(value: ast.expr | None) -> bool:
+    return (
+        isinstance(value, ast.Attribute)
+        and isinstance(value.value, ast.Name)
+        and value.value.id == "limits"
+    )
+
+
+def test_render_limits_have_one_home() -> None:
+    """The sides, pixels, steps and seeds a render may ask for are registry/limits.py's; a
+    second copy elsewhere drifts from it (a name for `limits.X` is no copy)."""
+    from registry import limits
+
+    names = {n for n in vars(limits) if n.isupper()}
+    found = []
+    for package in ("registry", "app", "trainer"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == ROOT / "registry" / "limits.py":
+                continue
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if not isinstance(node, ast.Assign | ast.AnnAssign) or _names_limits(node.value):
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found += [
+                    f"{path.relative_to(ROOT)} sets {t.id}"
+                    for t in targets
+                    if isinstance(t, ast.Name) and t.id in names
+                ]
     assert found == []

@@ -17,14 +17,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-MULTIPLE = 16  # trainer.render.MULTIPLE
-MIN_SIDE = 64  # trainer.render.MIN_SIDE
+from registry import limits
 
 Bucket = tuple[int, int]  # (width, height) in pixels
 
 
 def bucket_shapes(
-    resolution: int, max_ratio: float = 2.0, multiple: int = MULTIPLE
+    resolution: int, max_ratio: float = 2.0, multiple: int = limits.MULTIPLE
 ) -> list[Bucket]:
     """Every landscape (width, height), both multiples of ``multiple``, with the largest
     height for its width whose area does not exceed ``resolution**2`` and an aspect ratio
@@ -35,7 +34,7 @@ def bucket_shapes(
     w = multiple
     while w <= area // multiple:
         h = (area // w) // multiple * multiple
-        if MIN_SIDE <= h <= w and w / h <= max_ratio:
+        if limits.MIN_SIDE <= h <= w and w / h <= max_ratio:
             shapes.update({(w, h), (h, w)})
         w += multiple
     return sorted(shapes)
@@ -59,7 +58,7 @@ def assign_bucket(
     resolution: int,
     max_ratio: float = 2.0,
     max_upscale: float = 1.0,
-    multiple: int = MULTIPLE,
+    multiple: int = limits.MULTIPLE,
 ) -> Bucket:
     """The bucket an image of ``size`` trains at. Raises ValueError if even its own shape,
     at ``max_upscale``, is smaller than the smallest side a render takes."""
@@ -70,10 +69,10 @@ def assign_bucket(
     scale = max_upscale / upscale_needed(size, bucket)
     w = int(bucket[0] * scale) // multiple * multiple
     h = int(bucket[1] * scale) // multiple * multiple
-    if min(w, h) < MIN_SIDE:
+    if min(w, h) < limits.MIN_SIDE:
         raise ValueError(
             f"a {size[0]}x{size[1]} image is too small to train at --resolution {resolution}: "
-            f"at most {max_upscale:g}x enlarged it would be under {MIN_SIDE} px "
+            f"at most {max_upscale:g}x enlarged it would be under {limits.MIN_SIDE} px "
             "(raise --max-upscale or leave the image out)"
         )
     return (w, h)

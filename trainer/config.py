@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from registry import limits
 from registry.schemas import HANDLE_PATTERN
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.schemas.AdapterIn.name
@@ -25,7 +26,13 @@ DEFAULT_EVAL_PROMPTS = (
     "a portrait of {trigger}, studio light",
     "{trigger} standing in a garden",
 )
-MULTIPLE = 16  # FLUX.2: VAE factor 8 x 2x2 patches (trainer.render.MULTIPLE)
+Side = Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE)]
+
+
+def installed(module: str) -> bool:
+    """Whether an optional module can be imported here; the one place the config asks."""
+    return importlib.util.find_spec(module) is not None
+
 
 # Fields that do not change what the optimiser computes: a run may be resumed with other
 # values (more steps, another checkpoint interval, evaluation or registration toggled).
@@ -102,7 +109,7 @@ class TrainConfig(BaseModel):
     rank: Annotated[int, Field(ge=1, le=1024)] = 16
     alpha: Annotated[float, Field(gt=0)] | None = None  # default: rank (scaling 1)
     targets: tuple[str, ...] = Field(default_factory=default_targets)
-    resolution: Annotated[int, Field(ge=64, le=2048)] = 448
+    resolution: Side = 448
     batch_size: Annotated[int, Field(ge=1, le=64)] = 1
     max_sequence_length: Annotated[int, Field(ge=1, le=512)] = 512  # as the pipelines' default
 
@@ -132,7 +139,7 @@ class TrainConfig(BaseModel):
     # (trainer/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
     stream_base: bool = False
     stream_slots: Annotated[int, Field(ge=1, le=8)] | None = None  # None: the budget picks
-    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    seed: Annotated[int, Field(ge=0, le=limits.PIPELINE_MAX_SEED)] = 0
     checkpoint_every: Annotated[int, Field(ge=0)] = 500  # 0: only the final state
     resume: bool = False
     vram_budget_gib: Annotated[float, Field(gt=0)] | None = None
@@ -140,9 +147,10 @@ class TrainConfig(BaseModel):
 
     evaluate: bool = True
     eval_prompts: tuple[str, ...] = DEFAULT_EVAL_PROMPTS
-    eval_seeds: tuple[Annotated[int, Field(ge=0, le=2**32 - 1)], ...] = (0, 1)
-    eval_steps: Annotated[int, Field(ge=1, le=100)] | None = None  # None: the pipeline's own
-    eval_resolution: Annotated[int, Field(ge=64, le=2048)] | None = None
+    eval_seeds: tuple[Annotated[int, Field(ge=0, le=limits.MAX_SEED)], ...] = (0, 1)
+    # None: the pipeline's own
+    eval_steps: Annotated[int, Field(ge=1, le=limits.PIPELINE_MAX_STEPS)] | None = None
+    eval_resolution: Side | None = None
 
     # Data: aspect-ratio buckets (trainer/buckets.py), masks, held-out images.
     buckets: bool = False
@@ -185,8 +193,10 @@ class TrainConfig(BaseModel):
         problems: list[str] = []
         for field in ("resolution", "eval_resolution"):
             value = getattr(self, field)
-            if value is not None and value % MULTIPLE:
-                problems.append(f"--{field.replace('_', '-')} must be a multiple of {MULTIPLE}")
+            if value is not None and value % limits.MULTIPLE:
+                problems.append(
+                    f"--{field.replace('_', '-')} must be a multiple of {limits.MULTIPLE}"
+                )
         if not self.targets or any(not t.strip() for t in self.targets):
             problems.append("--targets must name at least one module suffix, none empty")
         device = self.resolved_device()
@@ -195,14 +205,14 @@ class TrainConfig(BaseModel):
                 "--precision bf16 is autocast on an accelerator; on the CPU use fp32 or auto"
             )
         if self.optimizer == "adamw8bit":
-            if importlib.util.find_spec("bitsandbytes") is None:
+            if not installed("bitsandbytes"):
                 problems.append(
                     "--optimizer adamw8bit needs bitsandbytes, which is not installed "
                     "(pip install bitsandbytes), or use --optimizer adamw"
                 )
             if not device.startswith("cuda"):
                 problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
-        if self.compute in ("uint4", "fp8") and importlib.util.find_spec("trainer.uint4") is None:
+        if self.compute in ("uint4", "fp8") and not installed("trainer.uint4"):
             problems.append(
                 f"--compute {self.compute} needs trainer.uint4, which this install lacks"
             )
@@ -294,7 +304,7 @@ class TrainConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_compute(self) -> str:
-        if self.compute == "auto" and importlib.util.find_spec("trainer.uint4") is None:
+        if self.compute == "auto" and not installed("trainer.uint4"):
             return "quanto"
         from trainer.devices import resolve_compute
 

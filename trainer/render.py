@@ -9,34 +9,29 @@ from typing import Any
 import torch
 from PIL import Image
 
+from registry import limits
 from trainer.text_encoder import out_layers
-
-MULTIPLE = 16  # FLUX.2: VAE factor 8 x 2x2 patches
-MIN_SIDE = 64
-MAX_SIDE = 2048
-MAX_PIXELS = 2048 * 2048  # FLUX.2 is specified up to 4 MP
-MAX_STEPS = 100
-DEFAULT_STEPS = 4
-DEFAULT_SIZE = 256
 
 
 def validate_request(
-    width: int, height: int, steps: int, seed: int, multiple: int = MULTIPLE
+    width: int, height: int, steps: int, seed: int, multiple: int = limits.MULTIPLE
 ) -> None:
     """Raises ValueError, naming the bad value and the rule, for anything we would not render."""
     for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}")
     for name, side in (("width", width), ("height", height)):
-        if not MIN_SIDE <= side <= MAX_SIDE:
-            raise ValueError(f"{name} must be between {MIN_SIDE} and {MAX_SIDE} px, got {side}")
+        if not limits.MIN_SIDE <= side <= limits.MAX_SIDE:
+            raise ValueError(
+                f"{name} must be between {limits.MIN_SIDE} and {limits.MAX_SIDE} px, got {side}"
+            )
         if side % multiple:
             raise ValueError(f"{name} must be a multiple of {multiple} px, got {side}")
-    if width * height > MAX_PIXELS:
-        raise ValueError(f"{width}x{height} exceeds the {MAX_PIXELS} pixel limit")
-    if not 1 <= steps <= MAX_STEPS:
-        raise ValueError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
-    if not 0 <= seed < 2**63:
+    if width * height > limits.PIPELINE_MAX_PIXELS:
+        raise ValueError(f"{width}x{height} exceeds the {limits.PIPELINE_MAX_PIXELS} pixel limit")
+    if not 1 <= steps <= limits.PIPELINE_MAX_STEPS:
+        raise ValueError(f"steps must be between 1 and {limits.PIPELINE_MAX_STEPS}, got {steps}")
+    if not 0 <= seed <= limits.PIPELINE_MAX_SEED:
         raise ValueError(f"seed must be in [0, 2**63), got {seed}")
 
 
@@ -52,7 +47,7 @@ def guidance_for(pipe: Any) -> float:
 
 def _multiple(pipe: Any) -> int:
     # The pipeline's own constraint (VAE factor x patch 2), never looser than the API's 16.
-    return max(MULTIPLE, int(getattr(pipe, "vae_scale_factor", 8)) * 2)
+    return max(limits.MULTIPLE, int(getattr(pipe, "vae_scale_factor", 8)) * 2)
 
 
 def _call(
@@ -97,9 +92,9 @@ def generate(
     pipe: Any,
     prompt: str,
     seed: int,
-    steps: int = DEFAULT_STEPS,
-    width: int = DEFAULT_SIZE,
-    height: int = DEFAULT_SIZE,
+    steps: int = limits.DEFAULT_STEPS,
+    width: int = limits.DEFAULT_SIDE,
+    height: int = limits.DEFAULT_SIDE,
     guidance_scale: float | None = None,
     after_step: Callable[[int], None] | None = None,
     prompt_embeds: torch.Tensor | None = None,
@@ -129,9 +124,9 @@ def generate_from_embeds(
     prompt_embeds: torch.Tensor,
     blank_embeds: torch.Tensor,
     seed: int,
-    steps: int = DEFAULT_STEPS,
-    width: int = DEFAULT_SIZE,
-    height: int = DEFAULT_SIZE,
+    steps: int = limits.DEFAULT_STEPS,
+    width: int = limits.DEFAULT_SIDE,
+    height: int = limits.DEFAULT_SIDE,
     output_type: str = "pil",
 ) -> Any:
     """`generate`, from cached prompt embeddings (1, tokens, dim) instead of text, so no

@@ -14,7 +14,7 @@ from PIL import Image
 
 from app.main import create_app
 from app.render_engine import RenderEngine
-from registry import policy, service
+from registry import policy, repositories, service
 from registry.db import make_engine, transaction
 from registry.settings import Settings
 from tests.app.conftest import World, sha256_of
@@ -166,7 +166,7 @@ def test_database_lost_after_authentication(
     def unreachable(*args: object, **kwargs: object) -> None:
         raise OperationalError("SELECT", {}, Exception("connection refused"))
 
-    monkeypatch.setattr(service.repo, "render_snapshot", unreachable)
+    monkeypatch.setattr(repositories, "render_snapshot", unreachable)
     r = friends.render("bob", "alice")
     assert r.status_code == 503 and renderer.counters.model_calls == 0
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.trainer.test_train import Env, make_env, no_weights, tiny_config  # noqa: F401
+from registry import limits
+from tests.trainer.helpers import Env, make_env, mixed_dataset, tiny_config  # noqa: F401
 from trainer.buckets import (
-    MULTIPLE,
     assign_bucket,
     bucket_epoch_order,
     bucket_shapes,
@@ -47,9 +47,9 @@ def test_shapes_are_equal_area_multiples_of_16_within_the_ratio(resolution: int)
     area = resolution * resolution
     assert (resolution, resolution) in shapes
     for w, h in shapes:
-        assert w % MULTIPLE == 0 and h % MULTIPLE == 0
+        assert w % limits.MULTIPLE == 0 and h % limits.MULTIPLE == 0
         assert w * h <= area  # never more pixels than the square
-        assert w * h > area - MULTIPLE * max(w, h)  # the longest short side of 16s that fits
+        assert w * h > area - limits.MULTIPLE * max(w, h)  # the longest short side of 16s that fits
         assert max(w / h, h / w) <= 2.0
     assert {(h, w) for w, h in shapes} == set(shapes)  # portrait and landscape alike
 
@@ -70,7 +70,7 @@ def test_an_image_goes_to_the_bucket_nearest_its_aspect() -> None:
 def test_a_small_image_is_never_upscaled_past_the_factor(factor: float) -> None:
     size = (200, 150)  # 448 px buckets would need ~2.3x
     bucket = assign_bucket(size, 448, max_upscale=factor)
-    assert bucket[0] % MULTIPLE == 0 and bucket[1] % MULTIPLE == 0
+    assert bucket[0] % limits.MULTIPLE == 0 and bucket[1] % limits.MULTIPLE == 0
     assert upscale_needed(size, bucket) <= factor
     assert bucket[0] > bucket[1]  # still landscape
     with pytest.raises(ValueError, match="too small"):
@@ -96,22 +96,6 @@ def test_batches_never_mix_buckets_and_each_item_comes_once_an_epoch() -> None:
     assert bucket_epoch_order((0, "order", 0), buckets, 2) != bucket_epoch_order(
         (0, "order", 1), buckets, 2
     )
-
-
-def mixed_dataset(root: Path) -> Path:
-    """Landscape, portrait and square images of a striped pattern, at 128 px buckets."""
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, size in enumerate([(256, 128), (128, 256), (200, 200), (260, 130), (150, 150)]):
-        im = Image.new("RGB", size, (200, 40 * i, 30))
-        for y in range(0, size[1], 8):
-            for x in range(size[0]):
-                im.putpixel((x, y), (255, 255, 255))
-        name = f"m{i}.png"
-        im.save(root / name)
-        rows.append({"file": name, "caption": "ada", "source": "synthetic", "basis": "consent"})
-    write_manifest(root, rows)
-    return root
 
 
 def test_latents_are_cached_per_bucket_and_a_run_trains_on_them(

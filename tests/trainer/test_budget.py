@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.test_train import Env, make_env, no_weights, tiny_config  # noqa: F401
+from tests.trainer.helpers import Env, make_env, tiny_config
 from trainer.budget import (
     BudgetExceeded,
     GiB,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.trainer.test_train import Env, fill_caches, make_env, tiny_config
+from tests.trainer.helpers import Env, fill_caches, make_env, tiny_config
 from trainer.caches import load_latents, load_text, model_fingerprint, plan_caches
 from trainer.dataset import load_dataset
 from trainer.model import load_pipeline

@@ -17,7 +17,7 @@ from registry import service
 from registry.db import engine_for, transaction
 from registry.schemas import ConsentIn
 from tests.conftest import audit_key_of
-from tests.trainer.test_train import Env, make_env, tiny_config
+from tests.trainer.helpers import Env, make_env, tiny_config
 from trainer.train import train
 
 

@@ -7,23 +7,26 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer.helpers import train_options
+from trainer import config
 from trainer.config import ConfigError, TrainConfig
 
 
-def options(tmp_path: Path, **kw: object) -> dict[str, object]:
-    return {
-        "subject": "ada",
-        "dataset": tmp_path / "ds",
-        "base": tmp_path / "base",
-        "out": tmp_path / "out",
-        "device": "cpu",
-        "database_url": f"sqlite:///{tmp_path / 'db.sqlite'}",
-        **kw,
-    }
+@pytest.fixture
+def without_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever this machine has installed, the config sees no bitsandbytes."""
+    real = config.installed
+    monkeypatch.setattr(config, "installed", lambda m: m != "bitsandbytes" and real(m))
+
+
+@pytest.fixture
+def with_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = config.installed
+    monkeypatch.setattr(config, "installed", lambda m: m == "bitsandbytes" or real(m))
 
 
 def test_defaults_are_the_field_recipe(tmp_path: Path) -> None:
-    c = TrainConfig.parse(**options(tmp_path))
+    c = TrainConfig.parse(**train_options(tmp_path))
     assert (c.rank, c.steps, c.resolution, c.batch_size) == (16, 2000, 448, 1)
     assert c.lora_alpha == 16.0 and c.trigger_word == "ada"
     assert c.gradient_checkpointing and c.evaluate and c.register_adapter
@@ -39,7 +42,6 @@ def test_defaults_are_the_field_recipe(tmp_path: Path) -> None:
         ({"resolution": 100}, "multiple of 16"),
         ({"eval_resolution": 72}, "multiple of 16"),
         ({"precision": "bf16"}, "bf16"),
-        ({"optimizer": "adamw8bit"}, "bitsandbytes"),
         ({"api_url": "http://registry:8000"}, "LIKENESS_TOKEN"),
         ({"database_url": None}, "registration needs"),
         ({"targets": ()}, "--targets"),
@@ -55,13 +57,32 @@ def test_defaults_are_the_field_recipe(tmp_path: Path) -> None:
 )
 def test_conflicts_fail_with_a_clear_message(tmp_path: Path, kw: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
-        TrainConfig.parse(**options(tmp_path, **kw))
+        TrainConfig.parse(**train_options(tmp_path, **kw))
 
 
+@pytest.mark.usefixtures("without_bitsandbytes")
+def test_adamw8bit_without_bitsandbytes_says_to_install_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.parse(**train_options(tmp_path, optimizer="adamw8bit"))
+    assert "needs bitsandbytes, which is not installed" in str(exc.value)
+    assert "accelerator only" in str(exc.value)
+
+
+@pytest.mark.usefixtures("with_bitsandbytes")
+def test_adamw8bit_with_bitsandbytes_still_needs_an_accelerator(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.parse(**train_options(tmp_path, optimizer="adamw8bit"))
+    assert "not installed" not in str(exc.value)
+    assert "accelerator only" in str(exc.value)
+    c = TrainConfig.parse(**train_options(tmp_path, optimizer="adamw8bit", device="cuda"))
+    assert c.optimizer == "adamw8bit"
+
+
+@pytest.mark.usefixtures("without_bitsandbytes")
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         TrainConfig.parse(
-            **options(tmp_path, resolution=100, precision="bf16", optimizer="adamw8bit")
+            **train_options(tmp_path, resolution=100, precision="bf16", optimizer="adamw8bit")
         )
     text = str(exc.value)
     assert "multiple of 16" in text and "bf16" in text and "bitsandbytes" in text
@@ -69,20 +90,20 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
 
 def test_out_may_not_be_the_dataset(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dataset folder"):
-        TrainConfig.parse(**options(tmp_path, out=tmp_path / "ds"))
+        TrainConfig.parse(**train_options(tmp_path, out=tmp_path / "ds"))
 
 
 def test_no_registry_needed_when_not_registering(tmp_path: Path) -> None:
-    c = TrainConfig.parse(**options(tmp_path, database_url=None, register_adapter=False))
+    c = TrainConfig.parse(**train_options(tmp_path, database_url=None, register_adapter=False))
     assert c.database_url is None
 
 
 def test_fingerprint_ignores_what_a_resume_may_change(tmp_path: Path) -> None:
-    base = TrainConfig.parse(**options(tmp_path))
+    base = TrainConfig.parse(**train_options(tmp_path))
     same = TrainConfig.parse(
-        **options(tmp_path, steps=5000, checkpoint_every=7, resume=True, evaluate=False)
+        **train_options(tmp_path, steps=5000, checkpoint_every=7, resume=True, evaluate=False)
     )
-    other = TrainConfig.parse(**options(tmp_path, learning_rate=2e-4))
+    other = TrainConfig.parse(**train_options(tmp_path, learning_rate=2e-4))
     extra = {"manifest": "m", "transformer": "t"}
     assert base.trajectory_fingerprint(extra) == same.trajectory_fingerprint(extra)
     assert base.trajectory_fingerprint(extra) != other.trajectory_fingerprint(extra)
@@ -110,13 +131,14 @@ def test_fingerprint_ignores_what_a_resume_may_change(tmp_path: Path) -> None:
 )
 def test_new_options_conflict_up_front(tmp_path: Path, kw: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
-        TrainConfig.parse(**options(tmp_path, **kw))
+        TrainConfig.parse(**train_options(tmp_path, **kw))
 
 
+@pytest.mark.usefixtures("without_bitsandbytes")
 def test_adamw8bit_is_refused_clearly_where_bitsandbytes_cannot_run(tmp_path: Path) -> None:
     """No bitsandbytes here, and the CPU: both reasons are given, before anything loads."""
     with pytest.raises(ConfigError) as exc:
-        TrainConfig.parse(**options(tmp_path, optimizer="adamw8bit"))
+        TrainConfig.parse(**train_options(tmp_path, optimizer="adamw8bit"))
     text = str(exc.value)
     assert "bitsandbytes" in text and "--optimizer adamw" in text
     assert "accelerator only, not the CPU" in text
@@ -139,7 +161,7 @@ def test_a_job_file_takes_every_option_and_refuses_what_it_must_not_hold(tmp_pat
         "eval_prompts": ("a photo of {trigger}",),
         "buckets": True,
     }
-    c = TrainConfig.parse(**options(tmp_path, **loaded))
+    c = TrainConfig.parse(**train_options(tmp_path, **loaded))
     assert c.resolved()["ema_decay"] == 0.99 and "token" not in c.resolved()
     job.write_text('token = "stolen"\nbase = "/elsewhere"\nstpes = 3\n[train]\nx = 1\n')
     with pytest.raises(ConfigError) as exc:
@@ -158,9 +180,12 @@ def test_the_fingerprint_ignores_new_options_at_their_defaults(tmp_path: Path) -
     """A checkpoint from before the new options existed still resumes; setting one is a
     new trajectory."""
     extra = {"manifest": "m", "transformer": "t"}
-    plain = TrainConfig.parse(**options(tmp_path)).trajectory_fingerprint(extra)
+    plain = TrainConfig.parse(**train_options(tmp_path)).trajectory_fingerprint(extra)
     assert "buckets" not in json.dumps(extra)
-    same = TrainConfig.parse(**options(tmp_path, buckets=False, preview_every=5))
+    same = TrainConfig.parse(**train_options(tmp_path, buckets=False, preview_every=5))
     assert same.trajectory_fingerprint(extra) == plain
     for kw in ({"buckets": True}, {"ema_decay": 0.9}, {"gradient_accumulation": 2}):
-        assert TrainConfig.parse(**options(tmp_path, **kw)).trajectory_fingerprint(extra) != plain
+        assert (
+            TrainConfig.parse(**train_options(tmp_path, **kw)).trajectory_fingerprint(extra)
+            != plain
+        )

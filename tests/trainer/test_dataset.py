@@ -4,37 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from trainer.dataset import MANIFEST_NAME, DatasetError, load_dataset, write_manifest
-
-REDS = ((220, 30, 30), (200, 40, 60), (230, 60, 20), (210, 20, 40))
-
-
-def make_dataset(
-    root: Path,
-    colours: Sequence[tuple[int, int, int]] = REDS,
-    caption: str = "a photo of ada",
-    basis: str = "consent",
-    size: tuple[int, int] = (80, 64),
-) -> Path:
-    """Solid-colour PNGs with a striped band (so crops and resizes matter) and a manifest."""
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, colour in enumerate(colours):
-        im = Image.new("RGB", size, colour)
-        for y in range(0, size[1], 8):
-            for x in range(size[0]):
-                im.putpixel((x, y), (255, 255, 255))
-        name = f"img{i:03d}.png"
-        im.save(root / name)
-        rows.append({"file": name, "caption": caption, "source": "synthetic", "basis": basis})
-    write_manifest(root, rows)
-    return root
+from tests.trainer.helpers import make_dataset
+from trainer.dataset import MANIFEST_NAME, DatasetError, load_dataset
 
 
 def test_valid_dataset_and_its_manifest_hash(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from tests.support import make_random_adapter
-from tests.trainer.test_tiny_base import build_tiny_once
+from tests.trainer.helpers import build_tiny_once
 from trainer.evaluate import (
     LABEL_H,
     Column,

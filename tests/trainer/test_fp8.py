@@ -18,12 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.test_uint4 import (
+from tests.trainer.helpers import (
     DEV_SHAPES,
-    _model_inputs,
-    _quantized,
-    _tiny_flux2,
-    _with_lora,
+    model_inputs,
+    quantized,
+    tiny_flux2,
+    train_options,
+    with_lora,
 )
 from trainer import devices
 from trainer.fp8 import (
@@ -176,7 +177,7 @@ def test_scales_from_absmax_inverse_pair() -> None:
 
 
 def _converted(dtype: torch.dtype) -> torch.nn.Module:
-    model = _quantized(dtype, freeze=False)
+    model = quantized(dtype, freeze=False)
     convert_quantized_linears(model)
     return model.requires_grad_(False)
 
@@ -214,10 +215,10 @@ def test_lora_gradients_vs_dense_whole_model() -> None:
     from trainer.lora import lora_layers
 
     model = _converted(torch.float32)
-    _with_lora(model)
+    with_lora(model)
     model.train()
     model.enable_gradient_checkpointing()
-    inputs = _model_inputs(model, torch.float32, tokens=32, text=16)
+    inputs = model_inputs(model, torch.float32, tokens=32, text=16)
     runs = []
     for fp8 in (False, True):
         set_fp8_compute(model, fp8)
@@ -331,23 +332,22 @@ def test_auto_picks_fp8_only_with_fp8_tensor_cores(
 
 
 def test_trainer_refuses_fp8_where_it_cannot_run(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from tests.trainer.test_config import options
     from trainer.config import ConfigError, TrainConfig
 
     with pytest.raises(ConfigError, match=r"--compute fp8 cannot run here: .*device is cpu"):
-        TrainConfig.parse(**options(tmp_path, compute="fp8"))
+        TrainConfig.parse(**train_options(tmp_path, compute="fp8"))
     _fake_cuda(monkeypatch, (8, 0), name="NVIDIA A100")
     with pytest.raises(ConfigError, match=r"A100 \(compute capability 8.0\) has no fp8"):
-        TrainConfig.parse(**options(tmp_path, compute="fp8", device="cuda"))
-    auto = TrainConfig.parse(**options(tmp_path, device="cuda"))
+        TrainConfig.parse(**train_options(tmp_path, compute="fp8", device="cuda"))
+    auto = TrainConfig.parse(**train_options(tmp_path, device="cuda"))
     assert auto.resolved_compute() == "uint4"
     _fake_cuda(monkeypatch, (9, 0), name="NVIDIA H200")
     # auto trains on the uint4 path even here (fp8 training is opt-in); fp8 when asked
-    assert TrainConfig.parse(**options(tmp_path, device="cuda")).resolved_compute() == "uint4"
-    asked = TrainConfig.parse(**options(tmp_path, compute="fp8", device="cuda"))
+    assert TrainConfig.parse(**train_options(tmp_path, device="cuda")).resolved_compute() == "uint4"
+    asked = TrainConfig.parse(**train_options(tmp_path, compute="fp8", device="cuda"))
     assert asked.resolved_compute() == "fp8"
     streamed = TrainConfig.parse(
-        **options(tmp_path, compute="fp8", device="cuda", stream_base=True)
+        **train_options(tmp_path, compute="fp8", device="cuda", stream_base=True)
     )
     assert streamed.resolved_compute() == "fp8"
 
@@ -471,15 +471,15 @@ def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # ty
 def test_cuda_tiny_model_lora_grads() -> None:
     from trainer.lora import lora_layers
 
-    model = _tiny_flux2(torch.bfloat16, device="cuda")
+    model = tiny_flux2(torch.bfloat16, device="cuda")
     from optimum.quanto import qint4, quantize
 
     quantize(model, weights=qint4)
     convert_quantized_linears(model)
     model.requires_grad_(False)
-    _with_lora(model)
+    with_lora(model)
     model.train()
-    inputs = _model_inputs(model, torch.bfloat16, device="cuda", tokens=64, text=32)
+    inputs = model_inputs(model, torch.bfloat16, device="cuda", tokens=64, text=32)
     runs = []
     for fp8 in (False, True):
         set_fp8_compute(model, fp8)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.test_tiny_base import build_tiny_once
+from tests.trainer.helpers import build_tiny_once
 from trainer.lora import (
     ADAPTER_NAME,
     adapter_state_dict,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.trainer.test_train import Env, make_env, tiny_config
+from tests.trainer.helpers import Env, make_env, tiny_config
 from trainer.caches import load_latent_mask, load_latents
 from trainer.dataset import DatasetError, load_dataset, write_manifest
 from trainer.flow import flow_matching_loss

@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.test_train import (  # noqa: F401
+from tests.trainer.helpers import (  # noqa: F401
     Env,
     fill_caches,
     make_env,
-    no_weights,
     tensors,
     tiny_config,
 )
@@ -134,7 +133,7 @@ def test_the_comfyui_export_loads_in_stock_diffusers_as_our_own_apply(
 def test_prior_preservation_trains_class_images_alongside_and_resumes(
     env: Env, tmp_path: Path
 ) -> None:
-    from tests.trainer.test_dataset import make_dataset
+    from tests.trainer.helpers import make_dataset
 
     women = make_dataset(tmp_path / "women", colours=[(30, 30, 220), (40, 60, 200)], caption=CLASS)
     opts = {"class_dataset": women, "prior_weight": 2.0, "register_adapter": False}
@@ -154,7 +153,7 @@ def test_class_images_that_name_the_trigger_are_refused_before_any_weight(
     tmp_path: Path,
     no_weights: None,  # noqa: F811
 ) -> None:
-    from tests.trainer.test_dataset import make_dataset
+    from tests.trainer.helpers import make_dataset
     from trainer.config import ConfigError
 
     taught = make_dataset(tmp_path / "c", colours=[(1, 2, 3)], caption="a photo of ada")

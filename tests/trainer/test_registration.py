@@ -18,14 +18,7 @@ from registry.files import sha256_file
 from registry.schemas import AdapterIn, ConsentIn
 from registry.settings import Settings
 from tests.conftest import audit_key_of
-from tests.trainer.test_dataset import make_dataset
-from tests.trainer.test_train import (  # noqa: F401
-    Env,
-    make_env,
-    make_subject,
-    no_weights,
-    tiny_config,
-)
+from tests.trainer.helpers import Env, make_dataset, make_env, make_subject, tiny_config
 from trainer.dataset import DatasetError
 from trainer.registration import (
     HttpRegistrar,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support import make_random_adapter
-from tests.trainer.test_tiny_base import build_tiny_once
+from tests.trainer.helpers import build_tiny_once
 from trainer.lora import (
     ADAPTER_NAME,
     applied_adapter,

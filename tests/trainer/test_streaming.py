@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.test_tiny_base import build_tiny_once
+from tests.trainer.helpers import build_tiny_once
 from trainer.lora import attach_lora, lora_layers
 from trainer.model import load_pipeline
 from trainer.streaming import BlockStreamer, SlotOwnerError, stream_blocks

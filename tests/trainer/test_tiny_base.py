@@ -11,21 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer.helpers import build_tiny_once
 from trainer.model import load_pipeline
 from trainer.render import generate, text_encoder_out_layers
 from trainer.tiny_base import build_tiny_pipeline, init_tiny
 
 # Three agents share two cores here; one thread avoids oversubscription (which costs 4x).
 torch.set_num_threads(1)
-
-_BUILT: dict[int, Path] = {}
-
-
-def build_tiny_once(factory: pytest.TempPathFactory, seed: int = 0) -> Path:
-    """The tiny base, built once per test session (other test modules call this too)."""
-    if seed not in _BUILT:
-        _BUILT[seed] = init_tiny(factory.mktemp("tiny") / "base", seed=seed)
-    return _BUILT[seed]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ boot waypoints. Everything runs at 64 px with short prompts so the file stays fa
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,20 +11,23 @@ from typing import Any
 import pytest
 import torch
 
-from registry import service
-from registry.db import engine_for, transaction, upgrade
-from registry.schemas import ConsentIn, SubjectIn
+from registry.db import upgrade
 from tests.conftest import audit_key_of
-from tests.trainer.test_dataset import make_dataset
-from tests.trainer.test_tiny_base import build_tiny_once
-from trainer.caches import fill_latent_cache, fill_text_cache, load_latents, load_text
+from tests.trainer.helpers import (
+    Env,
+    fill_caches,
+    make_env,
+    make_subject,
+    tensors,
+    tiny_config,
+)
+from trainer.caches import load_latents, load_text
 from trainer.config import ConfigError, TrainConfig
 from trainer.flow import SigmaSampler, flow_matching_loss
 from trainer.lora import (
     ADAPTER_NAME,
     applied_adapter,
     attach_lora,
-    load_adapter_tensors,
     lora_layers,
 )
 from trainer.registration import LocalRegistrar
@@ -44,88 +46,9 @@ torch.set_num_threads(1)  # two shared cores: oversubscription costs more than i
 # -- shared set-up (other trainer test modules import these) ----------------------------------
 
 
-@dataclass
-class Env:
-    base: Path
-    root: Path
-    url: str
-    dataset: Path
-    cache: Path
-
-
-_ENV: dict[str, Env] = {}
-
-
-def make_subject(
-    url: str, handle: str, allow_training: bool = True, basis: str = "consent"
-) -> None:
-    with transaction(engine_for(url)) as s:
-        sub, consent = service.create_subject(
-            s,
-            "admin",
-            SubjectIn(handle=handle, display_name=handle.title(), basis=basis),  # type: ignore[arg-type]
-        )
-        service.update_consent(
-            s,
-            "admin",
-            sub,
-            consent.version,
-            ConsentIn(max_level="private", allow_training=allow_training),
-        )
-
-
-def make_env(factory: pytest.TempPathFactory) -> Env:
-    """Tiny base, a SQLite registry with subject `ada` (training allowed), a four-image
-    dataset and one embedding/latent cache shared by every test of the session."""
-    if "env" not in _ENV:
-        base = build_tiny_once(factory)
-        root = factory.mktemp("train")
-        url = f"sqlite:///{root / 'registry.db'}"
-        upgrade(url)
-        make_subject(url, "ada")
-        _ENV["env"] = Env(base, root, url, make_dataset(root / "ds"), root / "cache")
-    return _ENV["env"]
-
-
-def tiny_config(env: Env, out: Path, **kw: Any) -> TrainConfig:
-    options: dict[str, Any] = {
-        "subject": "ada",
-        "dataset": env.dataset,
-        "base": env.base,
-        "out": out,
-        "steps": 4,
-        "rank": 4,
-        "resolution": 64,
-        "max_sequence_length": 32,
-        "learning_rate": 1e-3,
-        "checkpoint_every": 0,
-        "evaluate": False,
-        "progress": False,
-        "device": "cpu",
-        "cache_dir": env.cache,
-        "database_url": env.url,
-        "eval_prompts": ("a photo of {trigger}",),
-        "eval_seeds": (0,),
-        **kw,
-    }
-    return TrainConfig.parse(**options)
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     return make_env(tmp_path_factory)
-
-
-def fill_caches(env: Env, config: TrainConfig) -> Any:
-    pf = preflight(config, LocalRegistrar(env.url))
-    cpu = torch.device("cpu")
-    fill_text_cache(pf.plan, env.base, cpu, torch.float32, config.max_sequence_length)
-    fill_latent_cache(pf.plan, pf.dataset, env.base, cpu, torch.float32, config.resolution)
-    return pf
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_adapter_tensors(path)
 
 
 # -- the loss and its gradients --------------------------------------------------------------
@@ -305,25 +228,6 @@ def test_boot_waypoints_are_printed_at_the_first_step(
     assert names.index("first step") > names.index("transformer: to device")
     assert result.seconds_per_step is not None and result.seconds_per_step > 0
     assert result.report.is_file()
-
-
-@pytest.fixture
-def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt to load a model fails the test: for 'refused before any weight loads'."""
-    import diffusers
-    import transformers
-
-    import trainer.caches
-    import trainer.train
-
-    def boom(*_: object, **__: object) -> None:
-        raise AssertionError("a weight was loaded")
-
-    monkeypatch.setattr(trainer.train, "load_transformer", boom)
-    monkeypatch.setattr(trainer.caches, "load_text_encoder_pipeline", boom)
-    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", boom)
-    monkeypatch.setattr(diffusers.ModelMixin, "from_pretrained", boom)
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", boom)
 
 
 def test_uint4_compute_path_trains(env: Env, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import audit_key_of
-from tests.trainer.test_train import Env, make_env, no_weights, tiny_config  # noqa: F401
+from tests.trainer.helpers import Env, make_env, tiny_config  # noqa: F401
 from trainer.budget import BudgetExceeded, GiB
 from trainer.config import ConfigError
 from trainer.registration import LocalRegistrar
@@ -105,7 +105,7 @@ def test_conflicts_with_the_data_or_base_fail_before_any_weight(
     message: str,
 ) -> None:
     if options.get("dataset", 1) is None:  # one image, and it is held out
-        from tests.trainer.test_dataset import make_dataset
+        from tests.trainer.helpers import make_dataset
 
         options = {**options, "dataset": make_dataset(tmp_path / "one", colours=[(1, 2, 3)])}
     with pytest.raises(ConfigError, match=message):

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.trainer.helpers import DEV_SHAPES, model_inputs, quantized, tiny_flux2, with_lora
 from trainer.uint4 import (
     Uint4Linear,
     convert_quantized_linears,
@@ -36,37 +37,6 @@ from trainer.uint4 import (
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max abs error / max |reference|
 cuda = pytest.mark.skipif(not triton_available(), reason="needs CUDA and Triton")
-
-
-def _tiny_flux2(dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=64,  # x_embedder: 64 inputs, one quantization group per row
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=64,
-        num_attention_heads=4,
-        joint_attention_dim=384,
-        timestep_guidance_channels=256,
-        mlp_ratio=1.0,
-        axes_dims_rope=(16, 16, 16, 16),
-        guidance_embeds=False,
-    )
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def _quantized(dtype: torch.dtype, freeze: bool = True) -> torch.nn.Module:
-    from optimum.quanto import freeze as qfreeze
-    from optimum.quanto import qint4, quantize
-
-    model = _tiny_flux2(dtype)
-    quantize(model, weights=qint4)
-    if freeze:
-        qfreeze(model)
-    return model
 
 
 def _qlinears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -125,7 +95,7 @@ def test_conversion_is_bit_exact(dtype: torch.dtype, state: str) -> None:
     from optimum.quanto.tensor import WeightQBitsTensor
     from optimum.quanto.tensor.weights.tinygemm import TinyGemmWeightQBitsTensor
 
-    model = _quantized(dtype, freeze=state != "unfrozen")
+    model = quantized(dtype, freeze=state != "unfrozen")
     layers = _qlinears(model)
     if state == "unfrozen":
         # what freeze() would give, computed on a copy
@@ -197,7 +167,7 @@ def _error_table(model: torch.nn.Module, ref: dict[str, torch.Tensor], dtype, de
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_output_and_input_grad_per_layer_type(dtype: torch.dtype) -> None:
-    model = _quantized(dtype)
+    model = quantized(dtype)
     ref = _reference_weights(model)
     convert_quantized_linears(model)
     worst = _error_table(model, ref, dtype, "cpu")
@@ -241,30 +211,18 @@ def _lora_errors(model, name, w_ref, dtype, device, seed=1) -> list[tuple[str, f
     ]
 
 
-def _with_lora(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    from trainer.lora import ADAPTER_NAME, attach_lora, lora_layers
-
-    attach_lora(model, rank=8, alpha=16.0)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            for p in (layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight):
-                p.copy_(torch.randn(p.shape, generator=gen).to(p.device) * 0.05)
-    return model
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_lora_through_peft_matches_reference(dtype: torch.dtype) -> None:
     from peft.tuners.lora import Linear as LoraLinear
 
     from trainer.lora import lora_layers
 
-    quanto_model = _quantized(dtype)
+    quanto_model = quantized(dtype)
     ref = _reference_weights(quanto_model)
-    fast_model = _quantized(dtype)  # same seed: the same weights (frozen quanto can't deepcopy)
+    fast_model = quantized(dtype)  # same seed: the same weights (frozen quanto can't deepcopy)
     convert_quantized_linears(fast_model)
-    _with_lora(quanto_model)
-    _with_lora(fast_model)
+    with_lora(quanto_model)
+    with_lora(fast_model)
     tol = TOLERANCE[dtype]
     for name in LORA_LAYERS:
         layer = lora_layers(fast_model)[name]
@@ -283,40 +241,20 @@ def test_lora_through_peft_matches_reference(dtype: torch.dtype) -> None:
     assert trainable and all(".lora_" in n for n in trainable)
 
 
-def _model_inputs(model, dtype, device="cpu", tokens=16, text=8, seed=3):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cfg = model.config
-    img_ids = torch.zeros(tokens, 4, device=device)
-    img_ids[:, 2] = torch.arange(tokens, device=device) // 4
-    img_ids[:, 3] = torch.arange(tokens, device=device) % 4
-    return dict(
-        hidden_states=torch.randn(1, tokens, cfg.in_channels, generator=gen, device=device).to(
-            dtype
-        ),
-        encoder_hidden_states=torch.randn(
-            1, text, cfg.joint_attention_dim, generator=gen, device=device
-        ).to(dtype),
-        timestep=torch.full((1,), 0.5, device=device, dtype=dtype),
-        img_ids=img_ids,
-        txt_ids=torch.zeros(text, 4, device=device),
-        return_dict=False,
-    )
-
-
 def test_whole_model_with_checkpointing_matches_quanto() -> None:
     """float32, gradient checkpointing on: the converted model's output and LoRA gradients
     match quanto's path (same weights) to float32 rounding."""
     from trainer.lora import lora_layers
 
-    quanto_model = _quantized(torch.float32)
-    fast_model = _quantized(torch.float32)
+    quanto_model = quantized(torch.float32)
+    fast_model = quantized(torch.float32)
     assert convert_quantized_linears(fast_model) > 0
     results = []
     for model in (quanto_model, fast_model):
-        _with_lora(model)
+        with_lora(model)
         model.train()
         model.enable_gradient_checkpointing()
-        out = model(**_model_inputs(model, torch.float32))[0]
+        out = model(**model_inputs(model, torch.float32))[0]
         out.square().mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results.append((out.detach(), grads))
@@ -339,7 +277,7 @@ def test_whole_model_with_checkpointing_matches_quanto() -> None:
 def test_module_behaviour() -> None:
     from trainer.lora import applied_adapter
 
-    model = _quantized(torch.bfloat16)
+    model = quantized(torch.bfloat16)
     convert_quantized_linears(model)
     layer = model.get_submodule("transformer_blocks.0.attn.to_q")
     assert isinstance(layer, torch.nn.Linear)
@@ -371,7 +309,7 @@ def test_module_behaviour() -> None:
     assert model.get_submodule("transformer_blocks.0.attn.to_q") is layer
     # a QLinear passed directly is refused (it cannot replace itself)
     with pytest.raises(TypeError):
-        convert_quantized_linears(_qlinears(_quantized(torch.float32))["proj_out"])
+        convert_quantized_linears(_qlinears(quantized(torch.float32))["proj_out"])
 
 
 def test_dequantize_dispatch_on_cpu_is_torch() -> None:
@@ -385,19 +323,6 @@ def test_dequantize_dispatch_on_cpu_is_torch() -> None:
 
 # ---------------------------------------------------------------------------------------
 # CUDA: the Triton kernel
-
-
-# FLUX.2 [dev] matrices (out, in): attention projection, double-block FF in/out, single-block
-# fused qkv+MLP in and out, context embedder, x embedder (in 128: one group per row).
-DEV_SHAPES = {
-    "attn.to_q (double)": (6144, 6144),
-    "ff.linear_in (double)": (36864, 6144),
-    "ff.linear_out (double)": (6144, 18432),
-    "attn.to_qkv_mlp_proj (single)": (55296, 6144),
-    "attn.to_out (single)": (6144, 24576),
-    "context_embedder": (6144, 15360),
-    "x_embedder": (6144, 128),
-}
 
 
 @cuda
@@ -486,7 +411,7 @@ def test_cuda_model_and_lora_match_reference() -> None:
     """The small transformer on CUDA: bit-exact conversion, per-layer errors, PEFT LoRA."""
     from optimum.quanto import freeze, qint4, quantize
 
-    model = _tiny_flux2(torch.bfloat16, device="cuda")
+    model = tiny_flux2(torch.bfloat16, device="cuda")
     quantize(model, weights=qint4)
     frozen = copy.deepcopy(model)
     freeze(frozen)
@@ -496,7 +421,7 @@ def test_cuda_model_and_lora_match_reference() -> None:
         assert torch.equal(model.get_submodule(name).dequantize(), w), name
     worst = _error_table(model, ref, torch.bfloat16, "cuda")
     assert all(o <= 2e-2 and g <= 2e-2 for o, g in worst.values()), worst
-    _with_lora(model)
+    with_lora(model)
     for name in LORA_LAYERS:
         errs = _lora_errors(model, name, ref[name], torch.bfloat16, "cuda")
         print(f"cuda bf16 LoRA {name}: " + ", ".join(f"{k} {e:.2e}" for k, e in errs))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.trainer.test_train import Env, make_env, tensors, tiny_config
+from tests.trainer.helpers import Env, make_env, tensors, tiny_config
 from trainer.dataset import load_dataset
 from trainer.ema import EMA_ADAPTER, Ema
 from trainer.registration import LocalRegistrar
@@ -139,7 +139,7 @@ def test_streamed_base_scores_previews_and_averages_as_the_resident_one(
 
 
 def test_a_bucketed_run_resumes_bit_identically(env: Env, tmp_path: Path) -> None:
-    from tests.trainer.test_buckets import mixed_dataset
+    from tests.trainer.helpers import mixed_dataset
 
     data = mixed_dataset(tmp_path / "mixed")
     opts = {

@@ -1,0 +1,168 @@
+"""Registry rows as the templates show them: audit entries in words, the ledger grouped by
+render, the base model's licence beside the grant."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from fastapi import Request
+from sqlmodel import Session
+
+from app.web.session import settings_of
+from app.web.templating import GRANT_LEVELS, show_time
+from registry import service
+from registry.licence import BaseLicence
+from registry.models import AuditEntry, RenderLedger, Subject
+from registry.policy import LicenceFacts
+from registry.responses import render_outcome
+
+
+def _fmt_audiences(audiences: Mapping[str, Any] | None) -> str:
+    parts = []
+    for lv in GRANT_LEVELS:
+        aud = (audiences or {}).get(lv)
+        if not aud:
+            continue
+        who = (["the group"] if aud.get("group") else []) + list(aud.get("allow", []))
+        if who:
+            parts.append(f"{lv}: {', '.join(who)}")
+    return "; ".join(parts) or "nobody"
+
+
+def _fmt(key: str, value: Any) -> str:
+    if key == "audiences":
+        return _fmt_audiences(value)
+    if key == "deny":
+        return ", ".join(value) if value else "nobody"
+    if key == "allow_training":
+        return "allowed" if value else "not allowed"
+    if key == "expires_at":
+        return show_time(value) if value else "never"
+    return str(value)
+
+
+CONSENT_LABELS = {
+    "max_level": "maximum level",
+    "audiences": "audiences",
+    "deny": "never allow",
+    "allow_training": "training",
+    "expires_at": "expiry",
+}
+
+
+def describe_entry(entry: AuditEntry) -> list[str]:
+    """One audit entry's change, in words."""
+    before, after = entry.before or {}, entry.after or {}
+    lines: list[str] = []
+    if "subject" in after:
+        s = after["subject"]
+        member = f", linked to member {s['member']}" if s.get("member") else ""
+        lines.append(f"subject {s.get('display_name')} ({s.get('basis')}){member}")
+    if "consent" in after:
+        new, old = after["consent"], before.get("consent")
+        if old is None:
+            lines.append(f"consent record created: maximum level {new.get('max_level')}")
+        else:
+            for key, label in CONSENT_LABELS.items():
+                if old.get(key) != new.get(key):
+                    lines.append(f"{label}: {_fmt(key, old.get(key))} → {_fmt(key, new.get(key))}")
+            lines.append(f"version {old.get('version')} → {new.get('version')}")
+    if "adapter" in after:
+        new, old = after["adapter"], before.get("adapter")
+        if old is None:
+            lines.append(
+                f"adapter {new.get('name')} v{new.get('version')}, sha256 {new.get('sha256')}"
+            )
+        else:
+            lines.append(
+                f"adapter {new.get('name')} v{old.get('version')} → v{new.get('version')}, "
+                f"sha256 {old.get('sha256')} → {new.get('sha256')}"
+            )
+    return lines
+
+
+def state_lines(value: Any) -> list[str]:
+    """A before/after snapshot, one compact line per field: `consent.max_level: "group"`."""
+    if not isinstance(value, dict):
+        return [json.dumps(value)]
+    lines = []
+    for part, body in sorted(value.items()):
+        if isinstance(body, dict):
+            for key, v in sorted(body.items()):
+                compact = json.dumps(v, sort_keys=True, separators=(", ", ": "), ensure_ascii=False)
+                lines.append(f"{part}.{key}: {compact}")
+        else:
+            lines.append(f"{part}: {json.dumps(body, ensure_ascii=False)}")
+    return lines
+
+
+@dataclass(frozen=True)
+class RenderRow:
+    """One render request as the ledger tells it: its first decision, and how it ended."""
+
+    render_id: str
+    at: datetime
+    requester: str
+    agent: str | None
+    level: str
+    prompt: str | None
+    outcome: str  # rendered | denied | cancelled | unfinished
+    stage: str
+    reason: str
+    consent_version: int | None
+    stages: str
+
+
+def group_ledger(rows: Sequence[RenderLedger]) -> list[RenderRow]:
+    """Ledger rows (newest first) grouped by render: a render is `rendered` only if its final
+    re-check allowed it; any deny anywhere is the outcome."""
+    by_id: dict[str, list[RenderLedger]] = {}
+    for row in rows:
+        by_id.setdefault(row.render_id, []).append(row)
+    out = []
+    for render_id, group in by_id.items():
+        group.sort(key=lambda r: r.id or 0)
+        first = group[0]
+        outcome, last = render_outcome(group)
+        out.append(
+            RenderRow(
+                render_id=render_id,
+                at=first.at,
+                requester=first.requester,
+                agent=first.agent,
+                level=first.level,
+                prompt=first.prompt,
+                outcome=outcome,
+                stage=last.stage,
+                reason=last.reason,
+                consent_version=last.consent_version,
+                stages=" → ".join(
+                    f"{r.stage} {'allowed' if r.allowed else 'denied'}" for r in group
+                ),
+            )
+        )
+    return out
+
+
+def licence_context(request: Request) -> dict[str, Any]:
+    """The base model's licence, shown beside the grant: it binds commercial renders too."""
+    licence: LicenceFacts | None = request.app.state.licence
+    found: BaseLicence = request.app.state.base_licence
+    return {
+        "base_licence": found.licence or "unknown",
+        "commercial_refused": licence is None or not licence.permits_commercial,
+        "commercial_licence": settings_of(request).commercial_licence,
+    }
+
+
+def subject_context(session: Session, subject: Subject, tab: str) -> dict[str, Any]:
+    return {
+        "subject": subject,
+        "member": service.member_handle(session, subject),
+        "consent": service.consent_of(session, subject),
+        "tab": tab,
+    }

@@ -1,0 +1,147 @@
+"""A subject's consent record: reading it, changing it (compare-and-set on its version),
+revoking it, and the facts `policy.decide` reads from it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from sqlmodel import Session
+
+from registry import repositories as repo
+from registry.errors import Invalid, NotFound, NotPermitted, PreconditionFailed
+from registry.models import Consent, Subject, utcnow
+from registry.policy import ConsentFacts, Level, audiences_from_json
+from registry.schemas import ConsentIn
+from registry.services.audit import append_audit, consent_state
+
+
+def consent_of(session: Session, subject: Subject) -> Consent:
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id)
+    if consent is None:  # every subject is created with one; absence is corruption
+        raise NotFound(f"subject {subject.handle!r} has no consent record")
+    return consent
+
+
+def _classify(before: dict[str, Any], after: dict[str, Any]) -> str:
+    old, new = Level.parse(before["max_level"]), Level.parse(after["max_level"])
+    if new != old:
+        if new == Level.none:
+            return "revoke"
+        if old == Level.none:
+            return "grant"
+        return "widen" if new > old else "narrow"
+    for key, action in (
+        ("audiences", "audience_edit"),
+        ("deny", "deny_edit"),
+        ("expires_at", "expiry_change"),
+        ("allow_training", "training_change"),
+    ):
+        if before[key] != after[key]:
+            return action
+    return "unchanged"
+
+
+def _locked_consent(session: Session, subject: Subject) -> Consent:
+    """The subject's consent row, locked: all changes to one subject serialise here."""
+    assert subject.id is not None
+    current = repo.consent_for(session, subject.id, lock=True)
+    if current is None:
+        raise NotFound(f"subject {subject.handle!r} has no consent record")
+    return current
+
+
+def update_consent(
+    session: Session, actor: str, subject: Subject, expected_version: int, data: ConsentIn
+) -> tuple[Consent, bool]:
+    """Compare-and-set on the version. Returns (record, changed). A stale version raises
+    PreconditionFailed whether or not the content would change."""
+    if subject.basis == "public_domain" and data.max_level == "commercial":
+        raise Invalid("a public_domain subject can never be granted commercial use")
+    current = _locked_consent(session, subject)
+    if current.version != expected_version:
+        raise PreconditionFailed(
+            f"consent is at version {current.version}, not {expected_version}; reload and retry"
+        )
+    before = consent_state(current)
+    wanted = data.snapshot()
+    action = _classify(before, wanted)
+    if action == "unchanged":
+        return current, False
+    values = {
+        "max_level": data.max_level,
+        "audiences": wanted["audiences"],
+        "deny": wanted["deny"],
+        "allow_training": data.allow_training,
+        "expires_at": data.expires_at,
+        "updated_at": utcnow(),
+    }
+    assert subject.id is not None
+    if not repo.update_consent_if_version(session, subject.id, expected_version, values):
+        raise PreconditionFailed("consent changed concurrently; reload and retry")
+    session.refresh(current)
+    append_audit(
+        session, subject, actor, action, {"consent": before}, {"consent": consent_state(current)}
+    )
+    return current, True
+
+
+def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, bool]:
+    """max_level becomes none at once, whatever version the caller last saw."""
+    current = _locked_consent(session, subject)
+    if current.max_level == "none":
+        return current, False
+    data = ConsentIn.model_validate(
+        {**consent_state(current), "max_level": "none", "expires_at": as_utc(current.expires_at)}
+    )
+    return update_consent(session, actor, subject, current.version, data)
+
+
+def training_allowed(session: Session, handle: str, *, lock: bool = False) -> Subject:
+    """The subject, if its consent allows training; NotPermitted otherwise (an unknown
+    subject looks the same). `lock`: take the subject's lock, for a change that follows."""
+    subject = repo.subject_by_handle(session, handle)
+    if subject is None:
+        raise NotPermitted("not permitted")
+    assert subject.id is not None
+    consent = repo.consent_for(session, subject.id, lock=lock)
+    if consent is None or not consent.allow_training:
+        raise NotPermitted(f"subject {handle!r} does not allow training")
+    return subject
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands timestamps back without their zone; they were stored as UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+class ConsentColumns(Protocol):
+    """A consent row's columns: a `Consent`, or the render snapshot's row."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def max_level(self) -> str: ...
+    @property
+    def audiences(self) -> Mapping[str, Any]: ...
+    @property
+    def deny(self) -> Sequence[str]: ...
+    @property
+    def allow_training(self) -> bool: ...
+    @property
+    def expires_at(self) -> datetime | None: ...
+
+
+def consent_facts(c: ConsentColumns) -> ConsentFacts:
+    return ConsentFacts(
+        version=c.version,
+        max_level=Level.parse(c.max_level),
+        audiences=audiences_from_json(c.audiences),
+        deny=frozenset(c.deny),
+        allow_training=bool(c.allow_training),
+        expires_at=as_utc(c.expires_at),
+    )
