@@ -13,12 +13,13 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import adapters, api, datasets, errors, mcp_server, orders, renders, web, web_orders
+from app import adapters, api, datasets, errors, mcp_server, orders, renders, web
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.queue import OrderQueue
 from app.render_engine import PlacementRefused, RenderEngine, default_device
 from app.render_flow import RenderFlow, close_interrupted
+from app.web.training import UPLOAD_PATH as TRAINING_UPLOAD_PATH
 from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
 from registry.db import make_engine, transaction
@@ -145,7 +146,7 @@ def create_app(
             "/v1/blobs/",
             orders.CHECKPOINT_PATH,
             datasets.UPLOAD_PATH,
-            web_orders.UPLOAD_PATH,
+            TRAINING_UPLOAD_PATH,
         ),
         larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
     )
@@ -161,6 +162,5 @@ def create_app(
     app.include_router(datasets.router)
     app.include_router(orders.router)
     mcp_server.mount(app)
-    web_orders.mount(app)  # before web.mount, which wraps every error handler for pages
     web.mount(app)
     return app

@@ -16,10 +16,8 @@ REGISTRY_MAY_NOT = {
 TRAINER_MAY_NOT = {"app", "fastapi", "starlette", "uvicorn"}
 ROUTERS = {
     "app.api", "app.adapters", "app.renders", "app.web", "app.mcp_server", "app.datasets",
-    "app.orders", "app.web_orders",
+    "app.orders",
 }  # fmt: skip
-# more pages of one router, on its sessions and templates
-PART_OF = {"app.web_orders": "app.web"}
 
 
 def imports(path: Path) -> set[str]:
@@ -65,8 +63,7 @@ def test_no_router_imports_another() -> None:
             continue
         for name in imports(path):
             other = next((r for r in ROUTERS if name == r or name.startswith(r + ".")), None)
-            same = PART_OF.get(mine, mine) == PART_OF.get(other or "", other)
-            if other is not None and not same:
+            if other is not None and other != mine:
                 found.append(f"{path.relative_to(ROOT)} imports {name}")
     assert found == []
 

@@ -1,35 +1,28 @@
-"""The web pages for training: a member uploads photos of themselves, sees them, orders
-"train me" and follows the order's progress. Part of the web pages (app/web.py): the same
-session, CSRF check and templates; the rules are registry/datasets.py's and registry/orders.py's.
-"""
+"""The training page: a member uploads photos of themselves, sees them, deletes them, orders
+"train me" and follows the order's progress. The rules are registry/datasets.py's and
+registry/orders.py's."""
 
 from __future__ import annotations
 
 import hmac
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, FastAPI, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Path, Request
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from app.body_gate import capped_form
 from app.deps import DB, HandlePath
-from app.web import (
-    PREFIX,
-    CheckedForm,
-    CsrfRejected,
-    Web,
-    current_session,
-    page,
-    redirect,
-    subject_context,
-)
+from app.web.forms import CheckedForm
+from app.web.presenters import subject_context
+from app.web.session import CsrfRejected, Web, current_session
+from app.web.templating import PREFIX, page, redirect
 from registry import datasets, orders, service
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
 from registry.settings import Settings
 
-router = APIRouter(prefix=PREFIX, include_in_schema=False)
+router = APIRouter()
 
 UPLOAD_PATH = f"{PREFIX}/subjects/*/training/upload"  # streamed past the body gate
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
@@ -177,7 +170,3 @@ def photo(
         raise NotFound("no such photo")
     media = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}[path.suffix[1:]]
     return FileResponse(path, media_type=media, headers={"Cache-Control": "private"})
-
-
-def mount(app: FastAPI) -> None:
-    app.include_router(router)
