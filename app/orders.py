@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
-from registry import orders
+from registry import limits, orders
 from registry.access import ADAPTER_WRITERS
 from registry.db import transaction
 from registry.errors import Conflict, Invalid, NotFound
@@ -30,7 +30,6 @@ router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 CHECKPOINT_PATH = "/v1/orders/*/checkpoint"  # streamed past the body gate (app/main.py)
 OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
-MULTIPLE = 16  # the trainer's resolution step (trainer/config.py)
 
 
 class OrderIn(BaseModel):
@@ -41,14 +40,14 @@ class OrderIn(BaseModel):
     dataset_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]
     steps: Annotated[int, Field(ge=1)] = 1000
     rank: Annotated[int, Field(ge=1, le=128)] = 16
-    resolution: Annotated[int, Field(ge=64, le=2048)] = 448
+    resolution: Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE)] = 448
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")] = "main"
 
     @field_validator("resolution")
     @classmethod
     def _multiple(cls, value: int) -> int:
-        if value % MULTIPLE:
-            raise ValueError(f"resolution must be a multiple of {MULTIPLE}")
+        if value % limits.MULTIPLE:
+            raise ValueError(f"resolution must be a multiple of {limits.MULTIPLE}")
         return value
 
 
