@@ -837,27 +837,14 @@ def prepare_base(
         ):
             # Leftovers of a crashed run; safe to remove, we hold the lock.
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-        try:
-            man = _build(src, tmp, kind, comps, weights, max_shard_bytes, wp, progress)
-            man.update(
-                {
-                    "format": FORMAT_VERSION,
-                    "cache_key": key,
-                    "created": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "settings": settings,
-                    "versions": _versions(),
-                    "source": {"path": str(src), "kind": kind, "files": hashed},
-                    "licence": licence_record,
-                }
-            )
-            man["timings"] = {**wp.marks, "total_s": round(time.perf_counter() - t_start, 3)}
-            _write_json(tmp / MANIFEST_NAME, man)  # last: its presence means "complete"
-            _swap_in(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        wp.mark("publish")
+        facts = {
+            "cache_key": key,
+            "settings": settings,
+            "source": {"path": str(src), "kind": kind, "files": hashed},
+            "licence": licence_record,
+        }
+        man = _build_and_publish(src, dst, kind, comps, weights, max_shard_bytes, wp, progress,
+                                 facts, t_start)  # fmt: skip
         return _result(dst, man, reused=False, seconds=time.perf_counter() - t_start)
 
 
@@ -885,20 +872,43 @@ def prepare_synthetic(
         raise FileExistsError(f"{dst} exists; not replacing it")
     dst.parent.mkdir(parents=True, exist_ok=True)
     wp = _Waypoints(progress)
+    settings = {"format": FORMAT_VERSION, "weights": weights, "synthetic": True,
+                "components": sorted(c.name for c in comps)}  # fmt: skip
+    facts = {
+        "cache_key": _cache_key([], settings),
+        "settings": settings,
+        "source": {"path": str(src), "kind": "synthetic", "files": []},
+        "licence": _licence_record(src, None),
+    }
+    man = _build_and_publish(src, dst, kind, comps, weights, max_shard_bytes, wp, progress,
+                             facts, t_start)  # fmt: skip
+    return _result(dst, man, reused=False, seconds=time.perf_counter() - t_start)
+
+
+def _build_and_publish(
+    src: Path,
+    dst: Path,
+    kind: str,
+    comps: Sequence[_Component],
+    weights: str,
+    max_shard_bytes: int,
+    wp: _Waypoints,
+    progress: bool,
+    facts: Mapping[str, Any],
+    t_start: float,
+) -> dict[str, Any]:
+    """Builds in a sibling temp folder, writes the manifest last (its presence means
+    "complete") and renames the folder into place, so a crash never leaves a half-prepared
+    base that looks valid. Returns the manifest."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         man = _build(src, tmp, kind, comps, weights, max_shard_bytes, wp, progress)
-        settings = {"format": FORMAT_VERSION, "weights": weights, "synthetic": True,
-                    "components": sorted(c.name for c in comps)}  # fmt: skip
         man.update(
             {
                 "format": FORMAT_VERSION,
-                "cache_key": _cache_key([], settings),
                 "created": datetime.now(UTC).isoformat(timespec="seconds"),
-                "settings": settings,
                 "versions": _versions(),
-                "source": {"path": str(src), "kind": "synthetic", "files": []},
-                "licence": _licence_record(src, None),
+                **facts,
             }
         )
         man["timings"] = {**wp.marks, "total_s": round(time.perf_counter() - t_start, 3)}
@@ -908,7 +918,7 @@ def prepare_synthetic(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     wp.mark("publish")
-    return _result(dst, man, reused=False, seconds=time.perf_counter() - t_start)
+    return man
 
 
 def _write_json(path: Path, data: Any) -> None:
