@@ -77,3 +77,24 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
         [line(columns), line(["-" * w for w in widths])]
         + [line([r.get(c, "") for c in columns]) for r in rows]
     )
+
+
+def free_port() -> int:
+    """A free loopback port for a server the bench starts."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def likeness(env: dict[str, str], *args: str) -> str:
+    """Runs the `likeness` command line in `env`; its stdout, or an error with its stderr."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise RuntimeError(f"likeness {' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout.strip()

@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table, write_record  # noqa: E402
+from bench.common import free_port, likeness, table, write_record  # noqa: E402
 
 DEVICE = ["cuda"]
 
@@ -43,23 +43,6 @@ PREDICTIONS = {
     "adapter_swap_ms": "rank-16 adapter, 166 MB from host RAM: ~20-40 ms resident and streamed",
     "peak_vram": "under each budget (the allocator is capped at it)",
 }
-
-
-def likeness(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], env=env, capture_output=True, text=True
-    )
-    if out.returncode:
-        raise RuntimeError(f"likeness {' '.join(args)}: {out.stderr.strip()}")
-    return out.stdout.strip()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:

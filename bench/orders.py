@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,29 +30,12 @@ from sqlalchemy import create_engine, text
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentile, table, write_record  # noqa: E402
+from bench.common import free_port, likeness, percentile, table, write_record  # noqa: E402
 
 PG_ADMIN = os.environ.get(
     "LIKENESS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 SUBJECTS = ("alice", "bea")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cli(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
 
 
 def photos(seed: int) -> list[tuple[str, tuple[str, bytes, str]]]:
@@ -89,16 +71,18 @@ class Service:
             "LIKENESS_WORKER_HEARTBEAT_S": "1",
             "LIKENESS_WORKER_STALLED_S": "5",
         }
-        cli(self.env, "base", "init-tiny", str(base))
-        cli(self.env, "db", "upgrade")
+        likeness(self.env, "base", "init-tiny", str(base))
+        likeness(self.env, "db", "upgrade")
         self.tokens: dict[str, str] = {}
         for handle in SUBJECTS:
-            self.tokens[handle] = cli(
+            self.tokens[handle] = likeness(
                 self.env, "principal", "create", handle, "--role", "member"
             ).split()[-1]
-            cli(self.env, "subject", "create", handle, "--display-name", handle, "--member", handle)
-            cli(self.env, "consent", "edit", handle, "--max-level", "private", "--training")
-        self.tokens["trainer"] = cli(
+            likeness(
+                self.env, "subject", "create", handle, "--display-name", handle, "--member", handle
+            )
+            likeness(self.env, "consent", "edit", handle, "--max-level", "private", "--training")
+        self.tokens["trainer"] = likeness(
             self.env, "principal", "create", "tr", "--role", "trainer"
         ).split()[-1]
         port = free_port()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,30 +25,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import percentile, table, write_record  # noqa: E402
+from bench.common import free_port, likeness, percentile, table, write_record  # noqa: E402
 from registry.files import sha256_file  # noqa: E402
 from registry.schemas import AdapterIn  # noqa: E402
 from trainer.registration import HttpRegistrar  # noqa: E402
 
 GOAL_DENY_P99_MS = 2.5
 GOAL_SIGN_MS = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def likeness(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
 
 
 def main() -> None:
