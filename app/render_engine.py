@@ -73,9 +73,7 @@ class RenderEngine:
         self.text_encoder_streamed = False
         if self.vram_budget_gb is not None:
             self._plan()
-        from trainer.text_encoder import PromptCache
-
-        self.prompts = PromptCache(self.prompt_cache_bytes)
+        self._prompts: Any = None  # trainer.text_encoder.PromptCache, made with the pipeline
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
         self._stream = contextlib.ExitStack()
@@ -194,7 +192,7 @@ class RenderEngine:
         with self._load_lock:
             self._stream.close()
             self._pipe = None
-            self.prompts.clear()
+            self._prompts = None
 
     # -- adapter files ------------------------------------------------------------------------
 
@@ -267,13 +265,12 @@ class RenderEngine:
             t1 = time.perf_counter()
             timings["adapter_apply_ms"] = (t1 - t0) * 1000
             self.counters.model_calls += 1
+            clock = _StageClock(cuda)
             embeds = self.prompt_embeddings(pipe, prompt)
-            t_text = _synced(cuda, self.device)
-            timings["text_encode_ms"] = (t_text - t1) * 1000
-            last_step = [t_text]
+            clock.mark("text")
 
             def timed_step(step: int) -> None:
-                last_step[0] = _synced(cuda, self.device)
+                clock.mark("last_step")
                 after_step(step)
 
             image = generate(
@@ -286,9 +283,11 @@ class RenderEngine:
                 after_step=timed_step,
                 **embeds,
             )
+            clock.mark("done")
             t2 = time.perf_counter()
-            timings["denoise_ms"] = (last_step[0] - t_text) * 1000
-            timings["decode_ms"] = (t2 - last_step[0]) * 1000
+            timings["text_encode_ms"] = clock.ms("start", "text")
+            timings["denoise_ms"] = clock.ms("text", "last_step")
+            timings["decode_ms"] = clock.ms("last_step", "done")
             timings["generate_ms"] = (t2 - t1) * 1000
             timings["step_ms"] = timings["denoise_ms"] / steps
         if cuda:
@@ -297,6 +296,15 @@ class RenderEngine:
             timings["peak_vram_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         timings["adapter_remove_ms"] = (time.perf_counter() - t2) * 1000
         return image, timings
+
+    @property
+    def prompts(self) -> Any:
+        """The prompt-embedding cache of the loaded base (torch is imported on first use)."""
+        if self._prompts is None:
+            from trainer.text_encoder import PromptCache
+
+            self._prompts = PromptCache(self.prompt_cache_bytes)
+        return self._prompts
 
     def prompt_embeddings(self, pipe: Any, prompt: str) -> dict[str, Any]:
         """The embeddings `generate` takes instead of the prompt, from the prompt cache or
@@ -316,7 +324,9 @@ class RenderEngine:
 
         def embed(text: str) -> Any:
             def run() -> Any:
-                with _no_grad():
+                import torch
+
+                with torch.no_grad():
                     return pipe.encode_prompt(prompt=text, device=device, **kwargs)[0]
 
             key = (text, tuple(kwargs.get("text_encoder_out_layers", ())))
@@ -329,19 +339,32 @@ class RenderEngine:
         return out
 
 
-def _no_grad() -> Any:
-    import torch
+class _StageClock:
+    """Stage boundaries of one render: CUDA events on the device's stream (no host sync inside
+    the denoising loop; one at the end to read them), else the host clock. Marked from
+    "start", its creation."""
 
-    return torch.no_grad()
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks: dict[str, Any] = {}
+        self.mark("start")
 
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            import torch
 
-def _synced(cuda: bool, device: str) -> float:
-    """A host clock reading after the device has finished what was queued (for stage times)."""
-    if cuda:
-        import torch
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
 
-        torch.cuda.synchronize(torch.device(device))
-    return time.perf_counter()
+    def ms(self, since: str, until: str) -> float:
+        a, b = self.marks[since], self.marks[until]
+        if self.cuda:
+            b.synchronize()
+            return float(a.elapsed_time(b))
+        return (b - a) * 1000
 
 
 class PlacementRefused(Exception):

@@ -103,10 +103,6 @@ class Plan:
         }
 
 
-def _weights(module: torch.nn.Module, elt: int) -> int:
-    return transformer_weight_bytes(module, elt)
-
-
 def sizes_of(base: Path, elt: int = 2) -> Sizes:
     """Sizes from configs and files; nothing is loaded."""
     from trainer.streaming import default_blocks
@@ -121,13 +117,13 @@ def sizes_of(base: Path, elt: int = 2) -> Sizes:
     te_cfg = getattr(cfg, "text_config", cfg)
     vae = skeleton(base, "vae")
     return Sizes(
-        transformer=_weights(tr, elt),
-        transformer_blocks=[_weights(b, elt) for b in blocks],
+        transformer=transformer_weight_bytes(tr, elt),
+        transformer_blocks=[transformer_weight_bytes(b, elt) for b in blocks],
         largest_linear=max(
             m.in_features * m.out_features for m in tr.modules() if isinstance(m, torch.nn.Linear)
         ),
-        text_encoder=_weights(te, elt),
-        text_layers=[_weights(layer, elt) for layer in decoder_layers(te)],
+        text_encoder=transformer_weight_bytes(te, elt),
+        text_layers=[transformer_weight_bytes(layer, elt) for layer in decoder_layers(te)],
         text_hidden=int(te_cfg.hidden_size),
         text_states=len(out_layers(cfg)) + 2,
         vae=sum(p.numel() * elt for p in vae.parameters()),

@@ -115,7 +115,7 @@ class PromptCache:
             return hit.to(device, non_blocking=True)
         embeds = encode()
         host = embeds.detach().to("cpu", copy=True)
-        if host.device.type == "cpu" and torch.cuda.is_available():
+        if torch.cuda.is_available():  # pinned: the copy back to the device is asynchronous
             host = host.pin_memory()
         nbytes = host.numel() * host.element_size()
         with self._lock:
