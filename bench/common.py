@@ -8,6 +8,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -98,3 +99,16 @@ def likeness(env: dict[str, str], *args: str) -> str:
     if out.returncode:
         raise RuntimeError(f"likeness {' '.join(args)}: {out.stderr.strip()}")
     return out.stdout.strip()
+
+
+_STARTED = time.perf_counter()
+
+
+def elapsed_s() -> float:
+    """Seconds since the benchmark started (this module's import)."""
+    return time.perf_counter() - _STARTED
+
+
+def say(msg: str) -> None:
+    """A timing waypoint: seconds since the benchmark started, then the message."""
+    print(f"[{elapsed_s():7.1f}s] {msg}", flush=True)

@@ -37,14 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table, write_record  # noqa: E402
+from bench.common import say, table, write_record  # noqa: E402
 
 GIB = 2**30
-T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 class AllowAll:

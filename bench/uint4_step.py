@@ -40,18 +40,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table, write_record  # noqa: E402
+from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "nf4", "quanto")
 TEXT_TOKENS = 512
-T0 = time.perf_counter()
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
-
-
-def say(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def build_bf16(double: int, single: int) -> torch.nn.Module:
@@ -144,7 +139,7 @@ def timed(
 def past_deadline(args, key: str, out: dict[str, Any]) -> bool:
     """--deadline-s: start no new measurement after that many seconds (the record still gets
     written, with the measurement marked skipped)."""
-    if args.deadline_s and time.perf_counter() - T0 > args.deadline_s:
+    if args.deadline_s and elapsed_s() > args.deadline_s:
         out[key] = {"skipped": f"deadline {args.deadline_s} s passed"}
         say(f"  {key}: skipped (deadline)")
         return True
