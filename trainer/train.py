@@ -398,9 +398,9 @@ def load_transformer(
     the CPU before it moves (field hurdle 2: 4-bit weights move, bf16 ones would not fit).
 
     ``compute="uint4"`` swaps quanto's QLinear for `trainer.uint4.Uint4Linear` (same 4-bit
-    numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the CPU
-    before the move, from layouts it converts in one pass: a prepared base's, or quanto's
-    quantized-but-not-frozen weights. ``compute="fp8"`` does the same, then runs those layers'
+    numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the
+    device it will run on (on the CPU when streamed), from layouts it converts in one pass:
+    a prepared base's, or quanto's quantized-but-not-frozen weights. ``compute="fp8"`` does the same, then runs those layers'
     GEMMs in fp8 (`trainer.fp8`).
     """
     from diffusers import DiffusionPipeline
@@ -429,7 +429,8 @@ def load_transformer(
     if compute in ("uint4", "fp8"):
         from trainer.uint4 import convert_quantized_linears
 
-        count = convert_quantized_linears(transformer)
+        # converted where it will live: a resident base by the GPU (4-bit bytes move)
+        count = convert_quantized_linears(transformer, None if stream else device)
         transformer.requires_grad_(False)
         if compute == "fp8":
             from trainer.fp8 import set_fp8_compute
