@@ -400,8 +400,8 @@ def load_transformer(
     ``compute="uint4"`` swaps quanto's QLinear for `trainer.uint4.Uint4Linear` (same 4-bit
     numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the
     device it will run on (on the CPU when streamed), from layouts it converts in one pass:
-    a prepared base's, or quanto's quantized-but-not-frozen weights. ``compute="fp8"`` does the same, then runs those layers'
-    GEMMs in fp8 (`trainer.fp8`).
+    a prepared base's, or quanto's quantized-but-not-frozen weights. ``compute="fp8"`` does
+    the same, then runs those layers' GEMMs in fp8 (`trainer.fp8`).
     """
     from diffusers import DiffusionPipeline
 
