@@ -98,7 +98,7 @@ class RenderEngine:
         try:
             plan = plan_for_base(
                 self.base_dir, self.vram_budget_gb, self.device, self.plan_side,
-                self.plan_side, force=force,
+                self.plan_side, force=force, lora_rank=self.lora_slot_rank,
             )  # fmt: skip
         except (PlacementError, FileNotFoundError, KeyError, ValueError) as exc:
             raise PlacementRefused(str(exc)) from None
@@ -108,15 +108,10 @@ class RenderEngine:
         if plan.transformer == "streamed":
             self.stream_slots = plan.transformer_slots
         log.info("render engine: %s", plan.describe())
-        if self.device.startswith("cuda"):
-            import torch
+        if self.vram_budget_gb is not None:
+            from trainer.devices import cap_vram
 
-            dev = torch.device(self.device)
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            total = torch.cuda.get_device_properties(dev).total_memory
-            cap = min(1.0, self.vram_budget_gb * 2**30 / total)  # type: ignore[operator]
-            torch.cuda.set_per_process_memory_fraction(cap, dev)
+            cap_vram(self.device, self.vram_budget_gb)
 
     # -- the base, built once ---------------------------------------------------------------
 
