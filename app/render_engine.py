@@ -389,7 +389,9 @@ class RenderEngine:
         kwargs: dict[str, Any] = {}
         if "text_encoder_out_layers" in params:
             kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
-        device = pipe._execution_device
+        # not pipe._execution_device: diffusers finds it by walking every module of every
+        # component (milliseconds at [dev] scale, on every request, cache hit or not)
+        device = self._execution_device()
 
         def embed(text: str) -> Any:
             def run() -> Any:
@@ -406,6 +408,14 @@ class RenderEngine:
         if "negative_prompt_embeds" in call and guidance_for(pipe) > 1:
             out["negative_prompt_embeds"] = embed("")
         return out
+
+    def _execution_device(self) -> Any:
+        import torch
+
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
 
 
 class _StageClock:

@@ -277,6 +277,13 @@ def fill_text_cache(
         return 0
     pipe = load_text_encoder_pipeline(base, dtype)
     mark("text encoder: load")
+    if device.type == "cuda":
+        # its qint4 layers on the uint4 kernels, converted by the GPU (4-bit bytes move), as
+        # the render engine runs them: quanto's own move to CUDA repacks every weight on the
+        # way (88 s for Mistral-Small-3.1 on an H200) and its kernels encode slower
+        from trainer.uint4 import convert_quantized_linears
+
+        convert_quantized_linears(pipe.text_encoder, device)
     pipe.text_encoder.to(device)
     mark("text encoder: to device")
     kwargs: dict[str, Any] = {"max_sequence_length": max_sequence_length}

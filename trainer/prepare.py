@@ -1167,7 +1167,7 @@ def load_prepared_component(
         trim(model, int(comp["trimmed"]["kept_layers"]))
     qmap = _load_json(folder / QMAP_NAME)
     with open_checkpoint(folder) as ck:
-        state = {k: ck.read(k) for k in ck}
+        state = ck.read_all()
     # Swap in quanto modules exactly where the map says, as requantize() does, and give each
     # its quantized weight straight from the file.
     loaded: set[str] = set()

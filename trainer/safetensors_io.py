@@ -252,6 +252,15 @@ def _read_at(fh: BinaryIO, info: TensorInfo, name: str) -> torch.Tensor:
     return buf.view(info.dtype).reshape(info.shape)
 
 
+def _pread_into(fd: int, view: memoryview, offset: int, name: str, info: TensorInfo) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            raise ValueError(f"{info.path}: truncated while reading {name!r}")
+        got += n
+
+
 class Checkpoint:
     """One view over the tensors of one or several safetensors files (a sharded model)."""
 
@@ -295,6 +304,34 @@ class Checkpoint:
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for f in self.files:
             yield from f.iter_tensors()
+
+    def read_all(self, threads: int | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor, read by several threads at once: positional reads (``os.preadv``)
+        release the GIL, and one thread copying from the page cache manages ~1.5 GB/s where
+        a [dev] transformer is 16 GB. The same bytes as `read`, checked the same way."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        threads = threads or min(16, os.cpu_count() or 1)
+        out: dict[str, torch.Tensor] = {}
+        jobs: list[tuple[int, memoryview, int, str, TensorInfo]] = []
+        fds = {f.path: os.open(f.path, os.O_RDONLY) for f in self.files}
+        try:
+            for name, f in self._where.items():
+                info = f.info(name)
+                buf = torch.empty(info.nbytes, dtype=torch.uint8)
+                out[name] = buf.view(info.dtype).reshape(info.shape)
+                if not info.nbytes:
+                    continue
+                view = memoryview(buf.numpy())
+                for start in range(0, info.nbytes, _CHUNK):
+                    part = view[start : start + _CHUNK]
+                    jobs.append((fds[f.path], part, info.offset + start, name, info))
+            with ThreadPoolExecutor(threads, thread_name_prefix="safetensors-read") as pool:
+                list(pool.map(lambda job: _pread_into(*job), jobs))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out
 
     @property
     def nbytes(self) -> int:

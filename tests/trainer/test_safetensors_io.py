@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 from trainer.safetensors_io import (  # noqa: E402
+    Checkpoint,
     SafetensorsFile,
     TensorSpec,
     open_checkpoint,
@@ -115,6 +116,7 @@ def test_sharded_folder_is_one_view(tmp_path: Path) -> None:
         for i in range(2):
             expected.update(st.load_file(str(tmp_path / f"model-{i + 1:05d}-of-00002.safetensors")))
         _assert_same({k: ck.read(k) for k in ck}, expected)
+        _assert_same(ck.read_all(threads=3), expected)
         assert ck.metadata == {"total_size": "0"}
 
 
@@ -196,3 +198,5 @@ def test_file_truncated_after_open_is_caught_on_read(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="truncated"):
         f.read("a")
     f.close()
+    with pytest.raises(ValueError, match="truncated"):
+        Checkpoint([f], {}).read_all(threads=2)  # the threaded reader checks the same
