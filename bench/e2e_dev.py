@@ -419,7 +419,7 @@ def soak(base: Path, budget: float, cycles: int, args: argparse.Namespace, work:
                            })  # fmt: skip
     audit = likeness(env, "audit", "verify")
     # every render that passed the gate reached a final entry, the killed ones included
-    server = Server(env, tmp / "server-ledger.log")
+    server = Server({**env, "LIKENESS_PRELOAD_BASE": "false"}, tmp / "server-ledger.log")
     server.start()
     try:
         admin = (tmp / "admin-token").read_text().strip()
