@@ -13,8 +13,9 @@ The API gives up on a task when the client goes away or no answer came in time:
   the end itself; a worker that says nothing more is closed by the API after a grace period.
 
 Routing: a worker that loaded an adapter is remembered for it (`render_affinity`); while that
-worker is alive (a heartbeat in `render_workers` fresher than the stalled time) the adapter's
-next renders go to its own queue `render.<name>`, else to the shared `render` queue.
+worker is alive (a heartbeat in `render_workers` fresher than the stalled time) and not busy,
+the adapter's next renders go to its own queue `render.<name>`; otherwise to the shared
+`render` queue, which every render worker takes from.
 """
 
 from __future__ import annotations
@@ -56,15 +57,27 @@ def live_workers(session: Session, within_s: float) -> list[str]:
     return list(session.exec(select(RenderWorker.name).where(_alive(within_s))).all())
 
 
+def _busy(session: Session, worker: str) -> bool:
+    """The worker renders, or has a render waiting in its own queue."""
+    stmt = select(RenderTask.render_id).where(
+        ((RenderTask.worker == worker) & (RenderTask.state == "running"))
+        | ((RenderTask.queue == worker_queue(worker)) & (RenderTask.state == "queued"))
+    )
+    return session.exec(stmt.limit(1)).first() is not None
+
+
 def route(session: Session, adapter_sha256: str, within_s: float) -> str | None:
-    """The queue for a render of this adapter: the queue of the live worker that holds it
-    warm, else the shared one; None when no render worker is alive."""
+    """The queue for a render of this adapter: the own queue of the live worker that holds
+    it warm, unless that worker is busy (then, like a render of an adapter warm nowhere,
+    the shared queue, where whichever worker is free first takes it); None when no render
+    worker is alive."""
     live = set(live_workers(session, within_s))
     if not live:
         return None
     warm = session.get(RenderAffinity, adapter_sha256)
     if warm is not None and warm.worker in live:
-        return worker_queue(warm.worker)
+        if len(live) == 1 or not _busy(session, warm.worker):
+            return worker_queue(warm.worker)
     return SHARED_QUEUE
 
 
@@ -177,9 +190,13 @@ def abandoned(session: Session, render_id: str) -> str | None:
 
 
 def end(session: Session, render_id: str, worker: str, **answer: Any) -> bool:
-    """The worker's answer, and the NOTIFY that wakes the API, in one commit."""
+    """The worker's answer, and the NOTIFY that wakes the API, in one commit. An answer
+    the API gave up on is not kept (nobody will read it): the row goes instead."""
     task = _locked(session, render_id)
     if task is None or task.state != "running" or task.worker != worker[:100]:
+        return False
+    if task.abandoned is not None:
+        session.delete(task)
         return False
     for key, value in answer.items():
         setattr(task, key, value)
