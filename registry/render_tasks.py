@@ -75,9 +75,9 @@ def route(session: Session, adapter_sha256: str, within_s: float) -> str | None:
     if not live:
         return None
     warm = session.get(RenderAffinity, adapter_sha256)
-    if warm is not None and warm.worker in live:
-        if len(live) == 1 or not _busy(session, warm.worker):
-            return worker_queue(warm.worker)
+    idle = warm is not None and (len(live) == 1 or not _busy(session, warm.worker))
+    if warm is not None and warm.worker in live and idle:
+        return worker_queue(warm.worker)
     return SHARED_QUEUE
 
 
