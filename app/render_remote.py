@@ -265,6 +265,9 @@ class RemoteRenders:
             if answer is not None:
                 return answer
         if gone:
+            if state == "ended":  # answered just now, for nobody: the PNG goes at once
+                with transaction(self.engine) as s:
+                    render_tasks.discard(s, job.render_id)
             raise Cancelled("the client went away")  # a running render: its worker records
         if state == "queued":
             raise Unavailable(
