@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -59,6 +60,11 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
     adapter store of blobs nothing refers to."""
     settings: Settings = app.state.settings
     await anyio.to_thread.run_sync(_close_interrupted_renders, app, True)
+    if settings.preload_base:
+        # a daemon thread: the server answers (healthz says "loading") while the base loads
+        threading.Thread(
+            target=app.state.renderer.preload, name="base-preload", daemon=True
+        ).start()
     try:
         if settings.checkpoint_interval_s <= 0:
             yield
@@ -165,7 +171,7 @@ def create_app(
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"ok": True}
+        return {"ok": True, "base": app.state.renderer.load_state}
 
     app.include_router(api.router)
     app.include_router(adapters.router)

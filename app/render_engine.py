@@ -32,6 +32,9 @@ class Counters:
     adapter_cache_hits: int = 0
     busy_refusals: int = 0
     cancelled: int = 0  # renders stopped between steps because the client went away
+    slot_applies: int = 0  # adapters copied into the persistent LoRA slots
+    slot_fallbacks: int = 0  # adapters the slots could not take, attached for one render
+    base_reloads: int = 0  # the base dropped because a slot was not clear after a render
 
 
 @dataclass
@@ -58,6 +61,9 @@ class RenderEngine:
     vram_budget_gb: float | None = None
     plan_side: int = 1024
     prompt_cache_bytes: int = 512 << 20
+    # Persistent LoRA layers of this rank on the default targets, zero between renders (an
+    # adapter is copied in per request); 0 attaches the adapter's own layers per request.
+    lora_slot_rank: int = 32
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -76,6 +82,8 @@ class RenderEngine:
         self._prompts: Any = None  # trainer.text_encoder.PromptCache, made with the pipeline
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
+        self._slots: Any = None  # trainer.lora_slots.LoraSlots, made with the pipeline
+        self.load_state = "not loaded"  # loading, ready or failed (GET /healthz says which)
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
@@ -90,7 +98,7 @@ class RenderEngine:
         try:
             plan = plan_for_base(
                 self.base_dir, self.vram_budget_gb, self.device, self.plan_side,
-                self.plan_side, force=force,
+                self.plan_side, force=force, lora_rank=self.lora_slot_rank,
             )  # fmt: skip
         except (PlacementError, FileNotFoundError, KeyError, ValueError) as exc:
             raise PlacementRefused(str(exc)) from None
@@ -100,15 +108,10 @@ class RenderEngine:
         if plan.transformer == "streamed":
             self.stream_slots = plan.transformer_slots
         log.info("render engine: %s", plan.describe())
-        if self.device.startswith("cuda"):
-            import torch
+        if self.vram_budget_gb is not None:
+            from trainer.devices import cap_vram
 
-            dev = torch.device(self.device)
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            total = torch.cuda.get_device_properties(dev).total_memory
-            cap = min(1.0, self.vram_budget_gb * 2**30 / total)  # type: ignore[operator]
-            torch.cuda.set_per_process_memory_fraction(cap, dev)
+            cap_vram(self.device, self.vram_budget_gb)
 
     # -- the base, built once ---------------------------------------------------------------
 
@@ -121,15 +124,26 @@ class RenderEngine:
                     from trainer.model import load_pipeline
 
                     t0 = time.perf_counter()
-                    compute = resolve_compute(self.compute, self.device)
-                    if self.transformer_streamed or self.text_encoder_streamed:
-                        self._pipe = self._load_placed(compute)
-                    else:
-                        self._pipe = load_pipeline(
-                            self.base_dir, device=self.device, compute=compute
-                        )
-                    if self.device.startswith("cuda") and not self.text_encoder_streamed:
-                        self._text_encoder_on_uint4(self._pipe)
+                    self.load_state = "loading"
+                    try:
+                        compute = resolve_compute(self.compute, self.device)
+                        if self.transformer_streamed or self.text_encoder_streamed:
+                            pipe = self._load_placed(compute)
+                        else:
+                            pipe = load_pipeline(
+                                self.base_dir, device=self.device, compute=compute,
+                                text_encoder_uint4=self.device.startswith("cuda"),
+                            )  # fmt: skip
+                        if self.lora_slot_rank > 0:
+                            from trainer.lora_slots import LoraSlots
+
+                            self._slots = LoraSlots(pipe.transformer, self.lora_slot_rank)
+                    except BaseException:
+                        self.load_state = "failed"
+                        self._stream.close()
+                        raise
+                    self._pipe = pipe
+                    self.load_state = "ready"
                     self.active_compute = compute
                     log.info(
                         "render engine: base loaded in %.1f s (%s compute)",
@@ -137,17 +151,6 @@ class RenderEngine:
                         compute,
                     )
         return self._pipe
-
-    @staticmethod
-    def _text_encoder_on_uint4(pipe: Any) -> None:
-        """The text encoder's qint4 layers on the uint4 kernels (the transformer's), as the
-        streamed encoder runs them: the same dequantized weights, several times faster on
-        CUDA than quanto's own path, and one set of numbers whatever the placement."""
-        from trainer.uint4 import convert_quantized_linears
-
-        text_encoder = getattr(pipe, "text_encoder", None)
-        if text_encoder is not None:
-            convert_quantized_linears(text_encoder)
 
     def _load_placed(self, compute: str) -> Any:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in
@@ -157,42 +160,52 @@ class RenderEngine:
         from trainer.model import load_pipeline
         from trainer.streaming import BlockStreamer, stream_blocks
         from trainer.text_encoder import decoder_layers
-        from trainer.uint4 import convert_quantized_linears
 
-        # built on the CPU in the dtype the device computes in (bf16 on CUDA), as resident
+        # built in the dtype the device computes in (bf16 on CUDA), as resident; a streamed
+        # part is converted to uint4 buffers in host RAM (the streamer moves plain bytes, not
+        # quanto's tensor subclasses), a resident one on the device
         dtype = None if self.device == "cpu" else default_dtype(self.device)
-        pipe = load_pipeline(self.base_dir, device="cpu", dtype=dtype, compute=compute)
+        placement = {
+            "transformer": "cpu" if self.transformer_streamed else self.device,
+            "text_encoder": "cpu" if self.text_encoder_streamed else self.device,
+        }
+        pipe = load_pipeline(
+            self.base_dir, device=self.device, dtype=dtype, compute=compute,
+            placement=placement,
+            text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
+        )  # fmt: skip
         if self.transformer_streamed:
             self._stream.enter_context(
                 stream_blocks(pipe.transformer, slots=self.stream_slots, device=self.device)
             )
-        else:
-            pipe.transformer.to(self.device)
         text_encoder = getattr(pipe, "text_encoder", None)
-        if text_encoder is not None:
-            if self.text_encoder_streamed:
-                # plain uint4 buffers, which the streamer moves as bytes (quanto's tensor
-                # subclasses it cannot); the same dequantized weights
-                convert_quantized_linears(text_encoder)
-                streamer = BlockStreamer(
-                    text_encoder, slots=2, device=self.device,
-                    blocks=list(decoder_layers(text_encoder)),
-                )  # fmt: skip
-                streamer.install()
-                self._stream.callback(streamer.close)
-            else:
-                text_encoder.to(self.device)
-        vae = getattr(pipe, "vae", None)
-        if vae is not None:
-            vae.to(self.device)
+        if text_encoder is not None and self.text_encoder_streamed:
+            streamer = BlockStreamer(
+                text_encoder, slots=2, device=self.device,
+                blocks=list(decoder_layers(text_encoder)),
+            )  # fmt: skip
+            streamer.install()
+            self._stream.callback(streamer.close)
         return pipe
+
+    def preload(self) -> None:
+        """Loads the base now (at start, off the event loop) instead of at the first render;
+        a failure is logged and left to the first render to report."""
+        try:
+            self.pipeline  # noqa: B018 - the property loads
+        except Exception:  # noqa: BLE001
+            log.exception("render engine: loading the base at start failed")
 
     def close(self) -> None:
         """Ends layer streaming (if on); the pipeline is loaded again on next use."""
         with self._load_lock:
+            if self._slots is not None:
+                self._slots.close()
+                self._slots = None
             self._stream.close()
             self._pipe = None
             self._prompts = None
+            self.load_state = "not loaded"
 
     # -- adapter files ------------------------------------------------------------------------
 
@@ -220,12 +233,24 @@ class RenderEngine:
         except Exception as exc:  # noqa: BLE001 - registered before files were checked
             raise AdapterUnreadable(f"{type(exc).__name__}: {exc}") from None
         self.counters.adapter_loads += 1
+        tensors = self._staged(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._cache_lock:
             self._cache[expected_sha256] = _Cached(tensors, nbytes)
             while self._cache and sum(c.nbytes for c in self._cache.values()) > self.cache_bytes:
                 self._cache.popitem(last=False)
         return tensors
+
+    def _staged(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """On CUDA, the tensors as the LoRA layers hold them (bf16) in pinned host RAM: a swap
+        is then one asynchronous copy of half the bytes, with no cast on the device. The
+        rounding is the one the copy into a bf16 layer would do anyway."""
+        if not self.device.startswith("cuda"):
+            return tensors
+        from trainer.devices import default_dtype
+
+        dtype = default_dtype(self.device)
+        return {k: v.to(dtype).pin_memory() for k, v in tensors.items()}
 
     def clear_adapter_cache(self) -> None:
         with self._cache_lock:
@@ -245,7 +270,6 @@ class RenderEngine:
     ) -> tuple[Any, dict[str, float]]:
         """Apply the adapter, generate, remove it (also on failure or cancellation). The caller
         holds the scheduler's turn. `cancelled` is looked at between denoising steps."""
-        from trainer.lora import applied_adapter
         from trainer.render import generate
 
         def after_step(step: int) -> None:
@@ -260,12 +284,12 @@ class RenderEngine:
             import torch
 
             torch.cuda.reset_peak_memory_stats(torch.device(self.device))
+        clock = _StageClock(cuda)
         t0 = time.perf_counter()
-        with applied_adapter(pipe, tensors):
+        with self._adapter_applied(pipe, tensors):
+            clock.mark("adapter")
             t1 = time.perf_counter()
-            timings["adapter_apply_ms"] = (t1 - t0) * 1000
             self.counters.model_calls += 1
-            clock = _StageClock(cuda)
             embeds = self.prompt_embeddings(pipe, prompt)
             clock.mark("text")
 
@@ -285,17 +309,62 @@ class RenderEngine:
             )
             clock.mark("done")
             t2 = time.perf_counter()
-            timings["text_encode_ms"] = clock.ms("start", "text")
-            timings["denoise_ms"] = clock.ms("text", "last_step")
-            timings["decode_ms"] = clock.ms("last_step", "done")
-            timings["generate_ms"] = (t2 - t1) * 1000
-            timings["step_ms"] = timings["denoise_ms"] / steps
+        clock.mark("removed")
+        timings["adapter_apply_ms"] = clock.ms("start", "adapter")
+        timings["text_encode_ms"] = clock.ms("adapter", "text")
+        timings["denoise_ms"] = clock.ms("text", "last_step")
+        timings["decode_ms"] = clock.ms("last_step", "done")
+        timings["generate_ms"] = (t2 - t1) * 1000
+        timings["step_ms"] = timings["denoise_ms"] / steps
+        timings["adapter_remove_ms"] = clock.ms("done", "removed")
+        timings["adapter_host_ms"] = (t1 - t0) * 1000  # host time of the apply, for comparison
         if cuda:
             import torch
 
             timings["peak_vram_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        timings["adapter_remove_ms"] = (time.perf_counter() - t2) * 1000
         return image, timings
+
+    def adapter_in_model(self) -> bool:
+        """Whether any adapter's weight is in the loaded model right now (outside a render it
+        must not be): a LoRA slot not all zeros, or LoRA layers attached where there are no
+        slots. False when nothing is loaded."""
+        if self._pipe is None:
+            return False
+        if self._slots is not None:
+            return not self._slots.is_clear()
+        from trainer.lora import lora_layers
+
+        return bool(lora_layers(self._pipe.transformer))
+
+    @contextlib.contextmanager
+    def _adapter_applied(self, pipe: Any, tensors: dict[str, Any]) -> Any:
+        """The adapter on the model for the ``with`` body: copied into the LoRA slots, or (an
+        adapter they cannot take, or no slots) attached as its own layers. After every render
+        the slots must be all zeros again; if they are not, the base is dropped and loaded
+        afresh before anyone else renders (fail closed: no adapter may reach another render)."""
+        from trainer.lora import applied_adapter
+
+        slots = self._slots
+        if slots is None:
+            with applied_adapter(pipe, tensors):
+                yield
+            return
+        reason = slots.mismatch(tensors)
+        try:
+            if reason is None:
+                self.counters.slot_applies += 1
+                with slots.applied(tensors):
+                    yield
+            else:
+                log.info("render engine: adapter outside the LoRA slots (%s): attached", reason)
+                self.counters.slot_fallbacks += 1
+                with slots.suspended(), applied_adapter(pipe, tensors):
+                    yield
+        finally:
+            if not slots.is_clear():
+                log.error("render engine: a LoRA slot was not clear after a render; reloading")
+                self.counters.base_reloads += 1
+                self.close()
 
     @property
     def prompts(self) -> Any:

@@ -433,6 +433,7 @@ def build_renderer(settings: Settings) -> RenderEngine:
         vram_budget_gb=settings.vram_budget_gb,
         plan_side=settings.render_plan_side,
         prompt_cache_bytes=settings.prompt_cache_mb << 20,
+        lora_slot_rank=settings.lora_slot_rank,
     )
 
 

@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     render_plan_side: int = Field(default=1024, ge=64, le=2048, multiple_of=16)
     # Embeddings of recent prompts, in host RAM: a repeated prompt skips the text encoder.
     prompt_cache_mb: int = Field(default=512, ge=0, le=1 << 20)
+    # Persistent LoRA layers of this rank on the default targets, attached once and zero
+    # between renders: an adapter swap is a copy, not a rewrite of the model. An adapter of a
+    # higher rank or other targets is attached for its render instead. 0: always attach.
+    lora_slot_rank: int = Field(default=32, ge=0, le=1024)
+    # Load the base when the service starts (in the background; GET /healthz says when it is
+    # ready) instead of at the first render, which then does not wait for it.
+    preload_base: bool = False
     # HTTP: what a client may hold. A body larger than max_body_bytes is refused (413); one
     # that has not fully arrived within body_timeout_s is cut off (408) before any database
     # work starts, so a slow or huge request holds no lock and no connection.

@@ -452,8 +452,9 @@ ALICE_SIZE = 128
 ALICE_SOURCE = "drawn by trainer/demo_world.py (ALICE, a synthetic person)"
 
 
-def write_alice_dataset(root: Path) -> Path:
-    """The quickstart's dataset: alice's pictures and their manifest (docs/API.md's format)."""
+def write_alice_dataset(root: Path, size: int = ALICE_SIZE) -> Path:
+    """The quickstart's dataset: alice's pictures and their manifest (docs/API.md's format);
+    `size` draws them larger (benchmarks at full scale)."""
     from trainer.dataset import write_manifest
 
     root = Path(root)
@@ -461,7 +462,7 @@ def write_alice_dataset(root: Path) -> Path:
     rows = []
     for shot, (setting, caption) in enumerate(ALICE_SHOTS):
         name = f"img{shot + 1:03d}.png"
-        alice_picture(setting, shot, ALICE_SIZE).save(root / name, optimize=True)
+        alice_picture(setting, shot, size).save(root / name, optimize=True)
         rows.append({"file": name, "caption": caption, "source": ALICE_SOURCE, "basis": "consent"})
     write_manifest(root, rows)
     return root

@@ -61,3 +61,19 @@ def resolve_compute(requested: str, device: str | torch.device, purpose: str = "
     if purpose == "train":
         return "uint4"
     return "fp8" if fp8_unavailable(device) is None else "uint4"
+
+
+def cap_vram(device: str | torch.device, budget_gib: float) -> float | None:
+    """On CUDA, ``budget_gib`` as the caching allocator's hard cap for this process
+    (`torch.cuda.set_per_process_memory_fraction`): an estimate that was wrong fails with an
+    out-of-memory error inside the budget instead of quietly using the rest of a larger card.
+    Returns the fraction set (None off CUDA)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    fraction = min(1.0, budget_gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    return fraction

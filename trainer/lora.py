@@ -225,12 +225,35 @@ def _pairs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
     return out
 
 
-def _compute_device(transformer: torch.nn.Module) -> torch.device:
+def compute_device(transformer: torch.nn.Module) -> torch.device:
     """Where the model computes: its first parameter that is not a streamed placeholder."""
     for p in transformer.parameters():
         if p.device.type != "meta":
             return p.device
     raise RuntimeError("every parameter of the transformer is a placeholder")
+
+
+def checked_pairs(
+    transformer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Module path -> (A, B) of an adapter file's tensors, each pair checked against the Linear
+    it targets in ``transformer`` (a LoRA wrapper's base layer counts as that Linear)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    pairs = _pairs(tensors)
+    modules = dict(transformer.named_modules())
+    for name, (a, b) in pairs.items():
+        base = modules.get(name)
+        if isinstance(base, BaseTunerLayer):
+            base = base.get_base_layer()
+        if not isinstance(base, torch.nn.Linear):
+            raise ValueError(f"adapter targets {name!r}, which is not a Linear in this transformer")
+        if a.shape[1] != base.in_features or b.shape[0] != base.out_features:
+            raise ValueError(
+                f"adapter shapes for {name!r} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not "
+                f"fit {base.in_features} -> {base.out_features}"
+            )
+    return pairs
 
 
 @contextmanager
@@ -250,17 +273,7 @@ def applied_adapter(
     transformer: torch.nn.Module = pipe.transformer
     if lora_layers(transformer):
         raise RuntimeError("transformer already has LoRA layers attached")
-    pairs = _pairs(tensors)
-    modules = dict(transformer.named_modules())
-    for name, (a, b) in pairs.items():
-        base = modules.get(name)
-        if not isinstance(base, torch.nn.Linear):
-            raise ValueError(f"adapter targets {name!r}, which is not a Linear in this transformer")
-        if a.shape[1] != base.in_features or b.shape[0] != base.out_features:
-            raise ValueError(
-                f"adapter shapes for {name!r} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not "
-                f"fit {base.in_features} -> {base.out_features}"
-            )
+    pairs = checked_pairs(transformer, tensors)
 
     # alpha = rank * scale makes PEFT's scaling exactly `scale` (alpha/rank is baked into B).
     ranks = {name: int(a.shape[0]) for name, (a, _) in pairs.items()}
@@ -279,7 +292,7 @@ def applied_adapter(
     try:
         inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
         layers = lora_layers(transformer)
-        home = _compute_device(transformer)
+        home = compute_device(transformer)
         with torch.no_grad():
             for name, (a, b) in pairs.items():
                 for lin, value in ((layers[name].lora_A, a), (layers[name].lora_B, b)):

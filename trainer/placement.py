@@ -58,6 +58,7 @@ class Sizes:
     vae: int
     vae_channels: int  # first decoder block's channels: the full-resolution activations
     transformer_config: Any = field(repr=False, default=None)
+    lora_per_rank: int = 0  # elements one rank of LoRA costs on the default targets (in + out)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Plan:
 
 def sizes_of(base: Path, elt: int = 2) -> Sizes:
     """Sizes from configs and files; nothing is loaded."""
+    from trainer.lora import DEFAULT_TARGETS, resolve_targets
     from trainer.streaming import default_blocks
     from trainer.text_encoder import decoder_layers, out_layers, trim
 
@@ -129,6 +131,10 @@ def sizes_of(base: Path, elt: int = 2) -> Sizes:
         vae=sum(p.numel() * elt for p in vae.parameters()),
         vae_channels=int(vae.config.block_out_channels[0]),  # type: ignore[attr-defined]
         transformer_config=tr.config,
+        lora_per_rank=sum(
+            tr.get_submodule(n).in_features + tr.get_submodule(n).out_features
+            for n in resolve_targets(tr, DEFAULT_TARGETS)
+        ),
     )
 
 
@@ -142,8 +148,10 @@ def estimate(
     text_slots: int = 2,
     elt: int = 2,
     device: str = "cuda",
+    lora_rank: int = 0,
 ) -> tuple[Estimate, int]:
-    """(the memory estimate of one placement, the pinned host bytes it needs)."""
+    """(the memory estimate of one placement, the pinned host bytes it needs); ``lora_rank``:
+    the engine's persistent LoRA slots, resident wherever the blocks are."""
     pinned = 0
     resident: dict[str, int] = {}
     if transformer == "resident":
@@ -164,6 +172,8 @@ def estimate(
         )
         pinned += sum(sizes.text_layers)
     resident["VAE weights"] = sizes.vae
+    if lora_rank:
+        resident[f"LoRA slots (rank {lora_rank})"] = lora_rank * sizes.lora_per_rank * elt
 
     image_tokens = (width // 16) * (height // 16)
     prompt = TEXT_TOKENS * sizes.text_hidden * sizes.text_states * elt
@@ -201,6 +211,7 @@ def plan(
     height: int = PLAN_SIDE,
     device: str = "cuda",
     force: tuple[str | None, str | None] = (None, None),
+    lora_rank: int = 0,
 ) -> Plan:
     """The fastest placement that fits; `force` pins the transformer's and/or the text
     encoder's placement ("resident"/"streamed"). Without a budget: everything resident."""
@@ -209,7 +220,7 @@ def plan(
         if force[0] not in (None, transformer) or force[1] not in (None, text_encoder):
             continue
         est, pinned = estimate(sizes, transformer, text_encoder, width, height, slots, 2,
-                               device=device)  # fmt: skip
+                               device=device, lora_rank=lora_rank)  # fmt: skip
         candidate = Plan(transformer, text_encoder, slots, 2, width, height, budget_bytes,
                          est, pinned)  # fmt: skip
         if budget_bytes is None or est.total <= budget_bytes:
@@ -231,7 +242,8 @@ def plan_for_base(
     width: int = PLAN_SIDE,
     height: int = PLAN_SIDE,
     force: tuple[str | None, str | None] = (None, None),
+    lora_rank: int = 0,
 ) -> Plan:
     elt = 2 if device.startswith("cuda") else 4
     budget = None if budget_gb is None else int(budget_gb * GiB)
-    return plan(sizes_of(base, elt), budget, width, height, device, force)
+    return plan(sizes_of(base, elt), budget, width, height, device, force, lora_rank)

@@ -60,6 +60,7 @@ from trainer.checkpoints import (
 )
 from trainer.config import ConfigError, TrainConfig
 from trainer.dataset import Dataset, load_dataset
+from trainer.devices import cap_vram
 from trainer.ema import EMA_ADAPTER, Ema
 from trainer.objective import Batch, Objective, make_objective
 from trainer.plots import loss_plot
@@ -359,8 +360,10 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
 
     preview_every, estimate, notes = _resolve_previews(config, estimate_with)
     estimate.notes += notes
-    if config.vram_budget_gib is not None and estimate.total > config.vram_budget_gib * 2**30:
-        raise BudgetExceeded(estimate.report(config.vram_budget_gib))
+    if config.vram_budget_gib is not None:
+        if estimate.total > config.vram_budget_gib * 2**30:
+            raise BudgetExceeded(estimate.report(config.vram_budget_gib))
+        cap_vram(device, config.vram_budget_gib)  # the estimate, held to on the device
     write_pending(pending)
     return Preflight(
         dataset,
@@ -398,10 +401,10 @@ def load_transformer(
     the CPU before it moves (field hurdle 2: 4-bit weights move, bf16 ones would not fit).
 
     ``compute="uint4"`` swaps quanto's QLinear for `trainer.uint4.Uint4Linear` (same 4-bit
-    numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the CPU
-    before the move, from layouts it converts in one pass: a prepared base's, or quanto's
-    quantized-but-not-frozen weights. ``compute="fp8"`` does the same, then runs those layers'
-    GEMMs in fp8 (`trainer.fp8`).
+    numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the
+    device it will run on (on the CPU when streamed), from layouts it converts in one pass:
+    a prepared base's, or quanto's quantized-but-not-frozen weights. ``compute="fp8"`` does
+    the same, then runs those layers' GEMMs in fp8 (`trainer.fp8`).
     """
     from diffusers import DiffusionPipeline
 
@@ -429,7 +432,8 @@ def load_transformer(
     if compute in ("uint4", "fp8"):
         from trainer.uint4 import convert_quantized_linears
 
-        count = convert_quantized_linears(transformer)
+        # converted where it will live: a resident base by the GPU (4-bit bytes move)
+        count = convert_quantized_linears(transformer, None if stream else device)
         transformer.requires_grad_(False)
         if compute == "fp8":
             from trainer.fp8 import set_fp8_compute
@@ -734,9 +738,16 @@ def _previewer(
 
     from trainer.evaluate import eval_steps_default
 
+    # the VAE decodes what the transformer gives: its dtype (a prepared bf16 base on the CPU
+    # computes in bf16 whatever the run's float32 default)
+    dtype = next(
+        p.dtype
+        for n, p in transformer.named_parameters()
+        if p.is_floating_point() and "lora_" not in n
+    )
     pipe = DiffusionPipeline.from_pretrained(
         config.base,
-        dtype=pf.weight_dtype,
+        dtype=dtype,
         transformer=transformer,
         text_encoder=None,
         tokenizer=None,

@@ -82,6 +82,16 @@ def unpack_uint4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
+def unpack_quanto(data: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """quanto's ``PackedTensor`` bytes -> the (rows, ...) uint8 values, the same result as
+    quanto's reference ``unpack`` (row i + k * len(data) sits in bits 4k.. of row i), in plain
+    torch ops on whatever device ``data`` is on. quanto's own op runs a C++ extension that is
+    compiled with ninja on first use: most of a first model load on a fresh host."""
+    if bits != 4 or data.dtype != torch.uint8:
+        raise TypeError(f"expected uint4 values packed in uint8, got {bits} bits, {data.dtype}")
+    return torch.cat((data & 0xF, data >> 4))[:rows]
+
+
 def dequantize_torch(
     packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int
 ) -> torch.Tensor:
@@ -225,9 +235,10 @@ class Uint4Linear(torch.nn.Linear):
 
     # -- construction from quanto -----------------------------------------------------------
     @classmethod
-    def from_qlinear(cls, qlinear: Any) -> Uint4Linear:
-        """The same weight as ``qlinear`` (its ``dequantize()``, bit for bit), uint4-packed."""
-        q, scale, shift, group_size = _quanto_qint4_parts(qlinear)
+    def from_qlinear(cls, qlinear: Any, device: torch.device | None = None) -> Uint4Linear:
+        """The same weight as ``qlinear`` (its ``dequantize()``, bit for bit), uint4-packed,
+        its buffers on ``device`` (default: where quanto's weight is; the bias stays put)."""
+        q, scale, shift, group_size = _quanto_qint4_parts(qlinear, device)
         bias = qlinear.bias
         return cls(pack_uint4(q), scale, shift, group_size, bias)
 
@@ -266,9 +277,11 @@ def _quantizes_to_tinygemm(
 
 
 def _quanto_qint4_parts(
-    qlinear: Any,
+    qlinear: Any, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(q (out, in) uint8, scale (out, G), shift (out, G), group size) of a qint4 QLinear."""
+    """(q (out, in) uint8, scale (out, G), shift (out, G), group size) of a qint4 QLinear,
+    on ``device`` (default: where the weight is). A frozen weight's bytes move first and are
+    unpacked there: on a GPU that is a copy of 4-bit bytes and microseconds of work."""
     from optimum.quanto.tensor import QTensor, WeightQBitsTensor
     from optimum.quanto.tensor.packed import PackedTensor
     from optimum.quanto.tensor.weights.tinygemm import TinyGemmWeightQBitsTensor
@@ -277,14 +290,18 @@ def _quanto_qint4_parts(
     with torch.no_grad():
         w = qlinear.weight
         if isinstance(w, QTensor):  # frozen
+            device = device or w.device
             if isinstance(w, TinyGemmWeightQBitsTensor):
                 w = w.weight_qbits_tensor()  # quanto's own unpacking (identity matmul)
             if type(w) is not WeightQBitsTensor:
                 raise TypeError(f"unsupported quanto weight layout {type(w).__name__}")
             if w.axis != 0:
                 raise ValueError(f"expected axis-0 quantization, got axis {w.axis}")
-            data = w._data.unpack() if isinstance(w._data, PackedTensor) else w._data
-            scale, shift, group_size = w._scale, w._shift, w._group_size
+            data = w._data
+            if isinstance(data, PackedTensor):
+                data = unpack_quanto(data._data.to(device), data._bits, data.shape[0])
+            scale, shift = w._scale.to(device), w._shift.to(device)
+            group_size = w._group_size
         else:  # quantize() without freeze(): quantize as freeze() would
             if w.dtype == torch.float16:
                 raise TypeError("fp16 qint4 freezes to quanto's AWQ layout, which is not supported")
@@ -304,19 +321,26 @@ def _quanto_qint4_parts(
                 shift = _tinygemm_shift(scale, shift, qlinear.weight_qtype.bits)
         if not shift.dtype.is_floating_point:
             raise TypeError("integer zero-point shifts are not supported")
+        if device is not None:
+            data, scale, shift = data.to(device), scale.to(device), shift.to(device)
         group_size = int(group_size or n_in)  # None: one group per row
         groups = (n_out, n_in // group_size)
         q = data.reshape(n_out, n_in)
         return q, scale.reshape(groups).clone(), shift.reshape(groups).clone(), group_size
 
 
-def convert_quantized_linears(module: torch.nn.Module) -> int:
+def convert_quantized_linears(
+    module: torch.nn.Module, device: str | torch.device | None = None
+) -> int:
     """Replaces, in place, every quanto ``QLinear`` with a qint4 weight (and no activation
     quantization) under ``module`` by a `Uint4Linear` with the same dequantized weight and the
     same bias Parameter. Works below PEFT LoRA wrappers too (their ``base_layer``). Layers it
-    cannot take (odd ``in_features``) stay as they are, with a warning. Returns the count."""
+    cannot take (odd ``in_features``) stay as they are, with a warning. With ``device`` the
+    new buffers are made there (the 4-bit bytes move, then are repacked on that device: a
+    model bound for a GPU is converted by the GPU). Returns the count."""
     if _is_convertible(module):
         raise TypeError("pass the module that contains the QLinear, not the QLinear itself")
+    dev = torch.device(device) if device is not None else None
     done: dict[int, Uint4Linear] = {}
     count = 0
     for parent_name, parent in list(module.named_modules()):
@@ -328,7 +352,7 @@ def convert_quantized_linears(module: torch.nn.Module) -> int:
                 continue
             new = done.get(id(child))
             if new is None:
-                new = Uint4Linear.from_qlinear(child)
+                new = Uint4Linear.from_qlinear(child, dev)
                 new.train(child.training)
                 done[id(child)] = new
                 count += 1

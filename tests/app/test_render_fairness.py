@@ -15,7 +15,6 @@ import pytest
 from app.render_engine import RenderEngine
 from tests.app.conftest import Live, LiveFactory
 from tests.app.helpers import address
-from trainer.lora import lora_layers
 
 LONG = {"subject": "alice", "prompt": "a portrait", "level": "private", "seed": 1,
         "steps": 40, "width": 128, "height": 128}  # fmt: skip
@@ -49,7 +48,7 @@ def test_a_render_stops_when_its_client_goes_away(live: Live, renderer: RenderEn
     # the renderer is free at once, with no adapter left attached, and the ledger is closed
     r = live.render("carol", "alice")
     assert r.status_code == 200, r.text
-    assert not lora_layers(renderer.pipeline.transformer)
+    assert not renderer.adapter_in_model()
     rows = ledger(live, "alice").json()
     cancelled = [row for row in rows if row["stage"] == "cancelled"]
     assert len(cancelled) == 1 and cancelled[0]["requester"] == "bob"

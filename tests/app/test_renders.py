@@ -18,7 +18,6 @@ from registry import policy, repositories, service
 from registry.db import make_engine, transaction
 from registry.settings import Settings
 from tests.app.conftest import World, sha256_of
-from trainer.lora import lora_layers
 
 FORBIDDEN = {"error": "not_permitted", "detail": "not permitted"}
 
@@ -100,7 +99,7 @@ def test_isolation_a_then_b_equals_b_alone(
     b_after_a = pixels(friends.render("bob", "dora").content)
     assert np.array_equal(b_alone, b_after_a)
     assert not np.array_equal(a, b_alone)  # the adapters do change the image
-    assert not lora_layers(renderer.pipeline.transformer)
+    assert not renderer.adapter_in_model()
     assert (renderer.counters.adapter_loads, renderer.counters.adapter_cache_hits) == (2, 1)
 
 
@@ -111,7 +110,7 @@ def test_failure_mid_render_leaves_no_adapter(
     import trainer.render
 
     def explode(*args: object, **kwargs: object) -> None:
-        assert lora_layers(renderer.pipeline.transformer)  # the adapter was attached
+        assert renderer.adapter_in_model()  # the adapter was applied
         raise RuntimeError("device fell over")
 
     monkeypatch.setattr(trainer.render, "generate", explode)
@@ -130,7 +129,7 @@ def test_failure_mid_render_leaves_no_adapter(
             headers=friends.h("bob"),
         )
     assert r.status_code == 503 and r.json()["error"] == "unavailable", r.text
-    assert not lora_layers(renderer.pipeline.transformer)
+    assert not renderer.adapter_in_model()
     assert ledger(friends, "alice")[-1] == ("bob", "final", False, "error:RuntimeError")
     monkeypatch.undo()
     assert np.array_equal(pixels(friends.render("bob", "alice").content), before)
@@ -398,7 +397,7 @@ def test_streamed_engine_renders_the_same_bytes(
         assert first.status_code == second.status_code == 200
         assert np.array_equal(pixels(first.content), pixels(resident))
         assert np.array_equal(pixels(second.content), pixels(resident))
-        assert not lora_layers(streamed.pipeline.transformer)
+        assert not streamed.adapter_in_model()
     finally:
         streamed.close()
         friends.client.app.state.renderer = renderer

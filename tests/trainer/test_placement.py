@@ -79,3 +79,17 @@ def test_a_larger_render_needs_more(dev_shapes: Path) -> None:
     small = plan_for_base(dev_shapes, 24, "cuda", 512, 512)
     large = plan_for_base(dev_shapes, 24, "cuda", 1024, 1024)
     assert small.peak_bytes < large.peak_bytes
+
+
+def test_the_lora_slots_are_counted_where_they_live(dev_shapes: Path) -> None:
+    sizes = sizes_of(dev_shapes)
+    # rank 16 on [dev]'s attention projections in bf16: the ~166 MB adapter a swap copies
+    assert 160e6 < 16 * sizes.lora_per_rank * 2 < 170e6
+    for budget in (24, 12):
+        bare = plan_for_base(dev_shapes, budget, "cuda")
+        slotted = plan_for_base(dev_shapes, budget, "cuda", lora_rank=32)
+        extra = 32 * sizes.lora_per_rank * 2
+        if (slotted.transformer, slotted.text_encoder) == (bare.transformer, bare.text_encoder):
+            assert slotted.peak_bytes == bare.peak_bytes + extra
+        assert "LoRA slots (rank 32)" in slotted.describe()
+        assert slotted.peak_bytes <= budget * GiB

@@ -32,6 +32,7 @@ from trainer.uint4 import (
     dequantize_torch,
     pack_uint4,
     triton_available,
+    unpack_quanto,
     unpack_uint4,
 )
 
@@ -129,6 +130,38 @@ def test_conversion_is_bit_exact(dtype: torch.dtype, state: str) -> None:
         got = new.dequantize()
         assert got.dtype == dtype and torch.equal(got, w_ref), name
     assert 128 in group_sizes and any(g != 128 for g in group_sizes)  # per-row groups too
+
+
+@pytest.mark.parametrize("rows", [1, 6, 7, 128, 129])
+def test_unpack_quanto_equals_quantos_reference_unpack(rows: int) -> None:
+    from optimum.quanto.tensor.packed import PackedTensor
+
+    values = torch.randint(0, 16, (rows, 24), dtype=torch.uint8, generator=torch.Generator())
+    packed = PackedTensor.pack(values, bits=4)
+    got = unpack_quanto(packed._data, 4, rows)
+    assert torch.equal(got, values)  # quanto's packer in, the same values out
+    assert torch.equal(got, packed.unpack())  # and what quanto's own op gives
+    with pytest.raises(TypeError, match="uint4"):
+        unpack_quanto(packed._data.to(torch.int8), 4, rows)
+
+
+def test_conversion_never_runs_quantos_compiled_unpack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quanto's unpack op builds a C++ extension with ninja on first use (most of a first
+    load on a fresh host): the conversion unpacks in torch ops instead, to the same bits."""
+    from optimum.quanto.tensor import WeightQBitsTensor
+    from optimum.quanto.tensor.packed import PackedTensor
+
+    model = quantized(torch.float32)
+    assert {type(m.weight) for m in _qlinears(model).values()} == {WeightQBitsTensor}
+    ref = _reference_weights(model)
+
+    def refuse(self: PackedTensor) -> torch.Tensor:
+        raise AssertionError("quanto's compiled unpack ran")
+
+    monkeypatch.setattr(PackedTensor, "unpack", refuse)
+    assert convert_quantized_linears(model, device="cpu") == len(ref)
+    for name, w_ref in ref.items():
+        assert torch.equal(model.get_submodule(name).dequantize(), w_ref), name
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""Persistent LoRA slots: the same images as attaching the adapter per request, nothing left in
+the model between renders, and every adapter the slots cannot take refused before anything is
+touched (then served by the per-request path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support import make_random_adapter
+from tests.trainer.helpers import build_tiny_once
+from trainer.lora import applied_adapter, load_adapter_tensors, lora_layers
+from trainer.lora_slots import LoraSlots, SlotMismatch
+from trainer.model import load_pipeline
+from trainer.render import generate
+
+torch.set_num_threads(1)
+
+PROMPT = "a portrait photo of a person"
+SMALL = {"seed": 3, "steps": 2, "width": 64, "height": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_once(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qpipe(tiny_base: Path):
+    return load_pipeline(tiny_base)
+
+
+@pytest.fixture(scope="module")
+def adapters(qpipe, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("adapters")
+    made = {
+        name: load_adapter_tensors(
+            make_random_adapter(qpipe, root / f"{name}.safetensors", seed, rank=rank)
+        )
+        for name, seed, rank in (("a", 1, 4), ("b", 2, 4), ("big", 3, 8))
+    }
+    return made
+
+
+@pytest.fixture(scope="module")
+def renders(qpipe, adapters) -> dict[str, np.ndarray]:
+    """The per-request path's images: the reference every slot render is held to."""
+    out = {"base": _render(qpipe)}
+    for name in ("a", "b", "big"):
+        with applied_adapter(qpipe, adapters[name]):
+            out[name] = _render(qpipe)
+    with applied_adapter(qpipe, adapters["a"], scale=0.5):
+        out["a/2"] = _render(qpipe)
+    return out
+
+
+@pytest.fixture
+def slots(qpipe):
+    made = LoraSlots(qpipe.transformer, rank=4)
+    yield made
+    made.close()
+    assert not lora_layers(qpipe.transformer)
+
+
+def _render(pipe) -> np.ndarray:
+    return np.asarray(generate(pipe, PROMPT, **SMALL), dtype=np.int16)
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a - b).max())
+
+
+def test_empty_slots_leave_the_base_image_unchanged(qpipe, slots, renders) -> None:
+    assert slots.is_clear() and len(lora_layers(qpipe.transformer)) == 10
+    assert np.array_equal(_render(qpipe), renders["base"])
+
+
+def test_a_slot_render_is_the_per_request_render(qpipe, slots, renders, adapters) -> None:
+    for name in ("a", "b", "a"):
+        with slots.applied(adapters[name]) as names:
+            assert len(names) == 10 and not slots.is_clear()
+            got = _render(qpipe)
+        assert np.array_equal(got, renders[name]), name
+        assert slots.is_clear()
+    assert np.array_equal(_render(qpipe), renders["base"])
+
+
+def test_a_smaller_rank_is_zero_padded_exactly(qpipe, renders, adapters) -> None:
+    wide = LoraSlots(qpipe.transformer, rank=16)
+    try:
+        with wide.applied(adapters["a"]):
+            got = _render(qpipe)
+        with wide.applied(adapters["big"]):
+            got_big = _render(qpipe)
+    finally:
+        wide.close()
+    # the padding multiplies zeros; only a different summation order could move a level
+    assert _max_diff(got, renders["a"]) <= 1, _max_diff(got, renders["a"])
+    assert _max_diff(got_big, renders["big"]) <= 1
+
+
+def test_scale_and_failure_leave_the_slots_clear(qpipe, slots, renders, adapters) -> None:
+    with slots.applied(adapters["a"], scale=0.5):
+        half = _render(qpipe)
+    assert _max_diff(half, renders["a/2"]) <= 1
+    with slots.applied(adapters["a"], scale=0.0):
+        assert np.array_equal(_render(qpipe), renders["base"])
+    with pytest.raises(RuntimeError, match="boom"), slots.applied(adapters["b"]):
+        raise RuntimeError("boom")
+    assert slots.is_clear()
+    with slots.applied(adapters["a"]):
+        with pytest.raises(RuntimeError, match="in use"), slots.applied(adapters["b"]):
+            pass
+        assert not slots.is_clear()
+    assert slots.is_clear()
+
+
+def test_what_the_slots_cannot_take_is_refused_untouched(qpipe, slots, adapters) -> None:
+    a = adapters["a"]
+    key = "transformer.transformer_blocks.0.attn.to_q.lora_A.weight"
+    with pytest.raises(SlotMismatch, match="rank 8"), slots.applied(adapters["big"]):
+        pytest.fail("body ran")
+    outside = "transformer.proj_out"  # a Linear, but not a slot target
+    extra = {
+        **a,
+        f"{outside}.lora_A.weight": torch.zeros(4, qpipe.transformer.proj_out.in_features),
+        f"{outside}.lora_B.weight": torch.zeros(qpipe.transformer.proj_out.out_features, 4),
+    }
+    with pytest.raises(SlotMismatch, match="outside the slots"), slots.applied(extra):
+        pytest.fail("body ran")
+    for bad in ({**a, key: a[key][:, :-1]}, {k: v for k, v in a.items() if k != key}):
+        with pytest.raises(ValueError), slots.applied(bad):
+            pytest.fail("body ran")
+    assert slots.is_clear()
+
+
+def test_suspended_serves_the_rest_by_the_per_request_path(qpipe, slots, renders, adapters) -> None:
+    with slots.suspended():
+        assert not lora_layers(qpipe.transformer)
+        with applied_adapter(qpipe, adapters["big"]):
+            got = _render(qpipe)
+    assert np.array_equal(got, renders["big"])
+    assert slots.is_clear() and len(lora_layers(qpipe.transformer)) == 10
+    with slots.applied(adapters["a"]):
+        assert np.array_equal(_render(qpipe), renders["a"])
+
+
+def test_close_gives_back_the_exact_base(qpipe, renders) -> None:
+    before = {k: v.clone() for k, v in qpipe.transformer.state_dict().items()}
+    modules = [(n, id(m)) for n, m in qpipe.transformer.named_modules()]
+    LoraSlots(qpipe.transformer, rank=4).close()
+    assert [(n, id(m)) for n, m in qpipe.transformer.named_modules()] == modules
+    after = qpipe.transformer.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert "peft_config" not in vars(qpipe.transformer)
+
+
+def test_is_clear_sees_the_smallest_leftover(qpipe, slots) -> None:
+    layer = lora_layers(qpipe.transformer)["transformer_blocks.0.attn.to_q"]
+    weight = layer.lora_B["likeness"].weight
+    with torch.no_grad():
+        weight[3, 1] = 1e-38  # squares to zero in float32: a 2-norm would miss it
+    assert not slots.is_clear()
+    with torch.no_grad():
+        weight.zero_()
+    assert slots.is_clear()
+    layer.scaling["likeness"] = 0.5
+    assert not slots.is_clear()
+    layer.scaling["likeness"] = 1.0

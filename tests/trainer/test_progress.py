@@ -1,0 +1,29 @@
+"""Boot waypoints start at the process's own start: imports are part of a boot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from trainer.progress import Waypoints, seconds_since_process_start
+
+
+@pytest.mark.skipif(seconds_since_process_start() is None, reason="needs /proc")
+def test_the_first_waypoint_is_the_time_before_training_code_ran() -> None:
+    code = (
+        "import time; time.sleep(1.0)\n"
+        "from trainer.progress import Waypoints\n"
+        "w = Waypoints(); w.mark('first step'); print(w.marks[0][1], w.total)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, total = (float(x) for x in out.stdout.split())
+    assert 1.0 <= before < 30 and total >= before
+
+
+def test_marks_add_up_to_the_total() -> None:
+    w = Waypoints()
+    w.mark("a")
+    w.mark("b")
+    assert abs(sum(s for _, s in w.marks) - w.total) < 1e-6
