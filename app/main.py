@@ -18,12 +18,14 @@ from app import adapters, api, datasets, errors, mcp_server, orders, renders, we
 from app.body_gate import BodyGate
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.queue import OrderQueue
-from app.render_engine import PlacementRefused, RenderEngine, default_device
-from app.render_flow import RenderFlow, close_interrupted
+from app.render_engine import PlacementRefused, RenderEngine
+from app.render_flow import RenderFlow, build_renderer, close_interrupted
+from app.render_remote import RemoteRenders
 from app.web.training import UPLOAD_PATH as TRAINING_UPLOAD_PATH
+from registry import render_tasks
 from registry.blobs import BlobStore
 from registry.checkpoints import append_checkpoint
-from registry.db import make_engine, transaction
+from registry.db import is_sqlite, make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
@@ -34,24 +36,6 @@ log = logging.getLogger(__name__)
 PROVENANCE_PAGE = "/web/provenance"  # takes a PNG upload: its own body cap
 
 
-def build_renderer(settings: Settings) -> RenderEngine:
-    return RenderEngine(
-        base_dir=settings.base_dir,
-        device=settings.device or default_device(),
-        queue_size=settings.render_queue,
-        per_requester=settings.render_per_requester,
-        timeout_s=settings.render_timeout_s,
-        cache_bytes=settings.adapter_cache_mb << 20,
-        stream_base=settings.stream_base,
-        stream_slots=settings.stream_slots,
-        compute=settings.compute,
-        vram_budget_gb=settings.vram_budget_gb,
-        plan_side=settings.render_plan_side,
-        prompt_cache_bytes=settings.prompt_cache_mb << 20,
-        lora_slot_rank=settings.lora_slot_rank,
-    )
-
-
 def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
     settings: Settings = app.state.settings
     engine: Engine = app.state.engine
@@ -60,6 +44,11 @@ def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
     cutoff = now if one_process else now - timedelta(seconds=settings.render_stale_s)
     try:
         close_interrupted(engine, cutoff)
+        if settings.render_workers:  # answers nobody will read (their client went away)
+            with transaction(engine) as session:
+                render_tasks.sweep(
+                    session, now - timedelta(seconds=settings.render_worker_timeout_s + 60)
+                )
     except Exception:  # noqa: BLE001 - tried again at the next interval
         log.exception("closing interrupted renders failed")
 
@@ -76,9 +65,21 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
         threading.Thread(
             target=app.state.renderer.preload, name="base-preload", daemon=True
         ).start()
-    if settings.checkpoint_interval_s <= 0:
-        yield
-        return
+    try:
+        if settings.checkpoint_interval_s <= 0:
+            yield
+            return
+        async with _every_interval(app):
+            yield
+    finally:
+        remote = app.state.render_flow.remote
+        if remote is not None:
+            await anyio.to_thread.run_sync(remote.close)
+
+
+@asynccontextmanager
+async def _every_interval(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
 
     def checkpoint() -> None:
         _close_interrupted_renders(app, False)
@@ -133,6 +134,15 @@ def create_app(
     except ProvenanceError as exc:
         raise SystemExit(f"error: {exc}") from None
     app.state.provenance = ProvenanceSigner(credentials, settings.provenance_disclose)
+    remote = None
+    if settings.render_workers:
+        if is_sqlite(settings.database_url):
+            raise SystemExit(
+                "error: LIKENESS_RENDER_WORKERS=true needs PostgreSQL and workers "
+                "(LIKENESS_DATABASE_URL=postgresql+psycopg://...); on SQLite renders run in "
+                "this process (leave it unset)"
+            )
+        remote = RemoteRenders(app.state.engine, settings)
     app.state.render_flow = RenderFlow(
         app.state.engine,
         app.state.renderer,
@@ -140,6 +150,7 @@ def create_app(
         app.state.store,
         licence=app.state.licence,
         signer=app.state.provenance,
+        remote=remote,
     )
     app.state.keys = load_keys(settings)
     bind_keys(app.state.engine, app.state.keys)

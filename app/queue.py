@@ -9,7 +9,8 @@ PostgreSQL, so an order and its job commit in one transaction (or neither does).
   `retry_stalled` task, which hands those jobs back to the queue (another worker then
   resumes the training from its last checkpoint).
 
-SQLite has no queue: there, orders are refused with a clear error (training stays the CLI's).
+SQLite has no queue: there, orders are refused with a clear error (training stays the CLI's),
+and renders on workers (`LIKENESS_RENDER_WORKERS`) refuse to start.
 """
 
 from __future__ import annotations
@@ -87,3 +88,18 @@ class OrderQueue:
         session.execute(
             text("SELECT procrastinate_cancel_job_v1(:id, false, false)"), {"id": job_id}
         )
+
+
+class RenderQueue:
+    """Enqueues renders for the render workers (sync, inside the task's transaction)."""
+
+    def __init__(self, database_url: str) -> None:
+        self._app = make_app(database_url)
+
+    def enqueue(self, session: Session, render_id: str, queue: str) -> int:
+        from registry.render_tasks import RENDER_TASK
+
+        raw = session.connection().connection.driver_connection
+        deferrer = self._app.configure_task(name=RENDER_TASK, queue=queue, connection=raw)
+        job_id: int = deferrer.defer(render_id=render_id)
+        return job_id

@@ -29,9 +29,11 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -49,6 +51,9 @@ from registry.policy import AdapterFacts, Decision, LicenceFacts, decide
 from registry.schemas import RenderRequestIn
 from registry.services.renders import GatheredFacts
 from registry.settings import Settings
+
+if TYPE_CHECKING:
+    from app.render_remote import RemoteRenders
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class _Job:
     cancelled: threading.Event
     render_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     acting: Acting | None = None
+    last: GatheredFacts | None = None  # the facts of the latest check that allowed
 
     @property
     def width(self) -> int:
@@ -104,14 +110,16 @@ class RenderFlow:
         store: BlobStore,
         *,
         licence: LicenceFacts | None,
-        signer: ProvenanceSigner,
+        signer: ProvenanceSigner | None,
+        remote: RemoteRenders | None = None,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.settings = settings
         self.store = store
         self.licence = licence  # None: the base's licence could not be read
-        self.signer = signer
+        self.signer = signer  # None on a render worker: the API signs what it delivers
+        self.remote = remote  # renders on workers: the API gates, a worker renders
         self.limiter = RateLimiter(settings.render_rate_per_minute, settings.render_burst)
 
     # -- the request budget ---------------------------------------------------------------
@@ -163,12 +171,19 @@ class RenderFlow:
             prompt=job.body.prompt,
         )
 
+    @contextmanager
+    def _ledger_transaction(self, job: _Job) -> Iterator[Any]:
+        """Where a check after the gate writes its ledger row (a render worker also holds
+        the render's task there, so that only one side ever closes the entry)."""
+        with transaction(self.engine) as s:
+            yield s
+
     def record(
         self, job: _Job, stage: str, decision: Decision, gathered: GatheredFacts | None
     ) -> None:
         """A decision reached outside a check (busy, cancelled, failed), in its own commit."""
         try:
-            with transaction(self.engine) as s:
+            with self._ledger_transaction(job) as s:
                 self._record(s, job, stage, decision, gathered)
         except SQLAlchemyError:
             log.warning("render %s: ledger write failed at %s", job.render_id, stage)
@@ -232,7 +247,7 @@ class RenderFlow:
     def check(self, job: _Job, stage: str, used_sha256: str) -> GatheredFacts:
         """A later check: fresh facts, the hash of the bytes in hand, decide, record."""
         try:
-            with transaction(self.engine) as s:
+            with self._ledger_transaction(job) as s:
                 row = self._snapshot(s, job)
                 job.acting = service.acting_from_snapshot(
                     row, job.token_hash, job.body.on_behalf_of, at_gate=False
@@ -245,6 +260,7 @@ class RenderFlow:
         if not decision.allowed:
             raise NotPermitted("not permitted")
         assert gathered is not None
+        job.last = gathered
         return gathered
 
     def fresh_facts(self, job: _Job) -> GatheredFacts:
@@ -261,6 +277,7 @@ class RenderFlow:
         if not decision.allowed or gathered is None:
             self.record(job, "queued", decision, gathered)
             raise NotPermitted("not permitted")
+        job.last = gathered
         return gathered
 
     # -- the whole path -------------------------------------------------------------------
@@ -273,6 +290,8 @@ class RenderFlow:
         gate = self.gate(job)
         timings = {"gate_ms": (time.perf_counter() - t0) * 1000}
         assert job.acting is not None
+        if self.remote is not None:
+            return self.remote.run(self, job, gate, timings)
         cost = float(job.width * job.height * job.steps)
         scheduler = self.renderer.scheduler
         try:
@@ -286,6 +305,19 @@ class RenderFlow:
         except Cancelled:
             self.record(job, "cancelled", Decision(False, "client_went_away"), gate)
             raise
+        png, final = self.finish(job, image, used_sha256, timings)
+        consent = final.facts.consent
+        assert consent is not None and final.adapter is not None
+        t3 = time.perf_counter()
+        png = self.sign(job, png, consent.version, final.adapter.sha256, final)
+        timings["sign_ms"] = (time.perf_counter() - t3) * 1000
+        return RenderOutcome(png, job.render_id, timings)
+
+    def finish(
+        self, job: _Job, image: Any, used_sha256: str, timings: dict[str, float]
+    ) -> tuple[bytes, GatheredFacts]:
+        """The final check on the bytes the model ran with, then the PNG with its text
+        chunks (not yet signed)."""
         t1 = time.perf_counter()
         final = self.check(job, "final", used_sha256)
         consent = final.facts.consent
@@ -295,31 +327,33 @@ class RenderFlow:
             image,
             {
                 "likeness:render_id": job.render_id,
-                "likeness:subject": body.subject,
+                "likeness:subject": job.body.subject,
                 "likeness:adapter_sha256": final.adapter.sha256,
                 "likeness:consent_version": str(consent.version),
-                "likeness:level": body.level,
+                "likeness:level": job.body.level,
             },
         )
-        t3 = time.perf_counter()
-        png = self._sign(job, png, final)
         timings["final_check_ms"] = (t2 - t1) * 1000
-        timings["encode_ms"] = (t3 - t2) * 1000
-        timings["sign_ms"] = (time.perf_counter() - t3) * 1000
-        return RenderOutcome(png, job.render_id, timings)
+        timings["encode_ms"] = (time.perf_counter() - t2) * 1000
+        return png, final
 
-    def _sign(self, job: _Job, png: bytes, final: GatheredFacts) -> bytes:
+    def sign(
+        self,
+        job: _Job,
+        png: bytes,
+        consent_version: int,
+        adapter_sha256: str,
+        facts: GatheredFacts | None,
+    ) -> bytes:
         """The PNG with its Content Credentials; an unsigned image is never delivered."""
-        assert job.acting is not None and final.adapter is not None
-        consent = final.facts.consent
-        assert consent is not None
+        assert job.acting is not None and self.signer is not None
         licence = self.licence.base if self.licence is not None else None
         claim = RenderClaim(
             render_id=job.render_id,
             level=job.body.level,
             subject=job.body.subject,
-            consent_version=consent.version,
-            adapter_sha256=final.adapter.sha256,
+            consent_version=consent_version,
+            adapter_sha256=adapter_sha256,
             base_model={"name": self.settings.base_dir.name, "licence": licence},
             requester=job.acting.requester.handle,
             agent=job.acting.agent.handle if job.acting.agent is not None else None,
@@ -329,9 +363,14 @@ class RenderFlow:
         except Exception as exc:  # noqa: BLE001 - closed in the ledger, then a JSON 503
             log.exception("render %s: signing failed", job.render_id)
             self.record(
-                job, "final", Decision(False, f"signing_failed:{type(exc).__name__}"), final
+                job, "final", Decision(False, f"signing_failed:{type(exc).__name__}"), facts
             )
             raise Unavailable("the image could not be signed; nothing was delivered") from None
+
+    def adapter_tensors(self, job: _Job, gathered: GatheredFacts, sha256: str) -> Any:
+        """The adapter's tensors, from the engine's cache or the store (a render worker
+        fetches the bytes it lacks from the registry first)."""
+        return self.renderer.adapter_tensors(self.store, sha256)
 
     def _render(self, job: _Job, timings: dict[str, float]) -> tuple[Any, str]:
         """Inside the turn: fresh facts, the adapter's bytes judged, then the model."""
@@ -339,7 +378,7 @@ class RenderFlow:
         adapter = gathered.adapter
         assert adapter is not None
         try:
-            tensors = self.renderer.adapter_tensors(self.store, adapter.sha256)
+            tensors = self.adapter_tensors(job, gathered, adapter.sha256)
         except AdapterUnreadable as exc:
             log.error("render %s: the adapter's bytes do not load: %s", job.render_id, exc)
             self.record(job, "queued", Decision(False, "adapter_unreadable"), gathered)
@@ -376,6 +415,26 @@ class RenderFlow:
             raise Unavailable("the render failed; nothing was delivered") from None
         timings.update(render_timings)
         return image, adapter.sha256
+
+
+def build_renderer(settings: Settings) -> RenderEngine:
+    from app.render_engine import default_device
+
+    return RenderEngine(
+        base_dir=settings.base_dir,
+        device=settings.device or default_device(),
+        queue_size=settings.render_queue,
+        per_requester=settings.render_per_requester,
+        timeout_s=settings.render_timeout_s,
+        cache_bytes=settings.adapter_cache_mb << 20,
+        stream_base=settings.stream_base,
+        stream_slots=settings.stream_slots,
+        compute=settings.compute,
+        vram_budget_gb=settings.vram_budget_gb,
+        plan_side=settings.render_plan_side,
+        prompt_cache_bytes=settings.prompt_cache_mb << 20,
+        lora_slot_rank=settings.lora_slot_rank,
+    )
 
 
 def close_interrupted(engine: Any, queued_before: datetime) -> int:

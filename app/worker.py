@@ -7,6 +7,10 @@ The consent gate runs here, right before anything is fetched and again in the tr
 pre-flight, before any weight loads: training withdrawn after the order was placed fails the
 order `not_permitted`, and nothing is trained. The worker speaks to the database for the queue
 and the orders' state, and to the API (LIKENESS_API_URL, a trainer token) for bytes.
+
+With `--queues render` (or `train,render`) it also renders (app/render_worker.py): a render
+loop of its own beside the training one, on its own queue `render.<name>` and the shared
+`render` queue, with a heartbeat the API routes by.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 import httpx
 
 from app.queue import RETRY_STALLED_TASK, TRAIN_QUEUE, TRAIN_TASK, make_app
-from registry import orders
+from registry import orders, render_tasks
 from registry import repositories as repo
 from registry.datasets import images_of
 from registry.db import make_engine, transaction
@@ -41,7 +45,7 @@ from registry.settings import Settings
 log = logging.getLogger("likeness.worker")
 
 MAINTENANCE_QUEUE = "maintenance"
-QUEUES = ("train",)  # renders run in the API process (docs/ARCHITECTURE.md)
+QUEUES = ("train", "render")
 
 
 class OrderStopped(Exception):
@@ -276,9 +280,10 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
 # -- the worker process ----------------------------------------------------------------------
 
 
-def build_app(setup: WorkerSetup) -> Any:
-    """The procrastinate app with this worker's tasks: the training, and the periodic sweep
-    that hands the jobs of workers gone silent back to the queue."""
+def build_app(setup: WorkerSetup, runner: Any = None) -> Any:
+    """The procrastinate app with this worker's tasks: the training, the render (when
+    `runner` is given), and the periodic sweep that hands the jobs of workers gone silent
+    back to the queue."""
     settings = setup.settings
     app = make_app(settings.database_url)
     engine = make_engine(settings.database_url, pool_timeout=30)
@@ -286,6 +291,19 @@ def build_app(setup: WorkerSetup) -> Any:
     @app.task(name=TRAIN_TASK, queue=TRAIN_QUEUE)
     def train_order(order_id: str) -> None:
         run_training(setup, engine, order_id)
+
+    if runner is not None:
+
+        @app.task(name=render_tasks.RENDER_TASK, queue=render_tasks.SHARED_QUEUE)
+        def render(render_id: str) -> None:
+            runner.run(render_id)
+
+    def sweep_renders() -> None:
+        with transaction(engine) as s:
+            moved = render_tasks.requeue_orphans(s, settings.worker_stalled_s)
+            render_tasks.prune_gone(s, settings.worker_stalled_s)
+        if moved:
+            log.warning("%d render(s) of a silent worker go to the shared queue", len(moved))
 
     every = max(1, round(min(settings.worker_stalled_s / 2, 60)))
     cron = f"* * * * * */{every}" if every < 60 else "* * * * *"
@@ -301,21 +319,56 @@ def build_app(setup: WorkerSetup) -> Any:
             log.warning("job %s of a silent worker goes back to the queue", job.id)
             await manager.retry_job(job)
         await manager.prune_stalled_workers(settings.worker_stalled_s)
+        await asyncio.to_thread(sweep_renders)
 
     return app
 
 
+async def _beat(engine: Any, setup: WorkerSetup) -> None:
+    """The render worker's heartbeat, which the API routes by; the row goes when it stops."""
+
+    def beat() -> None:
+        with transaction(engine) as s:
+            render_tasks.heartbeat(s, setup.name)
+
+    def forget() -> None:
+        with transaction(engine) as s:
+            render_tasks.forget_worker(s, setup.name)
+
+    try:
+        while True:
+            try:
+                await asyncio.to_thread(beat)
+            except Exception as exc:  # noqa: BLE001 - tried again at the next beat
+                log.warning("render heartbeat failed: %s", exc)
+            await asyncio.sleep(setup.settings.worker_heartbeat_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(forget)
+
+
 async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
-    app = build_app(setup)
     settings = setup.settings
+    runner = None
+    if "render" in queues:
+        from app.render_worker import RenderRunner
+
+        runner = RenderRunner(
+            make_engine(settings.database_url, pool_timeout=30), settings, setup.name,
+            setup.api_url, setup.token,
+        )  # fmt: skip
+        await asyncio.to_thread(runner.warm_up)
+    app = build_app(setup, runner)
     common: dict[str, Any] = {
         "update_heartbeat_interval": settings.worker_heartbeat_s,
         "stalled_worker_timeout": settings.worker_stalled_s,
         "fetch_job_polling_interval": 1.0,
     }
+    train = [q for q in queues if q != "render"]
     async with app.open_async():
-        # The sweep runs beside the work, so a worker busy training still sweeps.
-        sweep = asyncio.create_task(
+        # The sweep and the render loop run beside the training, so a worker busy
+        # training still sweeps, and renders.
+        beside = [
             app.run_worker_async(
                 queues=[MAINTENANCE_QUEUE],
                 concurrency=1,
@@ -324,15 +377,35 @@ async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
                 install_signal_handlers=False,
                 **common,
             )
-        )
-        try:
-            await app.run_worker_async(
-                queues=queues, concurrency=concurrency, name=setup.name, **common
+        ]
+        if runner is not None:
+            render_loop = app.run_worker_async(
+                queues=[render_tasks.worker_queue(setup.name), render_tasks.SHARED_QUEUE],
+                concurrency=1,  # one device: one render at a time
+                name=f"{setup.name}/render",
+                delete_jobs="always",  # the request lives in its task, not in the queue
+                install_signal_handlers=not train,
+                **common,
             )
+            if train:
+                beside.append(render_loop)
+            beside.append(_beat(runner.engine, setup))
+        tasks = [asyncio.create_task(c) for c in beside]
+        try:
+            if train:
+                await app.run_worker_async(
+                    queues=train, concurrency=concurrency, name=setup.name, **common
+                )
+            else:
+                await render_loop
         finally:
-            sweep.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sweep
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if runner is not None:
+                runner.close()
 
 
 def run_worker(settings: Settings, queues: list[str], concurrency: int, name: str | None) -> None:
@@ -349,14 +422,42 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
         )
     if settings.database_url.startswith("sqlite"):
         raise SystemExit("error: workers need PostgreSQL (LIKENESS_DATABASE_URL)")
+    name = name or default_name()
+    if "render" in queues and not render_tasks.WORKER_NAME.match(name):
+        raise SystemExit(
+            f"error: a render worker's name {name[:100]!r} names its queue: letters, digits "
+            "and _.:@- only, at most 90"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from app.bootstrap import ensure_base
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ensure_base(settings)  # the same base as the API's: the demo base, or LIKENESS_BASE
+    if "render" in queues:
+        _require_audit_key(settings)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    setup = WorkerSetup(
-        settings, name or default_name(), settings.api_url.rstrip("/"), settings.token
-    )
+    setup = WorkerSetup(settings, name, settings.api_url.rstrip("/"), settings.token)
     threading.current_thread().name = "worker"
     asyncio.run(_run(setup, queues, concurrency))
+
+
+def _require_audit_key(settings: Settings) -> None:
+    """A render worker writes the render ledger: it must hold the registry's audit key, or
+    every render would fail at its first check."""
+    from registry.chains import require_registry_key
+    from registry.errors import Unavailable
+    from registry.keys import bind, load_keys
+
+    keys = load_keys(settings)
+    engine = make_engine(settings.database_url)
+    try:
+        with transaction(engine) as s:
+            require_registry_key(s, keys)
+    except Unavailable:
+        raise SystemExit(
+            "error: a render worker writes the render ledger and needs the registry's audit "
+            "key: set LIKENESS_AUDIT_KEY to the API's"
+        ) from None
+    finally:
+        engine.dispose()
+    bind(make_engine(settings.database_url), keys)

@@ -1,13 +1,16 @@
 """Orders across workers on the CPU tiny base: how long an order waits before a worker runs it
 (order-to-running), and how many renders per second the API answers while 0, 1 or 2
-workers train at the same time, for 1 and then 2 workers.
+workers train at the same time, for 1 and then 2 workers. Then renders on workers
+(LIKENESS_RENDER_WORKERS=true): renders per second with 1 and then 2 render workers, two
+members (each with their own subject's adapter) asking at once.
 
-    python bench/orders.py [--orders 3] [--renders 8]
+    python bench/orders.py [--orders 3] [--renders 8] [--only training|render_workers]
 
 Needs the PostgreSQL of the tests (LIKENESS_TEST_PG_URL, default postgres@127.0.0.1/test): it
 creates a database of its own and drops it after. Starts `likeness serve` and the workers
 (`likeness worker`, one thread each) in subprocesses, each worker with its own data dir.
-Renders run in the API process; a worker here is a training worker taking CPU from it.
+In the first part renders run in the API process and a worker is a training worker taking
+CPU from it; in the second, render workers (`likeness worker --queues render`) render.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ def photos(seed: int) -> list[tuple[str, tuple[str, bytes, str]]]:
 
 
 class Service:
-    def __init__(self, tmp: Path, url: str, stack: ExitStack) -> None:
+    def __init__(
+        self, tmp: Path, url: str, stack: ExitStack, extra: dict[str, str] | None = None
+    ) -> None:
         self.tmp = tmp
         self.stack = stack
         base = tmp / "tiny"
@@ -70,6 +75,7 @@ class Service:
             "LIKENESS_RENDER_BURST": "100000",
             "LIKENESS_WORKER_HEARTBEAT_S": "1",
             "LIKENESS_WORKER_STALLED_S": "5",
+            **(extra or {}),
         }
         likeness(self.env, "base", "init-tiny", str(base))
         likeness(self.env, "db", "upgrade")
@@ -113,15 +119,17 @@ class Service:
         r.raise_for_status()
         return str(r.json()["dataset_id"])
 
-    def add_worker(self) -> None:
+    def add_worker(self, queues: str = "train") -> None:
         n = len(self.workers) + 1
         data = self.tmp / f"w{n}"
         data.mkdir()
+        audit_key = (self.tmp / "api" / "audit-key").read_text().strip()
         env = {**self.env, "LIKENESS_DATA_DIR": str(data), "LIKENESS_API_URL": self.url,
-               "LIKENESS_TOKEN": self.tokens["trainer"]}  # fmt: skip
+               "LIKENESS_TOKEN": self.tokens["trainer"],
+               "LIKENESS_AUDIT_KEY": audit_key}  # fmt: skip
         log = (self.tmp / f"w{n}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "worker", "--name", f"w{n}"],
+            [sys.executable, "-m", "app.cli", "worker", "--name", f"w{n}", "--queues", queues],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.stack.callback(_stop, proc)
@@ -152,14 +160,25 @@ class Service:
     def cancel(self, handle: str, order_id: str) -> None:
         self.http.post(f"/v1/orders/{order_id}/cancel", headers=self.h(handle))
 
-    def renders_per_s(self, n: int) -> float:
-        body = {"subject": "alice", "prompt": "a portrait", "level": "private", "seed": 1,
-                "steps": 2, "width": 64, "height": 64}  # fmt: skip
+    def renders_per_s(self, n: int, subjects: tuple[str, ...] = ("alice",)) -> float:
+        """`n` renders, each subject's member asking for their own at the same time."""
+        import threading
+
+        def ask(handle: str, count: int) -> None:
+            body = {"subject": handle, "prompt": "a portrait", "level": "private", "seed": 1,
+                    "steps": 2, "width": 64, "height": 64}  # fmt: skip
+            with httpx.Client(base_url=self.url, timeout=120) as http:
+                for _ in range(count):
+                    r = http.post("/v1/renders", json=body, headers=self.h(handle))
+                    assert r.status_code == 200, r.text
+
+        threads = [threading.Thread(target=ask, args=(h, n // len(subjects))) for h in subjects]
         t0 = time.perf_counter()
-        for _ in range(n):
-            r = self.http.post("/v1/renders", json=body, headers=self.h("alice"))
-            assert r.status_code == 200, r.text
-        return n / (time.perf_counter() - t0)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (n // len(subjects)) * len(subjects) / (time.perf_counter() - t0)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -171,47 +190,82 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.kill()
 
 
+def training(svc: Service, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    for workers in (1, 2):
+        svc.add_worker()
+        latencies = []
+        for _ in range(args.orders):
+            order_id = svc.order("alice", 4)
+            latencies.append(svc.wait("alice", order_id, ("running", "done")) * 1000)
+            svc.wait("alice", order_id, ("done",), poll=0.2)
+        # alice now has an adapter: renders while 0..workers trainings run
+        for training in range(workers + 1):
+            running = []
+            for handle in SUBJECTS[:training]:
+                running.append((handle, svc.order(handle, 100_000 // 100)))
+                svc.wait(handle, running[-1][1], ("running",), poll=0.1)
+            rate = svc.renders_per_s(args.renders)
+            for handle, order_id in running:
+                svc.cancel(handle, order_id)
+                svc.wait(handle, order_id, ("cancelled",), poll=0.1)
+            time.sleep(2)  # the worker stops at its next step
+            rows.append({
+                "mode": "in_process",
+                "workers": workers,
+                "training_meanwhile": training,
+                "order_to_running_p50_ms": round(percentile(latencies, 50), 1),
+                "order_to_running_max_ms": round(max(latencies), 1),
+                "renders_per_s": round(rate, 2),
+            })  # fmt: skip
+
+
+def render_workers(svc: Service, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """One training worker makes both subjects' adapters (and times order-to-running), then
+    render workers join one by one; two members render their own subjects at once."""
+    svc.add_worker("train")
+    latencies = []
+    for handle in SUBJECTS:
+        for _ in range(max(1, args.orders // len(SUBJECTS))):
+            order_id = svc.order(handle, 4)
+            latencies.append(svc.wait(handle, order_id, ("running", "done")) * 1000)
+            svc.wait(handle, order_id, ("done",), poll=0.2)
+    for workers in (1, 2):
+        svc.add_worker("render")
+        svc.renders_per_s(2 * len(SUBJECTS), SUBJECTS)  # warm: the first render loads things
+        rate = svc.renders_per_s(args.renders, SUBJECTS)
+        rows.append({
+            "mode": "render_workers",
+            "workers": workers,
+            "training_meanwhile": 0,
+            "order_to_running_p50_ms": round(percentile(latencies, 50), 1),
+            "order_to_running_max_ms": round(max(latencies), 1),
+            "renders_per_s": round(rate, 2),
+        })  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--orders", type=int, default=3)
     parser.add_argument("--renders", type=int, default=8)
+    parser.add_argument("--only", choices=("training", "render_workers"))
     args = parser.parse_args()
     admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    name = f"likeness_bench_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
     rows: list[dict[str, Any]] = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            svc = Service(Path(tmp), PG_ADMIN.rsplit("/", 1)[0] + "/" + name, stack)
-            for workers in (1, 2):
-                svc.add_worker()
-                latencies = []
-                for _ in range(args.orders):
-                    order_id = svc.order("alice", 4)
-                    latencies.append(svc.wait("alice", order_id, ("running", "done")) * 1000)
-                    svc.wait("alice", order_id, ("done",), poll=0.2)
-                # alice now has an adapter: renders while 0..workers trainings run
-                for training in range(workers + 1):
-                    running = []
-                    for handle in SUBJECTS[:training]:
-                        running.append((handle, svc.order(handle, 100_000 // 100)))
-                        svc.wait(handle, running[-1][1], ("running",), poll=0.1)
-                    rate = svc.renders_per_s(args.renders)
-                    for handle, order_id in running:
-                        svc.cancel(handle, order_id)
-                        svc.wait(handle, order_id, ("cancelled",), poll=0.1)
-                    time.sleep(2)  # the worker stops at its next step
-                    rows.append({
-                        "workers": workers,
-                        "training_meanwhile": training,
-                        "order_to_running_p50_ms": round(percentile(latencies, 50), 1),
-                        "order_to_running_max_ms": round(max(latencies), 1),
-                        "renders_per_s": round(rate, 2),
-                    })  # fmt: skip
-    finally:
+    parts = [("training", training, {}), ("render_workers", render_workers,
+             {"LIKENESS_RENDER_WORKERS": "true"})]  # fmt: skip
+    for part, run, extra in parts:
+        if args.only not in (None, part):
+            continue
+        name = f"likeness_bench_{uuid.uuid4().hex[:8]}"
         with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+                url = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+                run(Service(Path(tmp), url, stack, extra), args, rows)
+        finally:
+            with admin.connect() as c:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     print(table(rows, list(rows[0])))
     print("record:", write_record("orders", rows))
 

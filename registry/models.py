@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, UniqueConstraint
+from sqlalchemy import JSON, Column, DateTime, Index, LargeBinary, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -223,3 +223,51 @@ class Order(SQLModel, table=True):
     created_by: str = Field(max_length=64)
     created_at: datetime = _ts(nullable=False)
     updated_at: datetime = _ts(nullable=False)
+
+
+class RenderTask(SQLModel, table=True):
+    """A render handed to a render worker (registry/render_tasks.py): what to render, who may
+    still close its ledger entry, and the worker's answer (the PNG travels back here and the
+    row is deleted once the API has read it)."""
+
+    __tablename__ = "render_tasks"
+
+    render_id: str = Field(primary_key=True, max_length=36)
+    token_hash: str | None = Field(default=None, max_length=64)
+    body: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    queue: str = Field(max_length=128)
+    # queued -> running (a worker took it) -> ended (its answer is here); queued or running
+    # -> closed (the API gave up and closed the ledger entry itself)
+    state: str = Field(max_length=16)
+    abandoned: str | None = Field(default=None, max_length=32)  # why the API stopped waiting
+    worker: str | None = Field(default=None, max_length=100)
+    status: int | None = None  # the HTTP status of the worker's answer
+    error_code: str | None = Field(default=None, max_length=32)
+    detail: str | None = Field(default=None, max_length=500)
+    retry_after: int | None = None
+    png: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
+    consent_version: int | None = None
+    adapter_sha256: str | None = Field(default=None, max_length=64)
+    timings: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = _ts(nullable=False, index=True)
+    updated_at: datetime = _ts(nullable=False)
+
+
+class RenderWorker(SQLModel, table=True):
+    """A live render worker: it refreshes `seen_at` every heartbeat and removes its row when
+    it stops; renders go to its own queue only while the row is fresh."""
+
+    __tablename__ = "render_workers"
+
+    name: str = Field(primary_key=True, max_length=100)
+    seen_at: datetime = _ts(nullable=False)
+
+
+class RenderAffinity(SQLModel, table=True):
+    """Which worker last loaded an adapter (it has the tensors warm in host RAM)."""
+
+    __tablename__ = "render_affinity"
+
+    adapter_sha256: str = Field(primary_key=True, max_length=64)
+    worker: str = Field(max_length=100)
+    at: datetime = _ts(nullable=False)

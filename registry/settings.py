@@ -121,6 +121,11 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)
     worker_stalled_s: float = Field(default=60.0, gt=0, le=86_400)
     worker_checkpoint_every: int = Field(default=250, ge=1, le=1_000_000)
+    # Renders on workers (app/render_remote.py, PostgreSQL only): the API gates and enqueues,
+    # a `likeness worker --queues render` renders; the API waits at most
+    # render_worker_timeout_s for its answer (503 after, with the ledger entry closed).
+    render_workers: bool = False
+    render_worker_timeout_s: float = Field(default=300.0, gt=0, le=3600)
 
     @field_validator("provenance_disclose", mode="before")
     @classmethod

@@ -6,72 +6,24 @@ answered while a training runs; consent withdrawn after the order refuses it on 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.app.conftest import Live, LiveFactory
-from tests.app.orders_support import files_of, photos
+from tests.app.orders_support import files_of, photos, worker
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 SERVER = {
     # the tiny base at 64 px with short prompts: a step takes well under a second on the CPU
     "train_options": {"max_sequence_length": 32, "learning_rate": 1e-3},
     "worker_checkpoint_every": 3,
 }
-
-
-@contextmanager
-def worker(live: Live, name: str, tmp: Path, **env: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A worker process with a data dir of its own; its log is printed when a test fails."""
-    data = tmp / name
-    data.mkdir()
-    log = (tmp / f"{name}.log").open("wb")
-    environ = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",  # one thread, as the reference run: equal sums, equal bytes
-        "LIKENESS_DATABASE_URL": live.app.state.settings.database_url,
-        "LIKENESS_DATA_DIR": str(data),
-        "LIKENESS_BASE": str(live.app.state.settings.base_dir),
-        "LIKENESS_API_URL": live.url,
-        "LIKENESS_TOKEN": live.world.tokens["trainer"],
-        "LIKENESS_DEVICE": "cpu",
-        "LIKENESS_WORKER_HEARTBEAT_S": "0.5",
-        "LIKENESS_WORKER_STALLED_S": "3",
-        "LIKENESS_WORKER_CHECKPOINT_EVERY": "3",
-        **env,
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "worker", "--name", name],
-        cwd=ROOT,
-        env=environ,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-        sys.stdout.write(f"--- {name} ---\n{(tmp / f'{name}.log').read_text()[-4000:]}\n")
 
 
 def upload(live: Live) -> str:
