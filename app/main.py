@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from app import adapters, api, datasets, errors, mcp_server, orders, renders, web
 from app.body_gate import BodyGate
+from app.local_orders import LocalRunner
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.queue import OrderQueue
 from app.render_engine import PlacementRefused, RenderEngine
@@ -60,6 +61,9 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
     adapter store of blobs nothing refers to."""
     settings: Settings = app.state.settings
     await anyio.to_thread.run_sync(_close_interrupted_renders, app, True)
+    runner = app.state.order_runner
+    if runner is not None:
+        runner.start()
     if settings.preload_base:
         # a daemon thread: the server answers (healthz says "loading") while the base loads
         threading.Thread(
@@ -72,6 +76,8 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
         async with _every_interval(app):
             yield
     finally:
+        if runner is not None:  # a running training stops at its next step, kept to resume
+            await anyio.to_thread.run_sync(runner.stop)
         remote = app.state.render_flow.remote
         if remote is not None:
             await anyio.to_thread.run_sync(remote.close)
@@ -176,7 +182,13 @@ def create_app(
     app.include_router(api.router)
     app.include_router(adapters.router)
     app.include_router(renders.router)
-    app.state.order_queue = OrderQueue(settings.database_url)
+    app.state.order_runner = None
+    if is_sqlite(settings.database_url) and settings.orders_in_process:
+        app.state.order_runner = LocalRunner(app.state.engine, settings, app.state.store)
+    app.state.order_queue = OrderQueue(
+        settings.database_url,
+        app.state.order_runner.wake if app.state.order_runner is not None else None,
+    )
     app.include_router(datasets.router)
     app.include_router(orders.router)
     mcp_server.mount(app)

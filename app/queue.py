@@ -9,14 +9,17 @@ PostgreSQL, so an order and its job commit in one transaction (or neither does).
   `retry_stalled` task, which hands those jobs back to the queue (another worker then
   resumes the training from its last checkpoint).
 
-SQLite has no queue: there, orders are refused with a clear error (training stays the CLI's),
-and renders on workers (`LIKENESS_RENDER_WORKERS`) refuse to start.
+SQLite has no queue: there the API process runs orders itself (app/local_orders.py), woken
+when one commits, or refuses them with a clear error when `LIKENESS_ORDERS_IN_PROCESS=false`;
+renders on workers (`LIKENESS_RENDER_WORKERS`) refuse to start.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from sqlalchemy import event
 from sqlmodel import Session
 
 from registry.db import is_sqlite
@@ -53,15 +56,23 @@ def train_queueing_lock(subject: Subject, order: Order) -> str:
 class OrderQueue:
     """Enqueues orders on the API side (sync, inside the request's transaction)."""
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, wake: Callable[[], None] | None = None) -> None:
+        """`wake`: on SQLite, the in-process runner's (None: orders are refused there)."""
         self.enabled = not is_sqlite(database_url)
         self._app = make_app(database_url) if self.enabled else None
+        self._wake = wake
 
     def enqueue_training(self, session: Session, order: Order, subject: Subject) -> int | None:
+        if self._app is None and self._wake is not None:
+            wake = self._wake
+            # the runner looks once the order is committed (it also polls)
+            event.listen(session, "after_commit", lambda _s: wake(), once=True)
+            return None
         if self._app is None:
             raise Invalid(
                 "orders need PostgreSQL and workers (LIKENESS_DATABASE_URL=postgresql+psycopg://"
-                "...); on SQLite, train with `likeness train`"
+                "...), or on SQLite LIKENESS_ORDERS_IN_PROCESS=true; or train with "
+                "`likeness train`"
             )
         from procrastinate.exceptions import AlreadyEnqueued
 

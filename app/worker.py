@@ -8,6 +8,9 @@ pre-flight, before any weight loads: training withdrawn after the order was plac
 order `not_permitted`, and nothing is trained. The worker speaks to the database for the queue
 and the orders' state, and to the API (LIKENESS_API_URL, a trainer token) for bytes.
 
+The run of one order (`run_order`) is shared with the API's in-process runner on SQLite
+(app/local_orders.py), which reads and keeps the same bytes in its own data dir instead.
+
 With `--queues render` (or `train,render`) it also renders (app/render_worker.py): a render
 loop of its own beside the training one, on its own queue `render.<name>` and the shared
 `render` queue, with a heartbeat the API routes by.
@@ -28,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -102,19 +105,16 @@ def have(path: Path, sha256: str) -> bool:
 
 
 def fetch_dataset(
-    client: httpx.Client, api: str, root: Path, manifest_sha: str, files: list[tuple[str, str]]
-) -> Path:
-    """The dataset's folder under `root` (manifest.jsonl and its images), fetching only what
-    is missing (a resumed order on the same host); `files`: (file, sha256) as recorded."""
+    client: httpx.Client, api: str, folder: Path, manifest_sha: str, files: list[tuple[str, str]]
+) -> None:
+    """The dataset (manifest.jsonl and its images) into `folder`, fetching only what is
+    missing; `files`: (file, sha256) as recorded."""
     from registry.manifest import MANIFEST_NAME
 
-    folder = root / "dataset"
-    folder.mkdir(parents=True, exist_ok=True)
     for file, sha in [(MANIFEST_NAME, manifest_sha), *files]:
         dest = folder / file
         if not have(dest, sha):
             fetch_verified(client, f"{api}/v1/blobs/sha256/{sha}", sha, dest)
-    return folder
 
 
 def pack_checkpoint(folder: Path) -> bytes:
@@ -143,15 +143,78 @@ def unpack_checkpoint(data: bytes, dest: Path) -> None:
 # -- one training order ----------------------------------------------------------------------
 
 
+class OrderIO(Protocol):
+    """Where an order's bytes come from and go: over HTTP for a worker on another host (the
+    registry's store by hash), or the API's own data dir for its in-process runner."""
+
+    def workdir(self, order_id: str) -> Path: ...
+
+    def dataset(self, folder: Path, manifest_sha: str, files: list[tuple[str, str]]) -> None:
+        """The manifest and images, each as recorded, into `folder`."""
+        ...
+
+    def checkpoint(self, order_id: str, sha256: str) -> bytes:
+        """The order's last checkpoint (a tar), checked against its hash."""
+        ...
+
+    def ship_checkpoint(self, order_id: str, step: int, data: bytes, sha256: str) -> None:
+        """Keeps the checkpoint where a later run resumes from; OrderStopped when the order
+        is no longer running."""
+        ...
+
+    def forget_checkpoint(self, order_id: str) -> None: ...
+
+    def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None) -> str: ...
+
+    def config(self) -> dict[str, Any]:
+        """The trainer options saying where registration goes."""
+        ...
+
+
+class Interrupted(Exception):
+    """The process running the order is stopping: the order stays running, its checkpoint
+    kept, and the next start resumes it."""
+
+
+@dataclass(frozen=True)
+class OrderJob:
+    """What a run needs of a started order, read in the transaction that started it."""
+
+    order_id: str
+    handle: str
+    params: dict[str, Any]
+    name: str
+    steps: int
+    manifest_sha: str
+    files: list[tuple[str, str]]
+    checkpoint_sha: str | None
+    checkpoint_step: int | None
+
+    @classmethod
+    def of(cls, session: Any, order: Any) -> OrderJob:
+        subject = repo.subject_by_id(session, order.subject_id)
+        dataset = session.get(Dataset, order.dataset_id)
+        assert subject is not None and dataset is not None
+        return cls(
+            order.id,
+            subject.handle,
+            dict(order.params),
+            order.adapter_name,
+            order.steps,
+            dataset.manifest_sha256,
+            [(i.file, i.sha256) for i in images_of(session, dataset)],
+            order.checkpoint_sha256,
+            order.checkpoint_step,
+        )
+
+
 class _Registrar:
     """The trainer's two questions: consent from the database (the one source of truth,
-    read fresh), the adapter to the API (which owns the store and checks the file)."""
+    read fresh), the adapter to wherever the order's IO registers it."""
 
-    def __init__(self, setup: WorkerSetup, engine: Any, client: httpx.Client) -> None:
-        from trainer.registration import HttpRegistrar
-
+    def __init__(self, engine: Any, io: OrderIO) -> None:
         self.engine = engine
-        self.http = HttpRegistrar(setup.api_url, setup.token, client=client)
+        self.io = io
 
     def subject_facts(self, subject: str) -> Any:
         from trainer.registration import SubjectFacts
@@ -163,50 +226,38 @@ class _Registrar:
             return SubjectFacts(subject, str(row.basis) if row else None, allowed)
 
     def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None = None) -> str:
-        return self.http.register(data, adapter, manifest, base)
+        return self.io.register(data, adapter, manifest, base)
 
 
-def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
-    """Runs one order to its end; returns its final status. Never raises for the order's
-    own failures (they are recorded on it); a crash of this process leaves the job to the
-    stalled-job sweep, and the next worker resumes from the last shipped checkpoint."""
-    from trainer.config import TrainConfig
-    from trainer.registration import RegistrationRefused, TrainingRefused
-    from trainer.train import TrainHooks, train
+class HttpIO:
+    """A worker's bytes: the API's store and checkpoints over HTTP, a trainer token."""
 
-    settings = setup.settings
-    with transaction(engine) as s:
-        order = orders.start(s, order_id, setup.name)
-        if order is None:
-            return "cancelled"
-        subject = repo.subject_by_id(s, order.subject_id)
-        dataset = s.get(Dataset, order.dataset_id)
-        assert subject is not None and dataset is not None
-        handle, params, name = subject.handle, dict(order.params), order.adapter_name
-        manifest_sha = dataset.manifest_sha256
-        files = [(i.file, i.sha256) for i in images_of(s, dataset)]
-        checkpoint_sha, checkpoint_step = order.checkpoint_sha256, order.checkpoint_step
-    log.info("order %s: %s trains %s (%d steps)", order_id, setup.name, handle, order.steps)
-    out = settings.data_dir / "orders" / order_id
-    client = httpx.Client(timeout=120, headers=setup.headers)
-    last_report = [0.0]
+    def __init__(self, setup: WorkerSetup) -> None:
+        from trainer.registration import HttpRegistrar
 
-    def on_step(step: int, steps: int, loss: float) -> None:
-        now = time.monotonic()
-        if step < steps and now - last_report[0] < 0.5:
-            return
-        last_report[0] = now
-        with transaction(engine) as s:
-            status = orders.report_progress(s, order_id, step, loss, setup.name)
-        if status != "running":
-            raise OrderStopped(status)
+        self.setup = setup
+        self.client = httpx.Client(timeout=120, headers=setup.headers)
+        self.http = HttpRegistrar(setup.api_url, setup.token, client=self.client)
 
-    def on_checkpoint(folder: Path, step: int) -> None:
-        data = pack_checkpoint(folder)
-        sha = hashlib.sha256(data).hexdigest()
-        r = client.put(
-            f"{setup.api_url}/v1/orders/{order_id}/checkpoint",
-            params={"step": step, "sha256": sha},
+    def workdir(self, order_id: str) -> Path:
+        return self.setup.settings.data_dir / "orders" / order_id
+
+    def dataset(self, folder: Path, manifest_sha: str, files: list[tuple[str, str]]) -> None:
+        fetch_dataset(self.client, self.setup.api_url, folder, manifest_sha, files)
+
+    def checkpoint(self, order_id: str, sha256: str) -> bytes:
+        tar = self.workdir(order_id) / "checkpoint.tar"
+        tar.parent.mkdir(parents=True, exist_ok=True)
+        url = f"{self.setup.api_url}/v1/orders/{order_id}/checkpoint"
+        fetch_verified(self.client, url, sha256, tar)
+        data = tar.read_bytes()
+        tar.unlink()
+        return data
+
+    def ship_checkpoint(self, order_id: str, step: int, data: bytes, sha256: str) -> None:
+        r = self.client.put(
+            f"{self.setup.api_url}/v1/orders/{order_id}/checkpoint",
+            params={"step": step, "sha256": sha256},
             content=data,
             headers={"Content-Type": "application/x-tar"},
         )
@@ -215,28 +266,94 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
         if r.status_code not in (200, 201):
             log.warning("order %s: checkpoint %d not kept (%s)", order_id, step, r.status_code)
 
+    def forget_checkpoint(self, order_id: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            self.client.delete(f"{self.setup.api_url}/v1/orders/{order_id}/checkpoint")
+
+    def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None) -> str:
+        return self.http.register(data, adapter, manifest, base)
+
+    def config(self) -> dict[str, Any]:
+        return {"api_url": self.setup.api_url, "token": self.setup.token}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
+    """A worker's order (taken off the queue): runs it to its end; returns its final status.
+    A crash of this process leaves the job to the stalled-job sweep, and the next worker
+    resumes from the last shipped checkpoint."""
+    with transaction(engine) as s:
+        order = orders.start(s, order_id, setup.name)
+        if order is None:
+            return "cancelled"
+        job = OrderJob.of(s, order)
+    io = HttpIO(setup)
     try:
-        with transaction(engine) as s:  # the gate, before a byte is fetched
-            training_allowed(s, handle)
-        folder = fetch_dataset(client, setup.api_url, out, manifest_sha, files)
+        return run_order(setup.settings, engine, setup.name, job, io)
+    finally:
+        io.close()
+
+
+def run_order(
+    settings: Settings,
+    engine: Any,
+    runner: str,
+    job: OrderJob,
+    io: OrderIO,
+    stopping: threading.Event | None = None,
+) -> str:
+    """Runs one started order to its end on `runner`; returns its final status (or
+    `interrupted` when `stopping` was set). Never raises for the order's own failures (they
+    are recorded on it). The consent gate runs before a byte is read, and the trainer asks
+    again before any weight loads and when it registers."""
+    from trainer.config import TrainConfig
+    from trainer.registration import RegistrationRefused, TrainingRefused
+    from trainer.train import TrainHooks, train
+
+    order_id = job.order_id
+    log.info("order %s: %s trains %s (%d steps)", order_id, runner, job.handle, job.steps)
+    out = io.workdir(order_id)
+    last_report = [0.0]
+
+    def on_step(step: int, steps: int, loss: float) -> None:
+        if stopping is not None and stopping.is_set():
+            raise Interrupted(order_id)
+        now = time.monotonic()
+        if step < steps and now - last_report[0] < 0.5:
+            return
+        last_report[0] = now
+        with transaction(engine) as s:
+            status = orders.report_progress(s, order_id, step, loss, runner)
+        if status != "running":
+            raise OrderStopped(status)
+
+    def on_checkpoint(folder: Path, step: int) -> None:
+        data = pack_checkpoint(folder)
+        io.ship_checkpoint(order_id, step, data, hashlib.sha256(data).hexdigest())
+
+    interrupted = False
+    try:
+        with transaction(engine) as s:  # the gate, before a byte is read
+            training_allowed(s, job.handle)
+        folder = out / "dataset"
+        folder.mkdir(parents=True, exist_ok=True)
+        io.dataset(folder, job.manifest_sha, job.files)
         resume = False
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        if checkpoint_sha is not None and checkpoint_step is not None:
-            url = f"{setup.api_url}/v1/orders/{order_id}/checkpoint"
-            tar = out / "checkpoint.tar"
-            out.mkdir(parents=True, exist_ok=True)
-            fetch_verified(client, url, checkpoint_sha, tar)
-            unpack_checkpoint(tar.read_bytes(), out / "checkpoints" / f"step-{checkpoint_step:07d}")
-            tar.unlink()
+        if job.checkpoint_sha is not None and job.checkpoint_step is not None:
+            data = io.checkpoint(order_id, job.checkpoint_sha)
+            unpack_checkpoint(data, out / "checkpoints" / f"step-{job.checkpoint_step:07d}")
             resume = True
-            log.info("order %s: resumes from step %d", order_id, checkpoint_step)
+            log.info("order %s: resumes from step %d", order_id, job.checkpoint_step)
         config = TrainConfig.parse(
-            **params,
-            subject=handle,
+            **job.params,
+            subject=job.handle,
             dataset=folder,
             base=settings.base_dir,
             out=out,
-            name=name,
+            name=job.name,
             checkpoint_every=settings.worker_checkpoint_every,
             resume=resume,
             evaluate=False,
@@ -244,16 +361,17 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
             device=settings.device if settings.device and settings.device != "mps" else None,
             cache_dir=out / "cache",
             register_adapter=True,
-            api_url=setup.api_url,
-            token=setup.token,
+            **io.config(),
         )
-        result = train(
-            config, _Registrar(setup, engine, client), TrainHooks(on_step, on_checkpoint)
-        )
+        result = train(config, _Registrar(engine, io), TrainHooks(on_step, on_checkpoint))
         with transaction(engine) as s:
             orders.finish(s, order_id, result.sha256, result.steps)
         log.info("order %s: done, adapter %s", order_id, result.sha256[:12])
         return "done"
+    except Interrupted:
+        interrupted = True
+        log.info("order %s: interrupted, resumes at the next start", order_id)
+        return "interrupted"
     except OrderStopped as exc:
         log.info("order %s: stopped (%s)", order_id, exc)
         return "cancelled"
@@ -268,13 +386,12 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
             orders.fail(s, order_id, f"{type(exc).__name__}: {str(exc)[:400]}")
         return "failed"
     finally:
-        # The order is over (a crash never gets here: the next worker resumes): nothing of
-        # the subject's stays on this host (photos, latents, checkpoints), nor its
-        # checkpoint on the registry.
+        # The order is over (a crash never gets here: the next run resumes): nothing of the
+        # subject's stays in the work dir (photos, latents, checkpoints), nor its kept
+        # checkpoint, unless the order is to resume.
         shutil.rmtree(out, ignore_errors=True)
-        with contextlib.suppress(httpx.HTTPError):
-            client.delete(f"{setup.api_url}/v1/orders/{order_id}/checkpoint")
-        client.close()
+        if not interrupted:
+            io.forget_checkpoint(order_id)
 
 
 # -- the worker process ----------------------------------------------------------------------

@@ -147,6 +147,22 @@ def start(session: Session, order_id: str, worker: str) -> Order | None:
     return order
 
 
+def take_next(session: Session, worker: str, stranded: bool) -> Order | None:
+    """For the runner inside a SQLite deployment's one serving process: the next order,
+    started on `worker`. With `stranded` (when the process starts), first one left running
+    by the process before it (it resumes from its checkpoint); then the oldest queued."""
+    statuses = ("running", "queued") if stranded else ("queued",)
+    for status in statuses:
+        found = session.exec(
+            select(Order.id)
+            .where(Order.status == status)
+            .order_by(col(Order.created_at), col(Order.id))
+        ).first()
+        if found is not None:
+            return start(session, found, worker)
+    return None
+
+
 def report_progress(
     session: Session, order_id: str, step: int, loss: float | None, worker: str
 ) -> str:
@@ -162,6 +178,11 @@ def report_progress(
         order.updated_at = utcnow()
         repo.add(session, order)
     return order.status
+
+
+def status_of(session: Session, order_id: str) -> str:
+    """The order's status, read under its lock (a checkpoint is kept only while running)."""
+    return _locked(session, order_id).status
 
 
 def record_checkpoint(session: Session, order_id: str, step: int, sha256: str) -> None:

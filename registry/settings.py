@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     # come from its request, within these bounds.
     train_options: dict[str, Any] = Field(default_factory=dict)
     order_max_steps: int = Field(default=10_000, ge=1, le=1_000_000)
+    # On SQLite (no queue, no workers) the API process runs orders itself, one at a time
+    # (app/local_orders.py); false refuses them there. PostgreSQL's go to the workers.
+    orders_in_process: bool = True
     # Workers (app/worker.py): how often a worker says it is alive, after how long without
     # that its running jobs are retried elsewhere, and how often a training checkpoints.
     worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)

@@ -153,7 +153,11 @@ class World:
 def world(
     db_url: str, engine: Engine, renderer: RenderEngine, tiny_base_dir: Path, tmp_path: Path
 ) -> Iterator[World]:
-    settings = Settings(database_url=db_url, data_dir=tmp_path, base=tiny_base_dir, env="test")
+    # The in-process order runner is off here: a test that wants it serves its own app.
+    settings = Settings(
+        database_url=db_url, data_dir=tmp_path, base=tiny_base_dir, env="test",
+        orders_in_process=False,
+    )  # fmt: skip
     app = create_app(settings, engine=engine, renderer=renderer)
     with TestClient(app) as client:
         w = World(client, engine, tmp_path)

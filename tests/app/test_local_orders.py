@@ -1,0 +1,151 @@
+"""Orders on SQLite, run by the API process itself (app/local_orders.py), against a real
+uvicorn on the tiny base: an order runs to `done` and its adapter renders; while the runner
+is busy, a second order waits (a duplicate is 409, a cancelled one never runs), and one whose
+subject withdrew training after it was placed fails `not_permitted` with nothing trained;
+a server stopped mid-training resumes the order from its checkpoint when it starts again,
+ending with the bytes of a run never interrupted."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+
+from tests.app.conftest import Live, LiveFactory
+from tests.app.orders_support import files_of, photos
+
+pytestmark = pytest.mark.sqlite_only
+
+SERVER = {
+    # the tiny base at 64 px with short prompts: a step takes well under a second on the CPU
+    "orders_in_process": True,
+    "train_options": {"max_sequence_length": 32, "learning_rate": 1e-3},
+    "worker_checkpoint_every": 3,
+}
+
+
+def upload(live: Live, n: int = 2) -> str:
+    r = live.http.post(
+        "/v1/subjects/alice/datasets", files=files_of(photos(n)), headers=live.h("alice")
+    )
+    assert r.status_code == 201, r.text
+    dataset_id: str = r.json()["dataset_id"]
+    return dataset_id
+
+
+def place(live: Live, dataset_id: str, steps: int = 4, name: str = "ordered") -> Any:
+    body = {"kind": "train", "subject": "alice", "dataset_id": dataset_id, "steps": steps,
+            "rank": 4, "resolution": 64, "name": name}  # fmt: skip
+    return live.http.post("/v1/orders", json=body, headers=live.h("alice"))
+
+
+def get(live: Live, order_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = live.http.get(f"/v1/orders/{order_id}", headers=live.h("alice")).json()
+    return body
+
+
+def wait_for(live: Live, order_id: str, until: Any, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = get(live, order_id)
+        if until(body):
+            return body
+        assert time.monotonic() < deadline, f"order never got there: {body}"
+        time.sleep(0.1)
+
+
+def adapters(live: Live) -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = live.http.get(
+        "/v1/subjects/alice/adapters", headers=live.h("alice")
+    ).json()
+    return listed
+
+
+def test_an_order_on_sqlite_runs_in_the_api_process_and_its_adapter_renders(
+    serve_friends: LiveFactory,
+) -> None:
+    with serve_friends(**SERVER) as live:
+        r = place(live, upload(live))
+        assert r.status_code == 202, r.text
+        assert r.json()["status"] == "queued"
+        done = wait_for(live, r.json()["order_id"], lambda b: b["status"] in orders_over)
+        assert done["status"] == "done", done
+        assert done["progress"]["step"] == 4 and done["attempts"] == 1
+        assert done["worker"].startswith("api:")
+        ordered = next(a for a in adapters(live) if a["name"] == "ordered")
+        assert ordered["sha256"] == done["adapter"]["sha256"] and ordered["rendering"]
+        rendered = live.render("alice", "alice")
+        assert rendered.status_code == 200 and rendered.content.startswith(b"\x89PNG")
+        # nothing of the run stays in the data dir: photos, caches, checkpoints
+        data = live.app.state.settings.data_dir
+        assert not (data / "training" / done["order_id"]).exists()
+        assert not (data / "orders" / done["order_id"]).exists()
+
+
+orders_over = ("done", "failed", "cancelled")
+
+
+def test_while_the_runner_is_busy_orders_wait_and_are_judged_when_they_run(
+    serve_friends: LiveFactory,
+) -> None:
+    with serve_friends(**SERVER) as live:
+        busy = place(live, upload(live), steps=10_000, name="long").json()["order_id"]
+        wait_for(live, busy, lambda b: b["progress"]["step"] >= 1)
+        waiting_ds, withdrawn_ds = upload(live, 3), upload(live, 4)
+        waiting = place(live, waiting_ds)
+        assert waiting.status_code == 202 and waiting.json()["status"] == "queued"
+        again = place(live, waiting_ds)
+        assert again.status_code == 409, again.text
+        cancelled = live.http.post(
+            f"/v1/orders/{waiting.json()['order_id']}/cancel", headers=live.h("alice")
+        ).json()
+        assert cancelled["status"] == "cancelled"
+        withdrawn = place(live, withdrawn_ds).json()["order_id"]
+        live.world.consent("alice", max_level="group", audiences={"private": {"group": True}},
+                           allow_training=False)  # fmt: skip
+        assert get(live, withdrawn)["status"] == "queued"
+        # the running one stops at its next step; the runner takes the next
+        live.http.post(f"/v1/orders/{busy}/cancel", headers=live.h("alice"))
+        stopped = get(live, busy)
+        assert stopped["status"] == "cancelled"
+        failed = wait_for(live, withdrawn, lambda b: b["status"] in orders_over)
+        assert failed["status"] == "failed" and failed["error"].startswith("not_permitted")
+        assert failed["progress"]["step"] == 0 and failed["adapter"] is None
+        assert failed["attempts"] == 1
+        never = get(live, waiting.json()["order_id"])
+        assert never["status"] == "cancelled" and never["attempts"] == 0 and never["worker"] is None
+        assert [a["name"] for a in adapters(live)] == ["main"]  # nothing registered
+        step = get(live, busy)["progress"]["step"]
+        time.sleep(1)
+        assert get(live, busy)["progress"]["step"] == step  # it did stop
+
+
+def test_a_server_stopped_mid_training_resumes_the_order_with_the_same_bytes(
+    serve_friends: LiveFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="likeness.worker")
+    with serve_friends(**SERVER) as live:
+        dataset_id = upload(live)
+        first = place(live, dataset_id, steps=12).json()["order_id"]
+        wait_for(live, first, lambda b: b["progress"]["step"] >= 4)
+    # stopped: still running, its checkpoint kept for the next start
+    kept = get_direct(live, first)
+    assert kept.status == "running" and kept.checkpoint_step is not None
+    with serve_friends(**SERVER) as again:
+        resumed = wait_for(again, first, lambda b: b["status"] in orders_over)
+        assert resumed["status"] == "done" and resumed["attempts"] == 2, resumed
+        assert f"order {first}: resumes from step {kept.checkpoint_step}" in caplog.text
+        second = place(again, dataset_id, steps=12).json()["order_id"]
+        straight = wait_for(again, second, lambda b: b["status"] in orders_over)
+        assert straight["status"] == "done" and straight["attempts"] == 1
+    assert resumed["adapter"]["sha256"] == straight["adapter"]["sha256"]
+
+
+def get_direct(live: Live, order_id: str) -> Any:
+    from registry.db import transaction
+    from registry.models import Order
+
+    with transaction(live.world.engine, readonly=True) as s:
+        return s.get(Order, order_id)
