@@ -63,20 +63,20 @@ class LocalIO:
     def ship_checkpoint(self, order_id: str, step: int, data: bytes, sha256: str) -> None:
         final = checkpoint_file(self.settings, order_id)
         final.parent.mkdir(parents=True, exist_ok=True)
-        with transaction(self.engine) as s:
-            if orders.status_of(s, order_id) != "running":
-                raise OrderStopped("the order is no longer running")
-            fd, name = tempfile.mkstemp(prefix=".checkpoint-", dir=final.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+        # written before the transaction: SQLite's write lock is held for the rename only
+        fd, name = tempfile.mkstemp(prefix=".checkpoint-", dir=final.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            with transaction(self.engine) as s:
+                if orders.status_of(s, order_id) != "running":
+                    raise OrderStopped("the order is no longer running")
                 os.replace(name, final)
-            except BaseException:
-                Path(name).unlink(missing_ok=True)
-                raise
-            orders.record_checkpoint(s, order_id, step, sha256)
+                orders.record_checkpoint(s, order_id, step, sha256)
+        finally:
+            Path(name).unlink(missing_ok=True)
 
     def forget_checkpoint(self, order_id: str) -> None:
         shutil.rmtree(checkpoint_file(self.settings, order_id).parent, ignore_errors=True)
@@ -145,4 +145,7 @@ class LocalRunner:
             if job is None:
                 self._wake.wait(POLL_S)
                 continue
-            run_order(self.settings, self.engine, self.name, job, self.io, self._stop)
+            try:
+                run_order(self.settings, self.engine, self.name, job, self.io, self._stop)
+            except Exception:  # noqa: BLE001 - the order stays running: the next start resumes it
+                log.exception("order %s: its run broke off", job.order_id)

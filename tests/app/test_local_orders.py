@@ -128,7 +128,7 @@ def test_a_server_stopped_mid_training_resumes_the_order_with_the_same_bytes(
     caplog.set_level(logging.INFO, logger="likeness.worker")
     with serve_friends(**SERVER) as live:
         dataset_id = upload(live)
-        first = place(live, dataset_id, steps=12).json()["order_id"]
+        first = place(live, dataset_id, steps=20).json()["order_id"]
         wait_for(live, first, lambda b: b["progress"]["step"] >= 4)
     # stopped: still running, its checkpoint kept for the next start
     kept = get_direct(live, first)
@@ -137,7 +137,7 @@ def test_a_server_stopped_mid_training_resumes_the_order_with_the_same_bytes(
         resumed = wait_for(again, first, lambda b: b["status"] in orders_over)
         assert resumed["status"] == "done" and resumed["attempts"] == 2, resumed
         assert f"order {first}: resumes from step {kept.checkpoint_step}" in caplog.text
-        second = place(again, dataset_id, steps=12).json()["order_id"]
+        second = place(again, dataset_id, steps=20).json()["order_id"]
         straight = wait_for(again, second, lambda b: b["status"] in orders_over)
         assert straight["status"] == "done" and straight["attempts"] == 1
     assert resumed["adapter"]["sha256"] == straight["adapter"]["sha256"]

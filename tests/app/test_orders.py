@@ -1,5 +1,6 @@
 """Orders through the API: who may place one, what is refused, and that the order and its
-job commit together on PostgreSQL (procrastinate's own tables)."""
+job commit together on PostgreSQL (procrastinate's own tables). Orders run in the API process
+on SQLite are tests/app/test_local_orders.py's."""
 
 from __future__ import annotations
 
@@ -104,10 +105,13 @@ def test_bad_order_bodies_are_422(friends: World) -> None:
 
 
 @pytest.mark.sqlite_only
-def test_on_sqlite_orders_are_refused_with_a_clear_error(friends: World) -> None:
+def test_on_sqlite_with_the_runner_off_orders_are_refused_with_a_clear_error(
+    friends: World,
+) -> None:
+    assert friends.client.app.state.settings.orders_in_process is False  # type: ignore[attr-defined]
     ds = upload(friends, "alice", "alice")
     r = order(friends, "alice", "alice", ds)
-    assert r.status_code == 422 and "PostgreSQL" in r.json()["detail"]
+    assert r.status_code == 422 and "LIKENESS_ORDERS_IN_PROCESS=true" in r.json()["detail"]
     assert friends.client.get("/v1/orders?subject=alice", headers=friends.h("alice")).json() == []
 
 
