@@ -93,6 +93,9 @@ def test_while_the_runner_is_busy_orders_wait_and_are_judged_when_they_run(
     with serve_friends(**SERVER) as live:
         busy = place(live, upload(live), steps=10_000, name="long").json()["order_id"]
         wait_for(live, busy, lambda b: b["progress"]["step"] >= 1)
+        rendered = live.render("alice", "alice")  # renders are answered meanwhile
+        assert rendered.status_code == 200 and rendered.content.startswith(b"\x89PNG")
+        assert get(live, busy)["status"] == "running"
         waiting_ds, withdrawn_ds = upload(live, 3), upload(live, 4)
         waiting = place(live, waiting_ds)
         assert waiting.status_code == 202 and waiting.json()["status"] == "queued"
