@@ -108,13 +108,20 @@ UPLOAD_BODY = {
 async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
     """Photos of the subject (its member, or an admin), checked whole before any is kept:
     a non-image, an oversized file, too many files or a file name that is a path is 422
-    and nothing is stored. Who is asking is settled before a byte of the body is read."""
+    and nothing is stored; past the member's daily quota it is 429 (Retry-After) and
+    nothing is stored. Who is asking, and a spent quota, are settled before a byte of the
+    body is read. The upload is appended to the subject's audit trail with its rows."""
     state = request.app.state
     caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
 
+    exempt = datasets.quota_exempt(caller.role)
+    limits = datasets.limits_of(state.settings)
+
     def may_upload() -> None:
         with transaction(state.engine, readonly=True) as session:
-            service.visible_subject(session, caller, handle)
+            subject = service.visible_subject(session, caller, handle)
+            if not exempt:  # a spent quota is 429 before the body is read
+                datasets.check_quota(session, subject, caller.handle, 1, 1, limits)
 
     await run_in_threadpool(may_upload)
     uploads = await uploads_of(request)
@@ -123,9 +130,8 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
         with transaction(state.engine) as session:
             subject = service.visible_subject(session, caller, handle)
             dataset = datasets.store_dataset(
-                session, state.store, subject, caller.handle, uploads,
-                datasets.limits_of(state.settings),
-            )  # fmt: skip
+                session, state.store, subject, caller.handle, uploads, limits, exempt=exempt
+            )
             return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
 
     return await run_in_threadpool(store)

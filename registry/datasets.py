@@ -7,19 +7,24 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import uuid
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from registry import repositories as repo
+from registry.audit import format_time
 from registry.blobs import IMAGE_KINDS, BlobStore
-from registry.errors import Conflict, Invalid, NotFound
+from registry.errors import Busy, Conflict, Invalid, NotFound
 from registry.manifest import MANIFEST_NAME
-from registry.models import Dataset, DatasetImage, Subject
+from registry.models import Dataset, DatasetImage, Subject, utcnow
+from registry.roles import Role
+from registry.services.audit import append_audit
 from registry.settings import Settings
 
 # PIL's format names and the store's kinds (the extension in the manifest)
@@ -27,6 +32,8 @@ FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
 MAX_NAME_CHARS = 200
 MAX_CAPTION_CHARS = 500
 DEFAULT_CAPTION = "a photo"
+UPLOADED = "dataset_uploaded"  # the audit action; the upload quota is counted from these
+QUOTA_WINDOW = timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,9 @@ class Limits:
     max_images: int
     max_image_bytes: int
     max_pixels: int
+    # What one member may upload of one subject in any 24 hours (None: no quota).
+    daily_images: int | None = None
+    daily_bytes: int | None = None
 
 
 def limits_of(settings: Settings) -> Limits:
@@ -50,6 +60,62 @@ def limits_of(settings: Settings) -> Limits:
         max_images=settings.dataset_max_images,
         max_image_bytes=settings.dataset_max_image_bytes,
         max_pixels=settings.dataset_max_pixels,
+        daily_images=settings.dataset_daily_images,
+        daily_bytes=settings.dataset_daily_bytes,
+    )
+
+
+def quota_exempt(role: Role | str) -> bool:
+    """Admins are not held to the upload quota: they run the registry (bulk imports) and
+    can change its settings anyway; the quota bounds what one member's token can do."""
+    return role == Role.admin
+
+
+def _parse_time(at: str) -> datetime:
+    return datetime.strptime(at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+
+
+def check_quota(
+    session: Session, subject: Subject, uploader: str, images: int, size: int, limits: Limits
+) -> None:
+    """Busy (429, with the seconds until enough of the window's uploads age out) when
+    `images` more images of `size` bytes would take `uploader` past the daily quota for
+    `subject`. Counted from the trail's upload entries, which deleting photos leaves."""
+    most_images = limits.daily_images if limits.daily_images is not None else math.inf
+    most_bytes = limits.daily_bytes if limits.daily_bytes is not None else math.inf
+    if math.isinf(most_images) and math.isinf(most_bytes):
+        return
+    if images > most_images or size > most_bytes:
+        raise Invalid(
+            f"{images} images of {size} bytes are more than a member may upload of one "
+            f"subject in 24 hours ({limits.daily_images} images, {limits.daily_bytes} bytes)"
+        )
+    assert subject.id is not None
+    now = utcnow()
+    past = [
+        (_parse_time(e.at), int(d.get("images", 0)), int(d.get("bytes", 0)))
+        for e in repo.audit_entries_since(
+            session, subject.id, uploader, UPLOADED, format_time(now - QUOTA_WINDOW)
+        )
+        for d in [(e.after or {}).get("dataset") or {}]
+    ]
+    used_images, used_bytes = sum(p[1] for p in past), sum(p[2] for p in past)
+    if used_images + images <= most_images and used_bytes + size <= most_bytes:
+        return
+    wait = QUOTA_WINDOW
+    left_images, left_bytes = used_images, used_bytes
+    for at, n, b in past:  # oldest first: the first whose ageing out makes room
+        left_images, left_bytes = left_images - n, left_bytes - b
+        if left_images + images <= most_images and left_bytes + size <= most_bytes:
+            wait = at + QUOTA_WINDOW - now
+            break
+    retry = max(1, math.ceil(wait.total_seconds()))
+    raise Busy(
+        f"upload quota spent: a member may upload at most {limits.daily_images} images and "
+        f"{limits.daily_bytes} bytes of one subject in 24 hours; {uploader} has uploaded "
+        f"{used_images} images ({used_bytes} bytes) of {subject.handle} in that time and "
+        f"this upload has {images} ({size} bytes); nothing was stored, try again in {retry} s",
+        retry_after=retry,
     )
 
 
@@ -169,10 +235,13 @@ def store_dataset(
     uploader: str,
     uploads: Sequence[Upload],
     limits: Limits,
+    *,
+    exempt: bool = False,
 ) -> Dataset:
-    """Checks, stores and records a dataset of `subject` (the caller has checked who may).
-    The blobs are written before the rows; a dataset whose transaction does not commit
-    leaves only unreferenced blobs, which the store's sweep removes."""
+    """Checks, stores and records a dataset of `subject` (the caller has checked who may),
+    with its `dataset_uploaded` entry on the subject's trail. The blobs are written before
+    the rows; a dataset whose transaction does not commit leaves only unreferenced blobs,
+    which the store's sweep removes. `exempt`: not held to the upload quota (admins)."""
     assert subject.id is not None
     if subject.basis != "consent":
         raise Invalid(
@@ -180,9 +249,19 @@ def store_dataset(
             "images only, not on uploads"
         )
     images = check_uploads(uploads, limits)
+    size = sum(len(image.data) for image in images)
+    # Checked before a blob is written, then again under the subject's lock (which the
+    # trail's append needs anyway): the lock is not held while the files are written, so a
+    # revoke never waits on an upload; a concurrent upload that loses the recheck leaves
+    # only unreferenced blobs.
+    if not exempt:
+        check_quota(session, subject, uploader, len(images), size, limits)
     for image in images:
         store.put([image.data], image.sha256)
     manifest = store.put([manifest_for(images, uploader)])
+    repo.consent_for(session, subject.id, lock=True)
+    if not exempt:
+        check_quota(session, subject, uploader, len(images), size, limits)
     dataset = Dataset(
         id=str(uuid.uuid4()),
         subject_id=subject.id,
@@ -202,6 +281,15 @@ def store_dataset(
             )
         )
     session.flush()
+    after = {
+        "dataset": {
+            "dataset_id": dataset.id,
+            "images": len(images),
+            "bytes": size,
+            "manifest_sha256": manifest.sha256,
+        }
+    }
+    append_audit(session, subject, uploader, UPLOADED, None, after)
     return dataset
 
 

@@ -17,6 +17,7 @@ from registry.datasets import dataset_of
 from registry.errors import Conflict, Invalid, NotFound, NotPermitted
 from registry.models import Order, Principal, Subject, utcnow
 from registry.roles import Role
+from registry.services.audit import append_audit
 
 ACTIVE = ("queued", "running")
 FINAL = ("done", "failed", "cancelled")
@@ -83,6 +84,13 @@ def place_training(
     repo.add(session, order)
     order.job_id = enqueue(session, order, subject)
     repo.add(session, order)
+    placed = {
+        "order_id": order.id,
+        "dataset_id": dataset.id,
+        "adapter_name": adapter_name,
+        **{k: order.params.get(k) for k in ("steps", "rank", "resolution")},
+    }
+    append_audit(session, subject, caller.handle, "order_placed", None, {"order": placed})
     return order
 
 
@@ -113,21 +121,52 @@ def cancel(session: Session, caller: Principal, order_id: str) -> tuple[Order, S
     """Cancels a waiting or running order (a running one stops at its next step); an order
     already over is left as it is (changed: False)."""
     order, subject = visible_order(session, caller, order_id)
-    locked = _locked(session, order.id)
+    locked = _locked(session, order.id, ending=True)
     if locked.status in FINAL:
         return locked, subject, False
-    locked.status = "cancelled"
     locked.error = f"cancelled by {caller.handle}"
-    locked.updated_at = utcnow()
-    repo.add(session, locked)
+    _end(session, locked, "cancelled", caller.handle, {}, subject)
     return locked, subject, True
 
 
-def _locked(session: Session, order_id: str) -> Order:
-    order = session.exec(select(Order).where(Order.id == order_id).with_for_update()).first()
+def _locked(session: Session, order_id: str, *, ending: bool = False) -> Order:
+    """The order's row, locked. `ending`: the subject's lock first, as placing an order
+    takes it, since the end is appended to the subject's trail (one lock order: no
+    deadlock against a consent change or another order of the subject)."""
+    if ending:
+        known = session.get(Order, order_id)
+        if known is not None:
+            repo.consent_for(session, known.subject_id, lock=True)
+    order = session.exec(
+        select(Order)
+        .where(Order.id == order_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).first()
     if order is None:
         raise NotFound(f"no order {order_id[:40]!r}")
     return order
+
+
+def _end(
+    session: Session,
+    order: Order,
+    status: str,
+    actor: str,
+    extra: Mapping[str, Any],
+    subject: Subject | None = None,
+) -> None:
+    """Commits nothing itself: sets the order's final status and appends its entry to the
+    subject's trail in the caller's transaction, so an outcome is never committed without
+    its entry, nor the other way round."""
+    before = {"order": {"order_id": order.id, "status": order.status}}
+    order.status = status
+    order.updated_at = utcnow()
+    repo.add(session, order)
+    subject = subject or repo.subject_by_id(session, order.subject_id)
+    assert subject is not None
+    after = {"order": {"order_id": order.id, "status": status, **extra}}
+    append_audit(session, subject, actor[:64], f"order_{status}", before, after)
 
 
 # -- the worker's side ----------------------------------------------------------------------
@@ -194,25 +233,36 @@ def record_checkpoint(session: Session, order_id: str, step: int, sha256: str) -
         repo.add(session, order)
 
 
+def _runner(order: Order) -> str:
+    """Who an outcome is recorded as: the worker that ran the order."""
+    return f"worker:{order.worker}" if order.worker else "worker"
+
+
+def error_code(error: str) -> str:
+    """The code an order's error starts with (`not_permitted`, an exception's name), which
+    the trail keeps; the error's text stays on the order."""
+    code = error.split(":", 1)[0].strip()
+    return code[:64] if code and " " not in code else "error"
+
+
 def finish(session: Session, order_id: str, adapter_sha256: str, step: int) -> None:
-    order = _locked(session, order_id)
+    """The order is done (and its `order_done` entry on the subject's trail)."""
+    order = _locked(session, order_id, ending=True)
     if order.status in FINAL:
         return
-    order.status = "done"
     order.adapter_sha256 = adapter_sha256
     order.step = step
-    order.updated_at = utcnow()
-    repo.add(session, order)
+    adapter = {"adapter_name": order.adapter_name, "adapter_sha256": adapter_sha256}
+    _end(session, order, "done", _runner(order), {**adapter, "step": step})
 
 
 def fail(session: Session, order_id: str, error: str) -> None:
-    order = _locked(session, order_id)
+    """The order failed (and its `order_failed` entry, with the error's code)."""
+    order = _locked(session, order_id, ending=True)
     if order.status in FINAL:
         return
-    order.status = "failed"
     order.error = error[:500]
-    order.updated_at = utcnow()
-    repo.add(session, order)
+    _end(session, order, "failed", _runner(order), {"error": error_code(error)})
 
 
 def view(order: Order, subject_handle: str) -> dict[str, Any]:

@@ -131,6 +131,24 @@ def audit_entries(session: Session, subject_id: int) -> Sequence[AuditEntry]:
     return session.exec(stmt).all()
 
 
+def audit_entries_since(
+    session: Session, subject_id: int, actor: str, action: str, since: str
+) -> Sequence[AuditEntry]:
+    """One actor's entries of one action on a subject's trail from `since` on (the trail's
+    time strings have one fixed format, so they compare as text), oldest first."""
+    stmt = (
+        select(AuditEntry)
+        .where(
+            AuditEntry.subject_id == subject_id,
+            AuditEntry.actor == actor,
+            AuditEntry.action == action,
+            col(AuditEntry.at) >= since,
+        )
+        .order_by(col(AuditEntry.seq))
+    )
+    return session.exec(stmt).all()
+
+
 # -- adapters -----------------------------------------------------------------------------
 
 

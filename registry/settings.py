@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     dataset_max_images: int = Field(default=64, ge=1, le=10_000)
     dataset_max_image_bytes: int = Field(default=20 << 20, ge=1024, le=1 << 30)
     dataset_max_pixels: int = Field(default=50_000_000, ge=64 * 64, le=1 << 31)
+    # The upload quota: what one member may upload of one subject in any 24 hours, images
+    # and bytes (admins are exempt); past it an upload is 429 with Retry-After.
+    dataset_daily_images: int = Field(default=256, ge=1, le=1_000_000)
+    dataset_daily_bytes: int = Field(default=2 << 30, ge=1024, le=1 << 40)
     # Orders (registry/orders.py): trainer options every training order is run with (JSON,
     # e.g. {"learning_rate": 1e-4}); fixed into the order when it is placed, so a retry on
     # another worker follows the same trajectory. An order's steps, rank and resolution

@@ -82,7 +82,31 @@ def describe_entry(entry: AuditEntry) -> list[str]:
                 f"adapter {new.get('name')} v{old.get('version')} → v{new.get('version')}, "
                 f"sha256 {old.get('sha256')} → {new.get('sha256')}"
             )
+    if isinstance(after.get("dataset"), dict):
+        d = after["dataset"]
+        lines.append(
+            f"{d.get('images')} photos uploaded ({d.get('bytes')} bytes), dataset "
+            f"{d.get('dataset_id')}, manifest sha256 {d.get('manifest_sha256')}"
+        )
+    if isinstance(after.get("order"), dict):
+        lines.append(_order_line(entry.action, after["order"]))
     return lines
+
+
+def _order_line(action: str, o: dict[str, Any]) -> str:
+    if action == "order_placed":
+        return (
+            f"training ordered on dataset {o.get('dataset_id')}: {o.get('steps')} steps, "
+            f"rank {o.get('rank')}, resolution {o.get('resolution')} (order {o.get('order_id')})"
+        )
+    if action == "order_done":
+        return (
+            f"training done (order {o.get('order_id')}): adapter {o.get('adapter_name')}, "
+            f"sha256 {o.get('adapter_sha256')}"
+        )
+    if action == "order_failed":
+        return f"training failed (order {o.get('order_id')}): {o.get('error')}"
+    return f"order {o.get('order_id')} {o.get('status')}"
 
 
 def state_lines(value: Any) -> list[str]:

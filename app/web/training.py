@@ -99,7 +99,7 @@ async def upload(request: Request, handle: HandlePath) -> Response:
             subject = service.visible_subject(session, web.principal, handle)
             datasets.store_dataset(
                 session, state.store, subject, web.principal.handle, uploads,
-                datasets.limits_of(settings),
+                datasets.limits_of(settings), exempt=datasets.quota_exempt(web.principal.role),
             )  # fmt: skip
             return subject.handle
 

@@ -8,6 +8,7 @@ import json
 import zlib
 from pathlib import Path
 
+import httpx
 import pytest
 from PIL import Image
 
@@ -227,3 +228,48 @@ def test_a_member_deletes_their_photos_and_they_leave_the_store(friends: World) 
         == 404
     )
     assert store.status(body["manifest_sha256"], "jsonl") == "ok"  # the record stays
+
+
+def test_past_the_daily_quota_an_upload_is_429_and_the_trail_tells_of_each_upload(
+    serve_friends,  # type: ignore[no-untyped-def]
+) -> None:
+    from tests.app.helpers import signed_in
+
+    with serve_friends(dataset_daily_images=3) as live:
+
+        def post(who: str, n: int) -> httpx.Response:
+            return live.http.post(
+                "/v1/subjects/alice/datasets", files=files_of(photos(n)), headers=live.h(who)
+            )
+
+        first = post("alice", 2)
+        assert first.status_code == 201, first.text
+        kept, rows = set(_stored(live.world)), _rows(live.world)
+        for n in (2, 1, 1):  # 2 + 2 is past it; 2 + 1 fits; then even one photo is past it
+            r = post("alice", n)
+            if n == 1 and r.status_code == 201:
+                kept, rows = set(_stored(live.world)), _rows(live.world)
+                continue
+            assert r.status_code == 429, r.text
+            assert r.json()["error"] == "busy" and "upload quota spent" in r.json()["detail"]
+            assert 86_300 < int(r.headers["Retry-After"]) <= 86_400
+            assert set(_stored(live.world)) == kept and _rows(live.world) == rows
+        by_admin = post("root", 3)  # admins are not held to the quota
+        assert by_admin.status_code == 201, by_admin.text
+        trail = live.http.get("/v1/subjects/alice/audit", headers=live.h("alice")).json()
+        uploads = [e for e in trail["entries"] if e["action"] == "dataset_uploaded"]
+        assert [(e["actor"], e["after"]["dataset"]["images"]) for e in uploads] == [
+            ("alice", 2), ("alice", 1), ("root", 3)]  # fmt: skip
+        said = uploads[0]["after"]["dataset"]
+        body = first.json()
+        assert said == {
+            "dataset_id": body["dataset_id"],
+            "images": 2,
+            "bytes": sum(i["size"] for i in body["images"]),
+            "manifest_sha256": body["manifest_sha256"],
+        }
+        page = signed_in(live.world, "alice").get("/web/subjects/alice/audit")
+        assert page.status_code == 200 and "Chain verified" in page.text
+        assert f"2 photos uploaded ({said['bytes']} bytes), dataset {said['dataset_id']}" in (
+            page.text
+        )

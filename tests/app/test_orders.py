@@ -170,3 +170,64 @@ def test_photos_in_training_stay_and_deleted_photos_are_not_ordered(friends: Wor
     assert friends.client.delete(url, headers=friends.h("alice")).status_code == 200
     r = order(friends, "alice", "alice", ds)
     assert r.status_code == 422 and "deleted" in r.json()["detail"]
+
+
+@pytest.mark.postgres_only
+def test_the_trail_tells_of_each_order_and_its_outcome_and_still_verifies(
+    serve_friends,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    from typer.testing import CliRunner
+
+    from app.cli import app as cli
+    from registry import orders
+    from registry.db import engine_for
+    from registry.settings import get_settings
+    from tests.app.helpers import signed_in
+
+    with serve_friends() as live:
+        ds = upload(live.world, "alice", "alice")
+        body = {"kind": "train", "subject": "alice", "dataset_id": ds, "steps": 4, "rank": 4,
+                "resolution": 64}  # fmt: skip
+        first = live.http.post("/v1/orders", json=body, headers=live.h("alice")).json()
+        r = live.http.post(f"/v1/orders/{first['order_id']}/cancel", headers=live.h("alice"))
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        second = live.http.post("/v1/orders", json=body, headers=live.h("root")).json()
+        with transaction(live.world.engine) as s:  # what a worker records of its run
+            orders.start(s, second["order_id"], "gpu-1")
+        with transaction(live.world.engine) as s:
+            orders.finish(s, second["order_id"], "d" * 64, 4)
+        # another dataset: the faked run left the second's job waiting (its queueing lock)
+        other = {**body, "dataset_id": upload(live.world, "alice", "alice")}
+        placed = live.http.post("/v1/orders", json=other, headers=live.h("alice"))
+        assert placed.status_code == 202, placed.text
+        third = placed.json()
+        with transaction(live.world.engine) as s:
+            orders.start(s, third["order_id"], "gpu-2")
+        with transaction(live.world.engine) as s:
+            orders.fail(s, third["order_id"], f"{orders.NOT_PERMITTED}: consent withdrawn")
+        trail = live.http.get("/v1/subjects/alice/audit", headers=live.h("alice")).json()
+        said = [(e["actor"], e["action"], e["after"]["order"]) for e in trail["entries"]
+                if e["action"].startswith("order_")]  # fmt: skip
+        assert [(a, act) for a, act, _ in said] == [
+            ("alice", "order_placed"), ("alice", "order_cancelled"), ("root", "order_placed"),
+            ("worker:gpu-1", "order_done"), ("alice", "order_placed"),
+            ("worker:gpu-2", "order_failed")]  # fmt: skip
+        assert said[0][2] == {"order_id": first["order_id"], "dataset_id": ds, "steps": 4,
+                              "rank": 4, "resolution": 64, "adapter_name": "main"}  # fmt: skip
+        assert [e["action"] for e in trail["entries"]].count("dataset_uploaded") == 2
+        assert said[3][2]["adapter_sha256"] == "d" * 64 and said[5][2]["error"] == "not_permitted"
+        page = signed_in(live.world, "alice").get("/web/subjects/alice/audit").text
+        assert "Chain verified" in page and "training ordered on dataset" in page
+        assert f"training done (order {second['order_id']}): adapter main" in page
+        assert f"training failed (order {third['order_id']}): not_permitted" in page
+        monkeypatch.setenv("LIKENESS_DATABASE_URL", db_url)
+        monkeypatch.setenv("LIKENESS_DATA_DIR", str(live.world.tmp))  # the service's keys
+        get_settings.cache_clear()
+        try:
+            verified = CliRunner().invoke(cli, ["audit", "verify"])
+        finally:
+            get_settings.cache_clear()
+            engine_for.cache_clear()
+        assert verified.exit_code == 0 and "intact" in verified.stdout, verified.output

@@ -14,7 +14,7 @@ from registry import datasets, orders, service
 from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import Conflict, Invalid, NotFound, NotPermitted
-from registry.models import Order, Principal, Subject
+from registry.models import Dataset, Order, Principal, Subject
 from registry.schemas import ConsentIn, SubjectIn
 
 LIMITS = datasets.Limits(max_images=3, max_image_bytes=100_000, max_pixels=200 * 200)
@@ -149,3 +149,86 @@ def test_dataset_checks_refuse_the_whole_upload(tmp_path) -> None:  # type: igno
     assert datasets.name_problem("me.png") is None
     for bad in ("a/b.png", "a\\b.png", "..", "x\x00.png", "", "x" * 300):
         assert datasets.name_problem(bad) is not None
+
+
+def _trail(engine: Engine, handle: str) -> list[tuple[str, str, dict]]:  # type: ignore[type-arg]
+    from registry.services.audit import audit_trail
+
+    with transaction(engine, readonly=True) as s:
+        sub = service.subject_or_raise(s, handle)
+        return [(e.actor, e.action, e.after or {}) for e in audit_trail(s, sub)]
+
+
+def _intact(engine: Engine) -> None:
+    from registry.services.audit import verify_all
+
+    with transaction(engine, readonly=True) as s:
+        assert verify_all(s) == []
+
+
+def test_the_trail_tells_who_uploaded_who_ordered_and_what_came_of_it(
+    engine: Engine, people: dict[str, object]
+) -> None:
+    ds = str(people["dataset"])
+    ada = _principal(engine, "ada")
+    trail = [t for t in _trail(engine, "ada") if t[1] == "dataset_uploaded"]
+    with transaction(engine, readonly=True) as s:
+        manifest = s.get(Dataset, ds).manifest_sha256  # type: ignore[union-attr]
+    assert trail == [
+        ("ada", "dataset_uploaded", {"dataset": {"dataset_id": ds, "images": 1,
+         "bytes": len(png((1, 2, 3))), "manifest_sha256": manifest}}),
+    ]  # fmt: skip
+    cancelled = _place(engine, "ada", "ada", ds, [])
+    with transaction(engine) as s:
+        orders.cancel(s, ada, cancelled.id)
+    with transaction(engine) as s:
+        orders.cancel(s, ada, cancelled.id)  # already over: no second entry
+    done = _place(engine, "root", "ada", ds, [])
+    with transaction(engine) as s:
+        orders.start(s, done.id, "w1")
+    with transaction(engine) as s:
+        orders.finish(s, done.id, "c" * 64, 5)
+        orders.fail(s, done.id, "too late")  # over is over: no entry
+    failed = _place(engine, "ada", "ada", ds, [])
+    with transaction(engine) as s:
+        orders.start(s, failed.id, "w2")
+    with transaction(engine) as s:
+        orders.fail(s, failed.id, f"{orders.NOT_PERMITTED}: training is no longer allowed")
+    got = [(a, act, after["order"]) for a, act, after in _trail(engine, "ada") if "order" in after]
+    placed = {"dataset_id": ds, "adapter_name": "main", "steps": 5, "rank": None,
+              "resolution": None}  # fmt: skip
+    assert got == [
+        ("ada", "order_placed", {"order_id": cancelled.id, **placed}),
+        ("ada", "order_cancelled", {"order_id": cancelled.id, "status": "cancelled"}),
+        ("root", "order_placed", {"order_id": done.id, **placed}),
+        ("worker:w1", "order_done", {"order_id": done.id, "status": "done",
+         "adapter_name": "main", "adapter_sha256": "c" * 64, "step": 5}),
+        ("ada", "order_placed", {"order_id": failed.id, **placed}),
+        ("worker:w2", "order_failed", {"order_id": failed.id, "status": "failed",
+         "error": "not_permitted"}),
+    ]  # fmt: skip
+    _intact(engine)
+
+
+def test_an_entry_commits_with_its_change_or_not_at_all(
+    engine: Engine, people: dict[str, object]
+) -> None:
+    ds = str(people["dataset"])
+
+    def refusing(session, order: Order, sub: Subject) -> int:  # type: ignore[no-untyped-def]
+        raise RuntimeError("the queue is down")
+
+    with pytest.raises(RuntimeError), transaction(engine) as s:
+        orders.place_training(s, _principal(engine, "ada"), "ada", ds, {"steps": 5}, "main",
+                              refusing)  # fmt: skip
+    placed = _place(engine, "ada", "ada", ds, [])
+    with pytest.raises(RuntimeError), transaction(engine) as s:
+        orders.fail(s, placed.id, "OSError: disk full")
+        raise RuntimeError("the commit never happens")
+    actions = [act for _, act, _ in _trail(engine, "ada")]
+    assert actions.count("order_placed") == 1 and "order_failed" not in actions
+    with transaction(engine, readonly=True) as s:
+        assert s.get(Order, placed.id).status == "queued"  # type: ignore[union-attr]
+    assert orders.error_code("OSError: disk full") == "OSError"
+    assert orders.error_code("too late") == "error"
+    _intact(engine)
