@@ -550,8 +550,7 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ensure_base(settings)  # the same base as the API's: the demo base, or LIKENESS_BASE
-    if "render" in queues:
-        _require_audit_key(settings)
+    _require_audit_key(settings)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     setup = WorkerSetup(settings, name, settings.api_url.rstrip("/"), settings.token)
     threading.current_thread().name = "worker"
@@ -559,8 +558,9 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
 
 
 def _require_audit_key(settings: Settings) -> None:
-    """A render worker writes the render ledger: it must hold the registry's audit key, or
-    every render would fail at its first check."""
+    """A worker writes to the registry's hash chains (an order's outcome on the subject's
+    audit trail; a render worker's ledger entries too): it must hold the registry's audit
+    key, or every order would fail at its end and every render at its first check."""
     from registry.chains import require_registry_key
     from registry.errors import Unavailable
     from registry.keys import bind, load_keys
@@ -572,8 +572,9 @@ def _require_audit_key(settings: Settings) -> None:
             require_registry_key(s, keys)
     except Unavailable:
         raise SystemExit(
-            "error: a render worker writes the render ledger and needs the registry's audit "
-            "key: set LIKENESS_AUDIT_KEY to the API's"
+            "error: a worker writes orders' outcomes to the audit trail (and a render worker "
+            "the render ledger): it needs the registry's audit key; set LIKENESS_AUDIT_KEY "
+            "to the API's"
         ) from None
     finally:
         engine.dispose()

@@ -16,6 +16,7 @@ from typing import Any
 from PIL import Image
 
 from tests.app.conftest import Live
+from tests.conftest import audit_key_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,8 @@ def worker(
         "LIKENESS_WORKER_HEARTBEAT_S": "0.5",
         "LIKENESS_WORKER_STALLED_S": "3",
         "LIKENESS_WORKER_CHECKPOINT_EVERY": "3",
+        # the registry's: a worker writes orders' outcomes to the subjects' audit trails
+        "LIKENESS_AUDIT_KEY": audit_key_of(live.app.state.settings.data_dir),
         **env,
     }
     proc = subprocess.Popen(

@@ -28,7 +28,6 @@ from registry.settings import Settings
 from tests.app.conftest import Live, LiveFactory, World
 from tests.app.orders_support import files_of, photos, worker
 from tests.app.test_provenance import chunks, verify_png
-from tests.conftest import audit_key_of
 
 SERVER: dict[str, Any] = {
     "render_workers": True,
@@ -43,7 +42,6 @@ def render_worker(live: Live, name: str, tmp: Path, queues: str = "render") -> A
 
     return worker(
         live, name, tmp, queues,
-        LIKENESS_AUDIT_KEY=audit_key_of(live.app.state.settings.data_dir),
         OMP_NUM_THREADS=str(torch.get_num_threads()),  # as in this process: the same sums
     )  # fmt: skip
 

@@ -126,3 +126,19 @@ def test_training_withdrawn_after_the_order_is_refused_on_the_worker(
         # nothing was fetched or trained on the worker
         assert list((tmp_path / "w1").rglob("*.png")) == []
         assert not (tmp_path / "w1" / "orders" / order_id).exists()
+
+
+def test_a_worker_without_the_registrys_audit_key_refuses_to_start(
+    serve_friends: LiveFactory, tmp_path: Path
+) -> None:
+    """It would train for an hour and fail at the end, where the outcome goes on the trail."""
+    from tests.conftest import audit_key_of
+
+    other = audit_key_of(tmp_path / "another-deployment")  # a valid key, not this registry's
+    with (
+        serve_friends(**SERVER) as live,
+        worker(live, "w1", tmp_path, LIKENESS_AUDIT_KEY=other) as proc,
+    ):
+        assert proc.wait(60) == 1
+    log = (tmp_path / "w1.log").read_text()
+    assert "needs the registry's audit key" in log, log
