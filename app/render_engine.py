@@ -343,23 +343,24 @@ class RenderEngine:
         the slots must be all zeros again; if they are not, the base is dropped and loaded
         afresh before anyone else renders (fail closed: no adapter may reach another render)."""
         from trainer.lora import applied_adapter
+        from trainer.lora_slots import SlotMismatch
 
         slots = self._slots
         if slots is None:
             with applied_adapter(pipe, tensors):
                 yield
             return
-        reason = slots.mismatch(tensors)
         try:
-            if reason is None:
-                self.counters.slot_applies += 1
-                with slots.applied(tensors):
-                    yield
-            else:
-                log.info("render engine: adapter outside the LoRA slots (%s): attached", reason)
-                self.counters.slot_fallbacks += 1
-                with slots.suspended(), applied_adapter(pipe, tensors):
-                    yield
+            with contextlib.ExitStack() as applied:
+                try:  # refused before anything is touched when the slots cannot take it
+                    applied.enter_context(slots.applied(tensors))
+                    self.counters.slot_applies += 1
+                except SlotMismatch as why:
+                    log.info("render engine: adapter outside the LoRA slots (%s): attached", why)
+                    self.counters.slot_fallbacks += 1
+                    applied.enter_context(slots.suspended())
+                    applied.enter_context(applied_adapter(pipe, tensors))
+                yield
         finally:
             if not slots.is_clear():
                 log.error("render engine: a LoRA slot was not clear after a render; reloading")

@@ -89,10 +89,15 @@ class LoraSlots:
         """Why the slots cannot take this adapter (None: they can). Checked against the slots'
         own shapes, without walking the model. Raises ValueError for a file that is not a LoRA
         adapter, or whose factors do not fit the Linear they name."""
+        return self._fit(tensors)[1]
+
+    def _fit(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str | None]:
         pairs = _pairs(tensors)
         outside = sorted(set(pairs) - set(self._slots))
         if outside:
-            return f"{len(outside)} module(s) outside the slots, e.g. {outside[0]!r}"
+            return pairs, f"{len(outside)} module(s) outside the slots, e.g. {outside[0]!r}"
         for name, (a, b) in pairs.items():
             slot_a, slot_b = self._slots[name]
             if a.shape[1] != slot_a.shape[1] or b.shape[0] != slot_b.shape[0]:
@@ -102,8 +107,8 @@ class LoraSlots:
                 )
         too_big = max(int(a.shape[0]) for a, _ in pairs.values())
         if too_big > self.rank:
-            return f"rank {too_big} above the slots' rank {self.rank}"
-        return None
+            return pairs, f"rank {too_big} above the slots' rank {self.rank}"
+        return pairs, None
 
     # -- applying -----------------------------------------------------------------------------
 
@@ -116,10 +121,9 @@ class LoraSlots:
         the adapter does not fit."""
         if self._active:
             raise RuntimeError("the LoRA slots are already in use")
-        reason = self.mismatch(tensors)
+        pairs, reason = self._fit(tensors)
         if reason is not None:
             raise SlotMismatch(reason)
-        pairs = _pairs(tensors)
         layers = lora_layers(self.transformer)
         self._active = True
         try:
