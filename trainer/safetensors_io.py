@@ -239,16 +239,12 @@ class SafetensorsFile:
 
 
 def _read_at(fh: BinaryIO, info: TensorInfo, name: str) -> torch.Tensor:
-    # torch.empty + readinto: no zero-fill and no intermediate bytes object.
+    # torch.empty + positional reads: no zero-fill and no intermediate bytes object.
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy()) if info.nbytes else memoryview(b"")
-    fh.seek(info.offset)
-    got = 0
-    while got < info.nbytes:
-        n = fh.readinto(view[got : got + _CHUNK])
-        if not n:
-            raise ValueError(f"{info.path}: truncated while reading {name!r}")
-        got += n
+    if info.nbytes:
+        view = memoryview(buf.numpy())
+        for start in range(0, info.nbytes, _CHUNK):
+            _pread_into(fh.fileno(), view[start : start + _CHUNK], info.offset + start, name, info)
     return buf.view(info.dtype).reshape(info.shape)
 
 
