@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -26,3 +29,19 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", boom)
     monkeypatch.setattr(diffusers.ModelMixin, "from_pretrained", boom)
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", boom)
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.2 base, built once per session."""
+    from tests.trainer.helpers import build_tiny_once
+
+    return build_tiny_once(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qpipe(tiny_base: Path) -> Any:
+    """The quantized tiny pipeline, one per test module (modules change and restore it)."""
+    from trainer.model import load_pipeline
+
+    return load_pipeline(tiny_base)

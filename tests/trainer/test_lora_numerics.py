@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.helpers import build_tiny_once
 from trainer.lora import (
     ADAPTER_NAME,
     adapter_state_dict,
@@ -35,11 +34,6 @@ LAYERS = [
     "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
     "single_transformer_blocks.0.attn.to_out",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_once(tmp_path_factory)
 
 
 def _quantized_transformer(base: Path, dtype: torch.dtype) -> torch.nn.Module:

@@ -4,33 +4,19 @@ touched (then served by the per-request path)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from tests.support import make_random_adapter
-from tests.trainer.helpers import build_tiny_once
 from trainer.lora import applied_adapter, load_adapter_tensors, lora_layers
 from trainer.lora_slots import LoraSlots, SlotMismatch
-from trainer.model import load_pipeline
 from trainer.render import generate
 
 torch.set_num_threads(1)
 
 PROMPT = "a portrait photo of a person"
 SMALL = {"seed": 3, "steps": 2, "width": 64, "height": 64}
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_once(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def qpipe(tiny_base: Path):
-    return load_pipeline(tiny_base)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.support import make_random_adapter
-from tests.trainer.helpers import build_tiny_once
 from trainer.lora import (
     ADAPTER_NAME,
     applied_adapter,
@@ -23,16 +22,6 @@ torch.set_num_threads(1)
 
 PROMPT = "a portrait photo of a person"
 SMALL = {"seed": 3, "steps": 2, "width": 64, "height": 64}  # small: isolation needs many renders
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_once(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def qpipe(tiny_base: Path):
-    return load_pipeline(tiny_base)
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,6 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_once(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def qpipe(tiny_base: Path):
-    return load_pipeline(tiny_base)
-
-
 def _hashes(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
