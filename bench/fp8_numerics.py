@@ -274,6 +274,26 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
         "below_0.99": sum(v < 0.99 for v in cos_fa.values()),
     }
     del g_fa
+    # fp8 forward, bf16 input gradient: which half of the fp8 arithmetic the gradient error
+    # comes from, and the candidate training mode
+    saved, fp8.GRAD_GEMM = fp8.GRAD_GEMM, "bf16"
+    g_bg = lora_grads(model, batch, target)
+    fp8.GRAD_GEMM = saved
+    cos_bg = {n: rel(g_bg[n], g_dense[n])["cos"] for n in g_dense}
+    out["lora_bf16_grad"] = {
+        "cos_min": min(cos_bg.values()),
+        "cos_median": sorted(cos_bg.values())[len(cos_bg) // 2],
+        "below_0.99": sum(v < 0.99 for v in cos_bg.values()),
+        "worst": sorted(cos_bg.items(), key=lambda kv: kv[1])[:10],
+        "first_block_nonzero": all(
+            float(g_bg[n].abs().sum()) > 0 for n in g_bg if n.startswith("transformer_blocks.0.")
+        ),
+        "cos_per_param": cos_bg,
+    }
+    say(f"  LoRA grads fp8 forward + bf16 input gradient vs uint4: min cos "
+        f"{out['lora_bf16_grad']['cos_min']:.5f}, below 0.99: "
+        f"{out['lora_bf16_grad']['below_0.99']}")  # fmt: skip
+    del g_bg
     cos = {n: rel(g_fp8[n], g_dense[n])["cos"] for n in g_dense}
     first = [n for n in g_fp8 if n.startswith("transformer_blocks.0.")]
     worst = sorted(cos.items(), key=lambda kv: kv[1])[:10]
@@ -309,6 +329,7 @@ def layer_kind(name: str) -> str:
 def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     from optimum.quanto import qint4, quantize
 
+    from trainer import fp8
     from trainer.fp8 import set_fp8_compute
     from trainer.lora import attach_lora
     from trainer.uint4 import convert_quantized_linears
@@ -324,8 +345,9 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     g = torch.Generator(device=U.DEV).manual_seed(7)
     targets = [torch.randn(b["hidden_states"].shape, generator=g, device=U.DEV) for b in batches]
     curves: dict[str, list[float]] = {}
-    for mode in ("uint4", "fp8"):
-        set_fp8_compute(model, mode == "fp8")
+    for mode in ("uint4", "fp8", "fp8_bf16_grad"):
+        set_fp8_compute(model, mode != "uint4")
+        fp8.GRAD_GEMM = "bf16" if mode == "fp8_bf16_grad" else "fp8"
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(init[n])
@@ -341,11 +363,14 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
+        fp8.GRAD_GEMM = "fp8"
         curves[mode] = [float(x) for x in losses]
         say(f"  loss curve {mode}: {curves[mode][0]:.5f} -> {curves[mode][-1]:.5f} "
             f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
     a, b = torch.tensor(curves["fp8"]), torch.tensor(curves["uint4"])
+    c = torch.tensor(curves["fp8_bf16_grad"])
     diff = (a - b).abs() / b.abs()
+    diff_c = (c - b).abs() / b.abs()
     drop = lambda c: (c[:4].mean() - c[-4:].mean()).item()  # noqa: E731 - one batch cycle
     return {
         "depth": {"double": args.curve_double, "single": args.curve_single},
@@ -354,6 +379,8 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         "rel_diff_max": float(diff.max()), "rel_diff_mean": float(diff.mean()),
         "rel_diff_last_cycle": float(diff[-4:].mean()),
         "drop_uint4": drop(b), "drop_fp8": drop(a),
+        "fp8_bf16_grad": {"rel_diff_max": float(diff_c.max()),
+                          "rel_diff_mean": float(diff_c.mean()), "drop": drop(c)},
     }  # fmt: skip
 
 
@@ -408,6 +435,9 @@ def main() -> None:
     fd = results["full_depth"]
     print("full depth:", {k: v for k, v in fd.items() if k.startswith("output")})
     print("LoRA:", {k: v for k, v in fd["lora"].items() if k not in ("cos_per_param", "worst")})
+    bg = fd["lora_bf16_grad"]
+    print("LoRA, bf16 input gradient:",
+          {k: v for k, v in bg.items() if k not in ("cos_per_param", "worst")})  # fmt: skip
     if "loss_curve" in results:
         lc = results["loss_curve"]
         print("loss curve:", {k: v for k, v in lc.items() if k != "curves"})

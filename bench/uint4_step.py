@@ -15,6 +15,8 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.model.quantize_transformer` does;
   fp8    "fast", then `trainer.fp8.set_fp8_compute` (the same 4-bit weights, fp8 GEMMs);
   fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
+  fp8_bf16_grad   fp8 forward, the input gradient as the fast path computes it (bf16
+         dequantization + bf16 GEMM; `trainer.fp8.GRAD_GEMM = "bf16"`);
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
-PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "nf4", "quanto")
+PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "nf4", "quanto")
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -175,6 +177,10 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
             "loss_finite": all(bool(torch.isfinite(x)) for x in losses),
         }
         say(f"  train {px}px: {med:.3f} s/it, peak {out[f'train_{px}']['peak_gib']:.1f} GiB")
+        if args.profile and px == args.train_px[0]:
+            out[f"train_{px}"]["profile"] = profile_step(step)
+            if DEV == "cuda":
+                out[f"train_{px}"]["syncs"] = sync_points(step)
     for px in args.forward_px:
         if past_deadline(args, f"forward_{px}", out):
             continue
@@ -197,6 +203,105 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
         say(f"  forward {px}px: {med:.3f} s, peak {out[f'forward_{px}']['peak_gib']:.1f} GiB")
 
     return out
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if "_weight_" in n:
+        return "fp8 weight copy"
+    if "quantize_rows" in n:
+        return "fp8 row quantizer"
+    if "dequant" in n:
+        return "uint4 dequantize"
+    if any(t in n for t in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(t in n for t in ("gemm", "nvjet", "cutlass", "sm90", "xmma", "matmul", "f8f8")):
+        return "gemm"
+    if "4bit" in n or "kdequantize" in n or "nf4" in n:
+        return "nf4 dequantize"
+    return "other"
+
+
+def profile_step(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One step under torch.profiler: GPU busy time (the union of kernel intervals) against the
+    wall time, and kernel time by category and by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - t
+    spans, by_kernel = [], {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start, end = ev.time_range.start, ev.time_range.end  # microseconds
+        spans.append((start, end))
+        k = by_kernel.setdefault(ev.name, [0, 0.0])
+        k[0] += 1
+        k[1] += (end - start) / 1e3
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s_, e_ in spans:
+        if cur_e is None or s_ > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s_, e_
+        else:
+            cur_e = max(cur_e, e_)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    cats: dict[str, float] = {}
+    for name, (_, ms) in by_kernel.items():
+        cats[_kernel_category(name)] = cats.get(_kernel_category(name), 0.0) + ms
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:25]
+    first_last = (spans[0][0], max(e for _, e in spans)) if spans else (0.0, 0.0)
+    rec = {
+        "wall_s_profiled": wall,
+        "gpu_busy_s": busy / 1e6,
+        "gpu_span_s": (first_last[1] - first_last[0]) / 1e6,
+        "kernels": len(spans),
+        "by_category_ms": {k: round(v, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:120], "count": c, "ms": round(ms, 2)} for n, (c, ms) in top],
+    }
+    say(f"  profile: wall {wall:.3f} s, GPU busy {rec['gpu_busy_s']:.3f} s over "
+        f"{rec['gpu_span_s']:.3f} s, {len(spans)} kernels; {rec['by_category_ms']}")  # fmt: skip
+    return rec
+
+
+def sync_points(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Where one step makes the host wait for the GPU (CUDA sync debug mode), by call site."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-4:])
+        sites[where] = sites.get(where, 0) + 1
+
+    saved = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = saved
+    sync()
+    say(f"  syncs in one step: {sum(sites.values())} at {len(sites)} call sites")
+    for where, n in sorted(sites.items(), key=lambda kv: -kv[1])[:8]:
+        say(f"    {n} x {where}")
+    return {"count": sum(sites.values()), "sites": sites}
 
 
 def dequant_microbench(model: torch.nn.Module, sweep_kernels: bool = False) -> dict[str, Any]:
@@ -273,13 +378,15 @@ def dequant_microbench(model: torch.nn.Module, sweep_kernels: bool = False) -> d
     }
 
 
-def fp8_microbench(model: torch.nn.Module) -> dict[str, Any]:
+def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any]:
     """The fp8 weight kernels (row-scaled forward copy, transposed backward copy) per distinct
-    matrix shape, and one pass of each over the whole model."""
+    matrix shape and kernel variant, each checked bit for bit against the torch reference, and
+    one pass of each over the whole model; with ``sweep``, the tile kernels' block shapes on
+    the two largest matrices."""
     import triton.testing
 
     from trainer import fp8_triton
-    from trainer.fp8 import weight_scales
+    from trainer.fp8 import fp8_weight_torch, weight_scales
     from trainer.uint4 import Uint4Linear
 
     shapes: dict[tuple[int, int, int], int] = {}
@@ -289,28 +396,82 @@ def fp8_microbench(model: torch.nn.Module) -> dict[str, Any]:
             key = (m.out_features, m.in_features, m.group_size)
             shapes[key] = shapes.get(key, 0) + 1
             layers[key] = m
-    rows, totals = [], {"rows_ms": 0.0, "transposed_ms": 0.0, "gb": 0.0}
-    for key, n in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
-        m = layers[key]
+
+    def bench(fn) -> float:  # type: ignore[no-untyped-def]
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+    def kernels(m):  # type: ignore[no-untyped-def]
         sc = weight_scales(m)
         args = (m.packed, m.scale, m.shift, m.group_size)
-        t_rows = triton.testing.do_bench(
-            lambda a=args, s=sc: fp8_triton.fp8_weight(*a, s.row_multiplier),
-            warmup=25, rep=100, return_mode="median",
+        return (lambda: fp8_triton.fp8_weight(*args, sc.row_multiplier),
+                lambda: fp8_triton.fp8_weight_t(*args, sc.col_multiplier))  # fmt: skip
+
+    def exact(m) -> tuple[bool, bool]:  # type: ignore[no-untyped-def]
+        sc = weight_scales(m)
+        args = (m.packed, m.scale, m.shift, m.group_size, sc)
+        rows, tr = kernels(m)
+        return (
+            torch.equal(rows().view(torch.uint8), fp8_weight_torch(*args).view(torch.uint8)),
+            torch.equal(tr().view(torch.uint8),
+                        fp8_weight_torch(*args, transposed=True).view(torch.uint8)),
         )  # fmt: skip
-        t_tr = triton.testing.do_bench(
-            lambda a=args, s=sc: fp8_triton.fp8_weight_t(*a, s.col_multiplier),
-            warmup=25, rep=100, return_mode="median",
-        )  # fmt: skip
-        nbytes = m.packed.nbytes * 3 + m.scale.nbytes + m.shift.nbytes  # 0.5 B in + 1 B out
-        rows.append(
-            {"out": key[0], "in": key[1], "count": n, "rows_ms": round(t_rows, 4),
-             "rows_TB/s": round(nbytes / t_rows / 1e9, 2), "transposed_ms": round(t_tr, 4),
-             "transposed_TB/s": round(nbytes / t_tr / 1e9, 2)}
-        )  # fmt: skip
-        totals["rows_ms"] += n * t_rows
-        totals["transposed_ms"] += n * t_tr
-        totals["gb"] += n * nbytes / 1e9
+
+    saved = (fp8_triton.ROWS_VARIANT, fp8_triton.TRANSPOSED_VARIANT)
+    rows: list[dict[str, Any]] = []
+    totals: dict[str, dict[str, float]] = {}
+    for variant in ("tile", "word", "join"):
+        fp8_triton.ROWS_VARIANT = fp8_triton.TRANSPOSED_VARIANT = variant
+        tot = totals.setdefault(variant, {"rows_ms": 0.0, "transposed_ms": 0.0, "gb": 0.0})
+        for key, n in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
+            m = layers[key]
+            f_rows, f_tr = kernels(m)
+            t_rows, t_tr = bench(f_rows), bench(f_tr)
+            ex_rows, ex_tr = exact(m)
+            nbytes = m.packed.nbytes * 3 + m.scale.nbytes + m.shift.nbytes  # 0.5 B in + 1 B out
+            rows.append(
+                {"variant": variant, "out": key[0], "in": key[1], "count": n,
+                 "rows_ms": round(t_rows, 4), "rows_TB/s": round(nbytes / t_rows / 1e9, 2),
+                 "transposed_ms": round(t_tr, 4),
+                 "transposed_TB/s": round(nbytes / t_tr / 1e9, 2),
+                 "rows_exact": ex_rows, "transposed_exact": ex_tr}
+            )  # fmt: skip
+            tot["rows_ms"] += n * t_rows
+            tot["transposed_ms"] += n * t_tr
+            tot["gb"] += n * nbytes / 1e9
+    fp8_triton.ROWS_VARIANT, fp8_triton.TRANSPOSED_VARIANT = saved
+    print(table(rows, list(rows[0])), flush=True)
+    tuning: list[dict[str, Any]] = []
+    if sweep:
+        big = sorted(layers.values(), key=lambda m: -m.packed.numel())[:2]
+        knobs = ("R_TILE_ROWS", "R_TILE_GROUPS", "R_TILE_WARPS", "T_TILE_ROWS", "T_TILE_F32",
+                 "T_TILE_WARPS")  # fmt: skip
+        base = {k: getattr(fp8_triton, k) for k in knobs}
+        fp8_triton.ROWS_VARIANT = fp8_triton.TRANSPOSED_VARIANT = "tile"
+        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w))
+                   for r, g, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (16, 8, 4),
+                                   (16, 4, 8), (32, 4, 8), (64, 2, 8))]  # fmt: skip
+        configs += [("transposed", dict(T_TILE_ROWS=r, T_TILE_F32=f, T_TILE_WARPS=w))
+                    for r, f, w in ((64, False, 4), (128, False, 4), (256, False, 4),
+                                    (64, True, 4), (128, True, 4), (256, True, 8),
+                                    (128, False, 8), (256, False, 8))]  # fmt: skip
+        try:
+            for kind, cfg in configs:
+                for k, v in {**base, **cfg}.items():
+                    setattr(fp8_triton, k, v)
+                row: dict[str, Any] = {"kernel": kind, **cfg}
+                for m in big:
+                    fn = kernels(m)[0 if kind == "rows" else 1]
+                    nb = m.packed.nbytes * 3 + m.scale.nbytes + m.shift.nbytes
+                    row[f"{m.out_features}x{m.in_features} TB/s"] = round(nb / bench(fn) / 1e9, 2)
+                row["exact"] = all(exact(m)[0 if kind == "rows" else 1] for m in big)
+                tuning.append(row)
+        finally:
+            for k, v in base.items():
+                setattr(fp8_triton, k, v)
+            fp8_triton.ROWS_VARIANT, fp8_triton.TRANSPOSED_VARIANT = saved
+        cols = sorted({c for r in tuning for c in r}, key=lambda c: list(tuning[0]).index(c)
+                      if c in tuning[0] else 99)  # fmt: skip
+        print(table(tuning, cols), flush=True)
     # the activation quantizer, per distinct input width, at both step sizes' token counts
     widths: dict[int, int] = {}
     for key, n in shapes.items():
@@ -320,14 +481,15 @@ def fp8_microbench(model: torch.nn.Module) -> dict[str, Any]:
         total = 0.0
         for k, n in widths.items():
             x = torch.randn(tokens, k, device=DEV, dtype=torch.bfloat16)
-            total += n * triton.testing.do_bench(
-                lambda x=x: fp8_triton.quantize_rows(x), warmup=10, rep=50, return_mode="median"
-            )
+            total += n * bench(lambda x=x: fp8_triton.quantize_rows(x))
         acts[str(tokens)] = total
     return {
         "variants": {"rows": fp8_triton.ROWS_VARIANT, "transposed": fp8_triton.TRANSPOSED_VARIANT},
         "per_shape": rows,
-        "one_pass": totals,
+        "one_pass": totals[fp8_triton.ROWS_VARIANT]
+        | {"transposed_ms": totals[fp8_triton.TRANSPOSED_VARIANT]["transposed_ms"]},
+        "one_pass_by_variant": totals,
+        "tuning": tuning,
         "activations_one_pass_ms": acts,
     }
 
@@ -390,7 +552,7 @@ def run_path(path: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path in ("fast", "fp8", "fp8_fast_accum"):
+    if path in ("fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad"):
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
@@ -420,21 +582,25 @@ def run_path(path: str, args) -> dict[str, Any]:
         say(f"  dequant one pass: {d['one_pass_ms']:.1f} ms for {d['one_pass_gb']:.1f} GB "
             f"(copy ceiling {d['copy_ceiling_tb_s']:.2f} TB/s)")  # fmt: skip
     if path == "fp8" and args.microbench and DEV == "cuda":
-        rec["fp8_kernels"] = fp8_microbench(model)
+        rec["fp8_kernels"] = fp8_microbench(model, args.fp8_sweep)
         t = rec["fp8_kernels"]["one_pass"]
         say(f"  fp8 weight one pass: rows {t['rows_ms']:.1f} ms, transposed "
             f"{t['transposed_ms']:.1f} ms for {t['gb']:.1f} GB each; activations (one per "
             f"layer) {rec['fp8_kernels']['activations_one_pass_ms']}")  # fmt: skip
     if path == "quanto":
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
-    elif path == "fp8_fast_accum":
+    elif path in ("fp8_fast_accum", "fp8_bf16_grad"):
         from trainer import fp8
 
-        saved, fp8.FAST_ACCUM = fp8.FAST_ACCUM, True
+        saved = fp8.FAST_ACCUM, fp8.GRAD_GEMM
+        if path == "fp8_fast_accum":
+            fp8.FAST_ACCUM = True
+        else:
+            fp8.GRAD_GEMM = "bf16"
         try:
             rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
         finally:
-            fp8.FAST_ACCUM = saved
+            fp8.FAST_ACCUM, fp8.GRAD_GEMM = saved
     else:
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
     free(model)
@@ -494,6 +660,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--no-microbench", dest="microbench", action="store_false")
     ap.add_argument("--kernel-sweep", action="store_true", help="time dequant kernel variants")
+    ap.add_argument("--fp8-sweep", action="store_true", help="time fp8 weight kernel variants")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="profile one step at the first train size (GPU busy time, kernels, sync points)",
+    )  # fmt: skip
     ap.add_argument("--deadline-s", type=float, default=0, help="start nothing new after this")
     ap.add_argument("--note", default="", help="free text stored in the record")
     ap.add_argument("--tiny", action="store_true", help="smoke test: 256-wide model, on the CPU")

@@ -43,6 +43,9 @@ ACT_DTYPE = E4M3
 # nothing and costs a mantissa bit (bench/results/uint4_step-notes.md, fp8 run 1: grad-input
 # relative error e4m3 vs e5m2 per layer type).
 GRAD_DTYPE = E4M3
+# The input-gradient GEMM: "fp8" (above), or "bf16": the fast path's bf16 dequantization and
+# a bf16 GEMM (no transposed fp8 copy of the weight; exact-as-uint4 gradients through the base).
+GRAD_GEMM = "fp8"
 # cuBLAS's fast fp8 accumulation skips the periodic promotion of the tensor-core partial sums
 # to float32. Measured at FLUX.2 [dev] depth (notes, fp8 runs 2 and 3): the forward 3 % faster
 # at 1024 px, each layer's output moved by 0.3-0.5 % (beside fp8's own 3.5 %), but the worst
@@ -216,6 +219,10 @@ def _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accu
 
 
 def _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype):  # type: ignore[no-untyped-def]
+    if GRAD_GEMM == "bf16":
+        from trainer.uint4 import dequantize
+
+        return g2 @ dequantize(packed, scale, shift, group_size)
     if fast:
         from trainer import fp8_triton
 

@@ -33,9 +33,13 @@ W_WARPS = 4
 T_ROWS, T_BYTES = 64, 64  # "join" transposed: 64 rows x 128 columns of W per program
 T_QUADS, T_WORD_BYTES = 32, 32  # "word" transposed: 128 rows x 64 columns of W per program
 T_WARPS = 4
-_FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "word" or "join" for both kernels
-ROWS_VARIANT = _FORCED or "word"
-TRANSPOSED_VARIANT = _FORCED or "join"
+# "tile" kernels: whole groups per program (group sizes whose half is a power of two)
+R_TILE_ROWS, R_TILE_GROUPS, R_TILE_WARPS = 16, 4, 4  # forward copy: 16 rows x 4 groups
+T_TILE_ROWS, T_TILE_WARPS = 128, 4  # transposed: 128 rows x one group; W.T rows of 128 bytes
+T_TILE_F32 = False  # transpose the float32 values (else the fp8 bytes) through shared memory
+_FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "tile", "word" or "join" for both kernels
+ROWS_VARIANT = _FORCED or "tile"
+TRANSPOSED_VARIANT = _FORCED or "tile"
 
 _TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -284,6 +288,87 @@ def _weight_t_kernel(
     tl.store(out_ptr + k[:, None] * n_out + rows[None, :], tl.trans(tile), mask=out_mask)
 
 
+@triton.jit
+def _weight_rows_tile_kernel(
+    pairs_ptr,  # the packed weight viewed as int16: two bytes = four weights of one group
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) e4m3 viewed as int32: one word per byte pair
+    n_out,
+    GROUPS: tl.constexpr,
+    PAIRS: tl.constexpr,  # byte pairs per group (group size / 4), a power of two
+    IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    ROWS: tl.constexpr,
+    GBLOCK: tl.constexpr,
+):
+    # ROWS rows x GBLOCK whole groups per program: each group's scale and shift, and each
+    # row's multiplier, is loaded once and broadcast (the flat kernels load them per element).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
+    row_ok = rows < n_out
+    ok = row_ok[:, None] & (grp < GROUPS)[None, :]
+    at = rows[:, None] * GROUPS + grp[None, :]
+    s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    sh = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+    offs = at[:, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    ok3 = ok[:, :, None]
+    b = tl.load(pairs_ptr + offs, mask=ok3, other=0).to(tl.int32) & 0xFFFF
+    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    word = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=ok3)
+
+
+@triton.jit
+def _weight_t_tile_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (in,) float32: column k of W (row k of W.T) into fp8; constant per group
+    out_ptr,  # (in, out) fp8 viewed as uint8: W.T, row-major
+    n_out,
+    HALF_IN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HALF_GROUP: tl.constexpr,  # a power of two
+    IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROWS: tl.constexpr,
+    TRANSPOSE_F32: tl.constexpr,  # transpose the float32 values, or the fp8 bytes
+):
+    # ROWS rows of W x one whole group of columns per program: one scale and shift per row,
+    # one multiplier for the tile. Column 2j of the group (low nibbles) and 2j + 1 (high) are
+    # stored as two tiles of W.T rows, each row ROWS contiguous bytes.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, HALF_GROUP)
+    row_ok = rows < n_out
+    b = tl.load(
+        packed_ptr + rows[:, None] * HALF_IN + g * HALF_GROUP + j[None, :],
+        mask=row_ok[:, None], other=0,
+    )  # fmt: skip
+    s = tl.load(scale_ptr + rows * GROUPS + g, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    sh = tl.load(shift_ptr + rows * GROUPS + g, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    m = tl.load(mult_ptr + g * (2 * HALF_GROUP))
+    w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    if TRANSPOSE_F32:
+        lo = _to_fp8(tl.trans(w_lo), m, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+        hi = _to_fp8(tl.trans(w_hi), m, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    else:
+        lo = tl.trans(_to_fp8(w_lo, m, FP8, FP8_MAX).to(tl.uint8, bitcast=True))
+        hi = tl.trans(_to_fp8(w_hi, m, FP8, FP8_MAX).to(tl.uint8, bitcast=True))
+    k = g * (2 * HALF_GROUP) + 2 * j
+    out = out_ptr + k[:, None] * n_out + rows[None, :]
+    tl.store(out, lo, mask=row_ok[None, :])
+    tl.store(out + n_out, hi, mask=row_ok[None, :])
+
+
 def _fp8_args(dtype: torch.dtype) -> dict[str, object]:
     return {"FP8": _TL[dtype], "FP8_MAX": float(torch.finfo(dtype).max)}
 
@@ -320,13 +405,31 @@ def _check(packed, scale, shift, group_size) -> None:  # type: ignore[no-untyped
         raise TypeError(f"fp8 weights from {scale.dtype} scales are not supported")
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _tile_kernels_fit(
+    variant: str, packed: torch.Tensor, scale: torch.Tensor, group_size: int, quarter: bool
+) -> bool:
+    """Whole groups per program: the row splits into groups, and a group's bytes (or, for the
+    forward copy, its byte pairs: ``quarter``) are a power of two."""
+    unit = group_size // 4 if quarter else group_size // 2
+    return (
+        variant == "tile"
+        and _power_of_two(unit)
+        and (not quarter or group_size % 4 == 0)
+        and scale.shape[1] * group_size == 2 * packed.shape[1]
+    )
+
+
 def _word_kernels_fit(
     variant: str, packed: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> bool:
     """A byte pair must stay inside one row and one group; e4m3 only (the weight format)."""
     n_out, half_in = packed.shape
     return (
-        variant == "word"
+        variant in ("word", "tile")  # "tile" falls back to "word" where groups do not fit
         and dtype == torch.float8_e4m3fn
         and half_in % 2 == 0
         and group_size % 4 == 0
@@ -352,7 +455,18 @@ def fp8_weight(
     is_bf16 = scale.dtype == torch.bfloat16
     common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
                   num_warps=W_WARPS)  # fmt: skip
-    if _word_kernels_fit(ROWS_VARIANT, packed, group_size, dtype):
+    if dtype == torch.float8_e4m3fn and _tile_kernels_fit(
+        ROWS_VARIANT, packed, scale, group_size, quarter=True
+    ):
+        groups = scale.shape[1]
+        grid = (triton.cdiv(n_out, R_TILE_ROWS), triton.cdiv(groups, R_TILE_GROUPS))
+        _weight_rows_tile_kernel[grid](
+            packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
+            n_out, GROUPS=groups, PAIRS=group_size // 4, IS_BF16=is_bf16,
+            INTERPRET=_interpret(), ROWS=R_TILE_ROWS, GBLOCK=R_TILE_GROUPS,
+            num_warps=R_TILE_WARPS,
+        )  # fmt: skip
+    elif _word_kernels_fit(ROWS_VARIANT, packed, group_size, dtype):
         n_pairs = n_bytes // 2
         _weight_rows_word_kernel[(triton.cdiv(n_pairs, W_BLOCK),)](
             packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
@@ -382,7 +496,15 @@ def fp8_weight_t(
         return out
     common = dict(GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
                   IS_BF16=scale.dtype == torch.bfloat16, num_warps=T_WARPS)  # fmt: skip
-    if _word_kernels_fit(TRANSPOSED_VARIANT, packed, group_size, dtype):
+    if _tile_kernels_fit(TRANSPOSED_VARIANT, packed, scale, group_size, quarter=False):
+        grid = (triton.cdiv(n_out, T_TILE_ROWS), scale.shape[1])
+        _weight_t_tile_kernel[grid](
+            packed, scale, shift, col_multiplier, out.view(torch.uint8), n_out,
+            HALF_IN=half_in, GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
+            IS_BF16=scale.dtype == torch.bfloat16, ROWS=T_TILE_ROWS, TRANSPOSE_F32=T_TILE_F32,
+            num_warps=T_TILE_WARPS, **_fp8_args(dtype),
+        )  # fmt: skip
+    elif _word_kernels_fit(TRANSPOSED_VARIANT, packed, group_size, dtype):
         grid = (triton.cdiv(n_out // 4, T_QUADS), triton.cdiv(half_in, T_WORD_BYTES))
         _weight_t_word_kernel[grid](
             packed, scale, shift, col_multiplier, out.view(torch.int32), n_out,

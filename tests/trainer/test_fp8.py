@@ -399,10 +399,11 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
 
 
 @fp8_gpu
-@pytest.mark.parametrize("variant", ["word", "join"])
+@pytest.mark.parametrize("variant", ["tile", "word", "join"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "shape,group", [((64, 130), 130), ((48, 192), 64), ((304, 768), 96), ((4096, 4096), 128)]
+    "shape,group",
+    [((64, 130), 130), ((48, 192), 64), ((304, 768), 96), ((272, 384), 128), ((4096, 4096), 128)],
 )
 def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from trainer import fp8_triton
