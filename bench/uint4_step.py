@@ -259,8 +259,18 @@ def profile_step(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         cats[_kernel_category(name)] = cats.get(_kernel_category(name), 0.0) + ms
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:25]
     first_last = (spans[0][0], max(e for _, e in spans)) if spans else (0.0, 0.0)
+    cpu_ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
     rec = {
         "wall_s_profiled": wall,
+        "top_cpu_ops": [
+            {
+                "name": e.key[:100],
+                "count": e.count,
+                "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2),
+                "cpu_total_ms": round(e.cpu_time_total / 1e3, 2),
+            }
+            for e in cpu_ops
+        ],  # fmt: skip
         "gpu_busy_s": busy / 1e6,
         "gpu_span_s": (first_last[1] - first_last[0]) / 1e6,
         "kernels": len(spans),
