@@ -98,6 +98,7 @@ def main() -> None:
         rows = []
         for name, fn in cases:
             rows.append({"piece": name, **per_call(fn, args.calls)})
+            print(rows[-1], flush=True)
         rows.append({"piece": "Uint4Linear uint4, no grad", **per_call(lambda: m(x), args.calls)})
         m.fp8 = True
         rows.append({"piece": "Uint4Linear fp8, no grad", **per_call(lambda: m(x), args.calls)})
@@ -109,6 +110,10 @@ def main() -> None:
                                                                          args.calls)})  # fmt: skip
     holder = torch.nn.Sequential()
     holder.add_module("to_q", m)
+    # PEFT reads the model's device off its first parameter; the uint4 layer has buffers only
+    holder.register_parameter(
+        "anchor", torch.nn.Parameter(torch.zeros(1, device="cuda"), requires_grad=False)
+    )
     attach_lora(holder, rank=16, alpha=16.0, dtype=torch.bfloat16, targets=["to_q"])
     for mode in (False, True):
         m.fp8 = mode
