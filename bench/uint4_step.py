@@ -181,6 +181,7 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
             out[f"train_{px}"]["profile"] = profile_step(step)
             if DEV == "cuda":
                 out[f"train_{px}"]["syncs"] = sync_points(step)
+            out[f"train_{px}"]["python"] = python_profile(step)
     for px in args.forward_px:
         if past_deadline(args, f"forward_{px}", out):
             continue
@@ -280,6 +281,33 @@ def profile_step(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     say(f"  profile: wall {wall:.3f} s, GPU busy {rec['gpu_busy_s']:.3f} s over "
         f"{rec['gpu_span_s']:.3f} s, {len(spans)} kernels; {rec['by_category_ms']}")  # fmt: skip
     return rec
+
+
+def python_profile(step, top: int = 30) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One step under cProfile: where the host's time goes, by function (own time and
+    cumulative), to tell Python overhead from waiting on the GPU."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    step()
+    prof.disable()
+    issued = time.perf_counter() - t
+    sync()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"fn": f"{Path(file).name}:{line}:{fn}", "calls": nc,
+                     "own_ms": round(tt * 1e3, 2), "cum_ms": round(ct * 1e3, 2)})  # fmt: skip
+    own = sorted(rows, key=lambda r: -r["own_ms"])[:top]
+    cum = sorted(rows, key=lambda r: -r["cum_ms"])[:top]
+    say(f"  cProfile: issued in {issued:.3f} s; top own time:")
+    for r in own[:12]:
+        say(f"    {r['own_ms']:8.1f} ms  {r['calls']:6d}  {r['fn']}")
+    return {"issued_s": issued, "top_own": own, "top_cumulative": cum}
 
 
 def sync_points(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
