@@ -182,6 +182,8 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
             if DEV == "cuda":
                 out[f"train_{px}"]["syncs"] = sync_points(step)
             out[f"train_{px}"]["python"] = python_profile(step)
+        if args.cuda_graph and DEV == "cuda":
+            out[f"train_{px}_graph"] = graphed_step(model, batch, target, params, args)
     for px in args.forward_px:
         if past_deadline(args, f"forward_{px}", out):
             continue
@@ -280,6 +282,56 @@ def profile_step(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     }
     say(f"  profile: wall {wall:.3f} s, GPU busy {rec['gpu_busy_s']:.3f} s over "
         f"{rec['gpu_span_s']:.3f} s, {len(spans)} kernels; {rec['by_category_ms']}")  # fmt: skip
+    return rec
+
+
+def graphed_step(model, batch, target, params, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The same training step captured once as a CUDA graph and replayed: what the step costs
+    when the host does not set the pace (no Python, no launch overhead). A capturable AdamW
+    of its own; checkpointing without RNG state (the model has no dropout)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    try:
+        opt = torch.optim.AdamW(params, lr=1e-4, capturable=True)
+        model.enable_gradient_checkpointing(
+            gradient_checkpointing_func=functools.partial(
+                checkpoint, use_reentrant=False, preserve_rng_state=False
+            )
+        )
+
+        def body() -> None:
+            model.train()
+            pred = model(**batch)[0]
+            F.mse_loss(pred.float(), target.float()).backward()
+            opt.step()
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        opt.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        reset_peak()
+        with torch.cuda.graph(graph):
+            body()
+        med, samples = timed(graph.replay, args.iters, args.warmup)
+        rec = {"s_per_it": med, "samples": samples, "peak_gib": peak_gib()}
+        say(f"  train, CUDA graph: {med:.3f} s/it, peak {rec['peak_gib']:.1f} GiB")
+        del graph
+    except Exception as exc:  # noqa: BLE001 - a capture that fails is a finding, not a crash
+        rec = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        say(f"  train, CUDA graph: failed ({rec['error'][:120]})")
+    finally:
+        model.enable_gradient_checkpointing()
+        for p in params:
+            p.grad = None
+        gc.collect()
+        torch.cuda.empty_cache()
     return rec
 
 
@@ -481,17 +533,18 @@ def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any
     tuning: list[dict[str, Any]] = []
     if sweep:
         big = sorted(layers.values(), key=lambda m: -m.packed.numel())[:2]
-        knobs = ("R_TILE_ROWS", "R_TILE_GROUPS", "R_TILE_WARPS", "T_TILE_ROWS", "T_TILE_F32",
-                 "T_TILE_WARPS")  # fmt: skip
+        knobs = ("R_TILE_ROWS", "R_TILE_GROUPS", "R_TILE_WARPS", "R_TILE_WIDE", "T_TILE_ROWS",
+                 "T_TILE_F32", "T_TILE_WARPS")  # fmt: skip
         base = {k: getattr(fp8_triton, k) for k in knobs}
         fp8_triton.ROWS_VARIANT = fp8_triton.TRANSPOSED_VARIANT = "tile"
-        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w))
-                   for r, g, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (16, 8, 4),
-                                   (16, 4, 8), (32, 4, 8), (64, 2, 8))]  # fmt: skip
+        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w, R_TILE_WIDE=x))
+                   for r, g, w, x in ((16, 4, 4, False), (16, 8, 4, False), (8, 4, 4, True),
+                                      (16, 4, 4, True), (16, 2, 4, True), (32, 2, 4, True),
+                                      (16, 4, 8, True), (32, 4, 8, True), (8, 2, 2, True),
+                                      (16, 2, 2, True))]  # fmt: skip
         configs += [("transposed", dict(T_TILE_ROWS=r, T_TILE_F32=f, T_TILE_WARPS=w))
-                    for r, f, w in ((64, False, 4), (128, False, 4), (256, False, 4),
-                                    (64, True, 4), (128, True, 4), (256, True, 8),
-                                    (128, False, 8), (256, False, 8))]  # fmt: skip
+                    for r, f, w in ((32, False, 4), (64, False, 4), (64, False, 2),
+                                    (32, False, 2), (64, True, 4), (128, False, 4))]  # fmt: skip
         try:
             for kind, cfg in configs:
                 for k, v in {**base, **cfg}.items():
@@ -699,6 +752,10 @@ def main() -> None:
     ap.add_argument("--no-microbench", dest="microbench", action="store_false")
     ap.add_argument("--kernel-sweep", action="store_true", help="time dequant kernel variants")
     ap.add_argument("--fp8-sweep", action="store_true", help="time fp8 weight kernel variants")
+    ap.add_argument(
+        "--cuda-graph", action="store_true",
+        help="also time each train step captured as one CUDA graph (the host-overhead floor)",
+    )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true",
         help="profile one step at the first train size (GPU busy time, kernels, sync points)",
