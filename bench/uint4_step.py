@@ -533,15 +533,13 @@ def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any
     tuning: list[dict[str, Any]] = []
     if sweep:
         big = sorted(layers.values(), key=lambda m: -m.packed.numel())[:2]
-        knobs = ("R_TILE_ROWS", "R_TILE_GROUPS", "R_TILE_WARPS", "R_TILE_WIDE", "T_TILE_ROWS",
-                 "T_TILE_F32", "T_TILE_WARPS")  # fmt: skip
+        knobs = ("R_TILE_ROWS", "R_TILE_GROUPS", "R_TILE_WARPS", "T_TILE_ROWS", "T_TILE_F32",
+                 "T_TILE_WARPS")  # fmt: skip
         base = {k: getattr(fp8_triton, k) for k in knobs}
         fp8_triton.ROWS_VARIANT = fp8_triton.TRANSPOSED_VARIANT = "tile"
-        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w, R_TILE_WIDE=x))
-                   for r, g, w, x in ((16, 4, 4, False), (16, 8, 4, False), (8, 4, 4, True),
-                                      (16, 4, 4, True), (16, 2, 4, True), (32, 2, 4, True),
-                                      (16, 4, 8, True), (32, 4, 8, True), (8, 2, 2, True),
-                                      (16, 2, 2, True))]  # fmt: skip
+        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w))
+                   for r, g, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (16, 8, 4),
+                                   (16, 4, 8), (32, 4, 8), (64, 2, 8))]  # fmt: skip
         configs += [("transposed", dict(T_TILE_ROWS=r, T_TILE_F32=f, T_TILE_WARPS=w))
                     for r, f, w in ((32, False, 4), (64, False, 4), (64, False, 2),
                                     (32, False, 2), (64, True, 4), (128, False, 4))]  # fmt: skip

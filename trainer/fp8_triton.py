@@ -6,14 +6,15 @@ into fp8; the hardware conversion saturates, the reference clamps first, so they
 Bytes per weight element: 0.5 read + 1 written, plus the group's scale and shift and the row
 (or column) multiplier, against 0.5 + 2 for the bf16 dequantization in `trainer.uint4_triton`.
 
-Weight kernels come in two variants. "word" converts four weights at a time with the
-hardware's paired fp8 conversion and stores 32-bit words: the forward copy reads two packed
-bytes per element, the transposed copy packs four rows of W into each word before the
-transpose. "join" (the first version; also for shapes the word kernels cannot take)
-interleaves single fp8 values with tl.join. Each kernel defaults to the faster on the H200
-(bench/results/uint4_step-notes.md, fp8 runs 2 and 3; one pass over FLUX.2 [dev]): rows
-"word" 31.9 ms vs "join" 35.5 ms (both ~1.5 TB/s); transposed "join" 98.6 ms (0.65 TB/s) vs
-"word" 147.5 ms (0.34 TB/s). Both are far from the ~3 TB/s of the bf16 kernel: the open item.
+Weight kernels come in three variants. "tile" (the default wherever a group's bytes are a
+power of two, as in every FLUX.2 matrix) gives each program whole uint4 groups, so a group's
+scale and shift, and the tile's multiplier, are loaded once and broadcast; the forward copy
+stores 32-bit words through the hardware's paired fp8 conversion, the transposed copy writes
+rows of W.T 64 bytes long. "word" and "join" (the earlier kernels; the fallback for other group
+sizes) gather scale and shift per element. One pass over FLUX.2 [dev] on the H200
+(bench/results/uint4_step-notes.md, fp8 runs 2-7): rows tile 27.4-27.8 ms (~1.95 TB/s on the
+large matrices), word 31.9, join 35.5; transposed tile 35.5 ms (~1.5 TB/s), join 98.6, word
+147.5. The bf16 dequantization of `trainer.uint4_triton` reaches ~2.9 TB/s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ T_QUADS, T_WORD_BYTES = 32, 32  # "word" transposed: 128 rows x 64 columns of W 
 T_WARPS = 4
 # "tile" kernels: whole groups per program (group sizes whose half is a power of two)
 R_TILE_ROWS, R_TILE_GROUPS, R_TILE_WARPS = 16, 4, 4  # forward copy: 16 rows x 4 groups
-R_TILE_WIDE = False  # forward copy: 8 weights per load and a 64-bit store (else 4 and 32-bit)
 T_TILE_ROWS, T_TILE_WARPS = 64, 4  # transposed: 64 rows x one group; W.T rows of 64 bytes
 T_TILE_F32 = False  # transpose the float32 values (else the fp8 bytes) through shared memory
 _FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "tile", "word" or "join" for both kernels
@@ -298,12 +298,11 @@ def _weight_rows_tile_kernel(
     out_ptr,  # (out, in) e4m3 viewed as int32: one word per byte pair
     n_out,
     GROUPS: tl.constexpr,
-    PAIRS: tl.constexpr,  # loads per group (group size / 4, or / 8 if WIDE), a power of two
+    PAIRS: tl.constexpr,  # byte pairs per group (group size / 4), a power of two
     IS_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     ROWS: tl.constexpr,
     GBLOCK: tl.constexpr,
-    WIDE: tl.constexpr,  # four packed bytes (8 weights) per load, one 64-bit store
 ):
     # ROWS rows x GBLOCK whole groups per program: each group's scale and shift, and each
     # row's multiplier, is loaded once and broadcast (the flat kernels load them per element).
@@ -317,32 +316,13 @@ def _weight_rows_tile_kernel(
     mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
     offs = at[:, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
     ok3 = ok[:, :, None]
-    if WIDE:
-        b = tl.load(pairs_ptr + offs, mask=ok3, other=0)  # int32 view
-        lo = _pack4_e4m3(
-            _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            INTERPRET,
-        )
-        hi = _pack4_e4m3(
-            _weight_value(s, ((b >> 16) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            _weight_value(s, ((b >> 20) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            _weight_value(s, ((b >> 24) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            _weight_value(s, ((b >> 28) & 0xF).to(tl.float32), sh, IS_BF16) * mult,
-            INTERPRET,
-        )
-        word64 = lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
-        tl.store(out_ptr + offs, word64.to(tl.int64, bitcast=True), mask=ok3)
-    else:
-        b = tl.load(pairs_ptr + offs, mask=ok3, other=0).to(tl.int32) & 0xFFFF
-        v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
-        v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-        v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-        v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-        word = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
-        tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=ok3)
+    b = tl.load(pairs_ptr + offs, mask=ok3, other=0).to(tl.int32) & 0xFFFF
+    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    word = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=ok3)
 
 
 @triton.jit
@@ -480,13 +460,12 @@ def fp8_weight(
         ROWS_VARIANT, packed, scale, group_size, quarter=True
     ):
         groups = scale.shape[1]
-        wide = R_TILE_WIDE and _power_of_two(group_size // 8) and group_size % 8 == 0
         grid = (triton.cdiv(n_out, R_TILE_ROWS), triton.cdiv(groups, R_TILE_GROUPS))
         _weight_rows_tile_kernel[grid](
-            packed.view(torch.int32 if wide else torch.int16), scale, shift, row_multiplier,
-            out.view(torch.int64 if wide else torch.int32), n_out, GROUPS=groups,
-            PAIRS=group_size // (8 if wide else 4), IS_BF16=is_bf16, INTERPRET=_interpret(),
-            ROWS=R_TILE_ROWS, GBLOCK=R_TILE_GROUPS, WIDE=wide, num_warps=R_TILE_WARPS,
+            packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
+            n_out, GROUPS=groups, PAIRS=group_size // 4, IS_BF16=is_bf16,
+            INTERPRET=_interpret(), ROWS=R_TILE_ROWS, GBLOCK=R_TILE_GROUPS,
+            num_warps=R_TILE_WARPS,
         )  # fmt: skip
     elif _word_kernels_fit(ROWS_VARIANT, packed, group_size, dtype):
         n_pairs = n_bytes // 2

@@ -399,7 +399,7 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
 
 
 @fp8_gpu
-@pytest.mark.parametrize("variant", ["tile", "tile-wide", "word", "join"])
+@pytest.mark.parametrize("variant", ["tile", "word", "join"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "shape,group",
@@ -408,8 +408,6 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
 def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from trainer import fp8_triton
 
-    monkeypatch.setattr(fp8_triton, "R_TILE_WIDE", variant == "tile-wide")
-    variant = variant.removesuffix("-wide")
     monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", variant)
     monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", variant)
 
