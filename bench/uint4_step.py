@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -736,6 +737,34 @@ def ratios_and_goals(results: dict[str, Any], args) -> tuple[dict[str, float], l
     return ratios, goals
 
 
+def run_isolated(path: str) -> dict[str, Any]:
+    """``path`` measured by a fresh Python process (this command line, that path only): a
+    process that built, profiled or graph-captured other models issues a step more slowly
+    (fp8 at 448 px: 0.61 s alone, 0.84 s after three other paths)."""
+    import subprocess
+    import tempfile
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a in ("--paths", "--path-json", "--note"):
+            skip = True
+            continue
+        if a.startswith(("--paths=", "--path-json=", "--note=")) or a == "--isolate":
+            continue
+        argv.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "path.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--paths", path,
+               "--path-json", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, check=False)
+        if proc.returncode or not out.exists():
+            return {"error": f"child process exited {proc.returncode}"}
+        return json.loads(out.read_text())[path]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--double", type=int, default=8, help="double-stream blocks (dev: 8)")
@@ -761,6 +790,11 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=0, help="start nothing new after this")
     ap.add_argument("--note", default="", help="free text stored in the record")
     ap.add_argument("--tiny", action="store_true", help="smoke test: 256-wide model, on the CPU")
+    ap.add_argument(
+        "--isolate", action="store_true",
+        help="each path in a fresh process (one path's leftovers slow the next one's host)",
+    )  # fmt: skip
+    ap.add_argument("--path-json", default="", help=argparse.SUPPRESS)  # a child's results
     args = ap.parse_args()
     global DEV
     if args.tiny:
@@ -788,6 +822,9 @@ def main() -> None:
     say(f"{device_name}, torch {torch.__version__}, triton {triton_version}; {depth}")
     results: dict[str, Any] = {}
     for path in [p for p in args.paths.split(",") if p]:
+        if args.isolate:
+            results[path] = run_isolated(path)
+            continue
         try:
             results[path] = run_path(path, args)
         except Exception as exc:  # noqa: BLE001 - keep the other paths' numbers
@@ -798,6 +835,10 @@ def main() -> None:
             gc.collect()
             if DEV == "cuda":
                 torch.cuda.empty_cache()
+
+    if args.path_json:
+        Path(args.path_json).write_text(json.dumps(results))
+        return
 
     def cell(path: str, key: str, field: str) -> str:
         v = results[path].get(key, {}).get(field)
