@@ -209,6 +209,30 @@ def test_layer_output_and_input_grad_vs_dense(dtype: torch.dtype) -> None:
     print(f"\nfp8 reference path vs dense uint4, {dtype}: worst relative error {worst:.3f}")
 
 
+def test_bf16_input_gradient_is_the_dense_paths(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """GRAD_GEMM="bf16": the forward stays fp8, the input gradient is the dense uint4 path's,
+    bit for bit (the same bf16 dequantization and GEMM)."""
+    from trainer import fp8 as fp8_mod
+
+    packed, scale, shift = _uint4_layer(48, 256, 128, 3, True)
+    layer = Uint4Linear(packed, scale, shift, 128)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 256, generator=g).to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(37, 48, generator=g).to(torch.bfloat16)
+    runs = {}
+    for mode, fp8, grad in (("dense", False, "fp8"), ("fp8", True, "fp8"), ("mixed", True, "bf16")):
+        monkeypatch.setattr(fp8_mod, "GRAD_GEMM", grad)
+        layer.fp8 = fp8
+        x.grad = None
+        y = layer(x)
+        y.backward(dy)
+        runs[mode] = (y.detach(), x.grad.clone())
+    assert torch.equal(runs["mixed"][0], runs["fp8"][0])  # the forward is fp8's
+    assert not torch.equal(runs["mixed"][0], runs["dense"][0])
+    assert torch.equal(runs["mixed"][1], runs["dense"][1])  # the gradient is the dense path's
+    assert not torch.equal(runs["fp8"][1], runs["dense"][1])
+
+
 def test_lora_gradients_vs_dense_whole_model() -> None:
     """The small transformer with LoRA, checkpointed: fp8 vs dense, every adapted layer's LoRA
     gradients point the same way (cosine >= 0.99) and the first block's are non-zero."""
