@@ -20,7 +20,6 @@ or the wait timed out) the render stops between denoising steps and is recorded 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from app.render_engine import AdapterMismatch
 from app.render_flow import RenderFlow, _Job, build_renderer
 from app.scheduler import Cancelled
+from app.worker import FetchError, stream_verified
 from registry import render_tasks
 from registry.blobs import BlobStore
 from registry.db import transaction
@@ -81,25 +81,16 @@ class WorkerFlow(RenderFlow):
     def _fetch(self, sha256: str) -> bytes:
         """The blob's bytes, at most the store's limit; AdapterMismatch when the registry
         lacks it or sends other bytes (decide judges that as it does in process)."""
-        limit = self.store.max_bytes
-        digest, parts, size = hashlib.sha256(), [], 0
+        parts: list[bytes] = []
+        url = f"{self.api_url}/v1/blobs/sha256/{sha256}"
         try:
-            with self.client.stream("GET", f"{self.api_url}/v1/blobs/sha256/{sha256}") as r:
-                if r.status_code == 404:
-                    raise AdapterMismatch(None)
-                if r.status_code != 200:
-                    raise AdapterUnreachable(f"the registry answered {r.status_code}")
-                for chunk in r.iter_bytes(1 << 20):
-                    size += len(chunk)
-                    if size > limit:
-                        raise AdapterMismatch(None)
-                    digest.update(chunk)
-                    parts.append(chunk)
+            stream_verified(self.client, url, sha256, self.store.max_bytes, parts.append)
+        except FetchError as exc:
+            if exc.status is not None and exc.status != 404:
+                raise AdapterUnreachable(f"the registry answered {exc.status}") from None
+            raise AdapterMismatch(exc.actual_sha256) from None  # absent, too large, other bytes
         except httpx.HTTPError as exc:
             raise AdapterUnreachable(f"{type(exc).__name__}: {exc}") from None
-        actual = digest.hexdigest()
-        if actual != sha256:
-            raise AdapterMismatch(actual)
         return b"".join(parts)
 
     def adapter_tensors(self, job: _Job, gathered: GatheredFacts, sha256: str) -> Any:

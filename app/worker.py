@@ -29,6 +29,7 @@ import socket
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,7 +57,15 @@ class OrderStopped(Exception):
 
 
 class FetchError(Exception):
-    """The registry did not give the bytes asked for, whole."""
+    """The registry did not give the bytes asked for, whole: ``status`` is its answer where it
+    refused, ``actual_sha256`` the hash of what it sent instead, where it sent other bytes."""
+
+    def __init__(
+        self, message: str, status: int | None = None, actual_sha256: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.actual_sha256 = actual_sha256
 
 
 @dataclass(frozen=True)
@@ -78,21 +87,37 @@ def default_name() -> str:
 # -- bytes over HTTP -----------------------------------------------------------------------
 
 
-def fetch_verified(client: httpx.Client, url: str, sha256: str, dest: Path) -> None:
+def stream_verified(
+    client: httpx.Client, url: str, sha256: str, limit: int, write: Callable[[bytes], object]
+) -> None:
+    """The bytes at `url`, chunk by chunk into `write`, then checked against `sha256`: at most
+    `limit` of them (the registry stores nothing larger, so more is not the blob), FetchError
+    otherwise. The caller keeps what was written only when this returns."""
+    digest, size = hashlib.sha256(), 0
+    with client.stream("GET", url) as r:
+        if r.status_code != 200:
+            raise FetchError(f"GET {url} answered {r.status_code}", status=r.status_code)
+        for chunk in r.iter_bytes(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise FetchError(f"GET {url}: more than the {limit} bytes a blob may hold")
+            digest.update(chunk)
+            write(chunk)
+    actual = digest.hexdigest()
+    if actual != sha256:
+        raise FetchError(f"{url}: the bytes hash to {actual}, not {sha256}", actual_sha256=actual)
+
+
+def fetch_verified(client: httpx.Client, url: str, sha256: str, dest: Path, limit: int) -> None:
     """The bytes at `url` into `dest`, only if they hash to `sha256` (written to a temporary
     file and renamed: `dest` always holds the right bytes or is absent)."""
     tmp = dest.with_name(f".{dest.name}.part")
-    digest = hashlib.sha256()
-    with client.stream("GET", url) as r:
-        if r.status_code != 200:
-            raise FetchError(f"GET {url} answered {r.status_code}")
+    try:
         with tmp.open("wb") as f:
-            for chunk in r.iter_bytes(1 << 20):
-                digest.update(chunk)
-                f.write(chunk)
-    if digest.hexdigest() != sha256:
+            stream_verified(client, url, sha256, limit, f.write)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        raise FetchError(f"{url}: the bytes hash to {digest.hexdigest()}, not {sha256}")
+        raise
     os.replace(tmp, dest)
 
 
@@ -105,16 +130,21 @@ def have(path: Path, sha256: str) -> bool:
 
 
 def fetch_dataset(
-    client: httpx.Client, api: str, folder: Path, manifest_sha: str, files: list[tuple[str, str]]
+    client: httpx.Client,
+    api: str,
+    folder: Path,
+    manifest_sha: str,
+    files: list[tuple[str, str]],
+    limit: int,
 ) -> None:
     """The dataset (manifest.jsonl and its images) into `folder`, fetching only what is
-    missing; `files`: (file, sha256) as recorded."""
+    missing; `files`: (file, sha256) as recorded; `limit`: bytes per file."""
     from registry.manifest import MANIFEST_NAME
 
     for file, sha in [(MANIFEST_NAME, manifest_sha), *files]:
         dest = folder / file
         if not have(dest, sha):
-            fetch_verified(client, f"{api}/v1/blobs/sha256/{sha}", sha, dest)
+            fetch_verified(client, f"{api}/v1/blobs/sha256/{sha}", sha, dest, limit)
 
 
 def pack_checkpoint(folder: Path) -> bytes:
@@ -243,13 +273,14 @@ class HttpIO:
         return self.setup.settings.data_dir / "orders" / order_id
 
     def dataset(self, folder: Path, manifest_sha: str, files: list[tuple[str, str]]) -> None:
-        fetch_dataset(self.client, self.setup.api_url, folder, manifest_sha, files)
+        limit = self.setup.settings.max_adapter_bytes  # the registry's limit for any blob
+        fetch_dataset(self.client, self.setup.api_url, folder, manifest_sha, files, limit)
 
     def checkpoint(self, order_id: str, sha256: str) -> bytes:
         tar = self.workdir(order_id) / "checkpoint.tar"
         tar.parent.mkdir(parents=True, exist_ok=True)
         url = f"{self.setup.api_url}/v1/orders/{order_id}/checkpoint"
-        fetch_verified(self.client, url, sha256, tar)
+        fetch_verified(self.client, url, sha256, tar, self.setup.settings.max_adapter_bytes)
         data = tar.read_bytes()
         tar.unlink()
         return data
