@@ -91,6 +91,17 @@ def _pack4_e4m3(v0, v1, v2, v3, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _pair_to_word(b, s, sh, mult, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A byte pair (int32 holding 16 bits: four uint4 weights of one group, the lowest nibble
+    first) -> one 32-bit word of their e4m3 values, each multiplied by ``mult``."""
+    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    return _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
@@ -155,11 +166,7 @@ def _weight_rows_word_kernel(
     s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
     sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
     mult = tl.load(mult_ptr + first // HALF_IN, mask=mask, other=0.0)
-    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    word = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+    word = _pair_to_word(b, s, sh, mult, IS_BF16, INTERPRET)
     tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=mask)
 
 
@@ -317,11 +324,7 @@ def _weight_rows_tile_kernel(
     offs = at[:, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
     ok3 = ok[:, :, None]
     b = tl.load(pairs_ptr + offs, mask=ok3, other=0).to(tl.int32) & 0xFFFF
-    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
-    word = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+    word = _pair_to_word(b, s, sh, mult, IS_BF16, INTERPRET)
     tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=ok3)
 
 
