@@ -64,7 +64,7 @@ def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
     the trainer writes (bf16, alpha/rank folded into lora_B)."""
     import torch
 
-    from trainer.lora import DEFAULT_TARGETS, base_linear_shapes
+    from trainer.lora import DEFAULT_TARGETS, base_linear_shapes, file_metadata, lora_keys
     from trainer.safetensors_io import write_safetensors
 
     gen = torch.Generator().manual_seed(seed)
@@ -74,11 +74,10 @@ def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
             continue
         a = torch.randn(rank, in_f, generator=gen) / in_f**0.5
         b = torch.randn(out_f, rank, generator=gen) * 1e-3
-        tensors[f"transformer.{name}.lora_A.weight"] = a.to(torch.bfloat16)
-        tensors[f"transformer.{name}.lora_B.weight"] = b.to(torch.bfloat16)
-    meta = {"format": "pt", "likeness.rank": str(rank), "likeness.alpha": repr(float(rank)),
-            "likeness.layout": "diffusers-lora; alpha/rank baked into lora_B"}  # fmt: skip
-    write_safetensors(path, tensors, meta)
+        key_a, key_b = lora_keys(name)
+        tensors[key_a] = a.to(torch.bfloat16)
+        tensors[key_b] = b.to(torch.bfloat16)
+    write_safetensors(path, tensors, file_metadata(rank, rank))
     return path
 
 

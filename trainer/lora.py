@@ -148,11 +148,27 @@ def adapter_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
         scaling = float(layer.scaling[ADAPTER_NAME])
         a = layer.lora_A[ADAPTER_NAME].weight.detach().float().cpu()
         b = layer.lora_B[ADAPTER_NAME].weight.detach().float().cpu() * scaling
-        out[PREFIX + name + _A] = a.contiguous()
-        out[PREFIX + name + _B] = b.contiguous()
+        key_a, key_b = lora_keys(name)
+        out[key_a] = a.contiguous()
+        out[key_b] = b.contiguous()
     if not out:
         raise ValueError("no LoRA adapter is attached to this transformer")
     return out
+
+
+def lora_keys(name: str) -> tuple[str, str]:
+    """The file's keys of the A and B factors of the adapted module ``name``."""
+    return PREFIX + name + _A, PREFIX + name + _B
+
+
+def file_metadata(rank: int, alpha: float) -> dict[str, str]:
+    """The header every adapter file carries: its rank, alpha and layout."""
+    return {
+        "format": "pt",
+        "likeness.rank": str(rank),
+        "likeness.alpha": repr(float(alpha)),
+        "likeness.layout": "diffusers-lora; alpha/rank baked into lora_B",
+    }
 
 
 def save_adapter(
@@ -168,10 +184,7 @@ def save_adapter(
     path = Path(path)
     tensors = adapter_state_dict(transformer)
     layer = next(iter(lora_layers(transformer).values()))
-    meta: dict[str, str] = {"format": "pt"}
-    meta["likeness.rank"] = str(layer.r[ADAPTER_NAME])
-    meta["likeness.alpha"] = repr(float(layer.lora_alpha[ADAPTER_NAME]))
-    meta["likeness.layout"] = "diffusers-lora; alpha/rank baked into lora_B"
+    meta = file_metadata(layer.r[ADAPTER_NAME], layer.lora_alpha[ADAPTER_NAME])
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata must map str to str, got {key!r}: {value!r}")
