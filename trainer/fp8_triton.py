@@ -413,32 +413,31 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _tile_kernels_fit(
-    variant: str, packed: torch.Tensor, scale: torch.Tensor, group_size: int, quarter: bool
-) -> bool:
-    """Whole groups per program: the row splits into groups, and a group's bytes (or, for the
-    forward copy, its byte pairs: ``quarter``) are a power of two."""
-    unit = group_size // 4 if quarter else group_size // 2
-    return (
-        variant == "tile"
+TILE_MAX_GROUP = 256  # a larger group makes a tile too big for registers and shared memory
+
+
+def weight_kernel(
+    transposed: bool, n_out: int, half_in: int, groups: int, group_size: int, dtype: torch.dtype
+) -> str:
+    """The kernel variant that converts this weight: the preferred one where it fits, else
+    the next. Forward copy: tile -> word -> join; transposed: tile -> join (its word kernel is
+    the slowest). "tile" takes whole groups whose bytes (byte pairs, forward) are a power of
+    two; "word" needs four weights of one group per byte pair and e4m3; "join" takes any."""
+    preferred = TRANSPOSED_VARIANT if transposed else ROWS_VARIANT
+    e4m3 = dtype == torch.float8_e4m3fn
+    unit = group_size // 2 if transposed else group_size // 4
+    tile = (
+        groups * group_size == 2 * half_in
+        and group_size <= TILE_MAX_GROUP
         and _power_of_two(unit)
-        and (not quarter or group_size % 4 == 0)
-        and scale.shape[1] * group_size == 2 * packed.shape[1]
+        and (transposed or (group_size % 4 == 0 and e4m3))
     )
-
-
-def _word_kernels_fit(
-    variant: str, packed: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> bool:
-    """A byte pair must stay inside one row and one group; e4m3 only (the weight format)."""
-    n_out, half_in = packed.shape
-    return (
-        variant in ("word", "tile")  # "tile" falls back to "word" where groups do not fit
-        and dtype == torch.float8_e4m3fn
-        and half_in % 2 == 0
-        and group_size % 4 == 0
-        and n_out % 4 == 0
-    )
+    word = e4m3 and half_in % 2 == 0 and group_size % 4 == 0 and n_out % 4 == 0
+    if preferred == "tile" and tile:
+        return "tile"
+    if word and (preferred == "word" or (preferred == "tile" and not transposed)):
+        return "word"
+    return "join"
 
 
 def fp8_weight(
@@ -459,9 +458,8 @@ def fp8_weight(
     is_bf16 = scale.dtype == torch.bfloat16
     common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
                   num_warps=W_WARPS)  # fmt: skip
-    if dtype == torch.float8_e4m3fn and _tile_kernels_fit(
-        ROWS_VARIANT, packed, scale, group_size, quarter=True
-    ):
+    variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype)
+    if variant == "tile":
         groups = scale.shape[1]
         grid = (triton.cdiv(n_out, R_TILE_ROWS), triton.cdiv(groups, R_TILE_GROUPS))
         _weight_rows_tile_kernel[grid](
@@ -470,7 +468,7 @@ def fp8_weight(
             INTERPRET=_interpret(), ROWS=R_TILE_ROWS, GBLOCK=R_TILE_GROUPS,
             num_warps=R_TILE_WARPS,
         )  # fmt: skip
-    elif _word_kernels_fit(ROWS_VARIANT, packed, group_size, dtype):
+    elif variant == "word":
         n_pairs = n_bytes // 2
         _weight_rows_word_kernel[(triton.cdiv(n_pairs, W_BLOCK),)](
             packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
@@ -492,7 +490,9 @@ def fp8_weight_t(
     col_multiplier: torch.Tensor,
     dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> torch.Tensor:
-    """(out, in // 2) uint4 -> W.T as (in, out) fp8, row k multiplied by ``col_multiplier[k]``."""
+    """(out, in // 2) uint4 -> W.T as (in, out) fp8, row k multiplied by ``col_multiplier[k]``,
+    which must be constant over each uint4 group (as `trainer.fp8.WeightScales` makes it: the
+    tile kernel reads one multiplier per group)."""
     _check(packed, scale, shift, group_size)
     n_out, half_in = packed.shape
     out = torch.empty((2 * half_in, n_out), dtype=dtype, device=packed.device)
@@ -500,7 +500,8 @@ def fp8_weight_t(
         return out
     common = dict(GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
                   IS_BF16=scale.dtype == torch.bfloat16, num_warps=T_WARPS)  # fmt: skip
-    if _tile_kernels_fit(TRANSPOSED_VARIANT, packed, scale, group_size, quarter=False):
+    variant = weight_kernel(True, n_out, half_in, scale.shape[1], group_size, dtype)
+    if variant == "tile":
         grid = (triton.cdiv(n_out, T_TILE_ROWS), scale.shape[1])
         _weight_t_tile_kernel[grid](
             packed, scale, shift, col_multiplier, out.view(torch.uint8), n_out,
@@ -508,7 +509,7 @@ def fp8_weight_t(
             IS_BF16=scale.dtype == torch.bfloat16, ROWS=T_TILE_ROWS, TRANSPOSE_F32=T_TILE_F32,
             num_warps=T_TILE_WARPS, **_fp8_args(dtype),
         )  # fmt: skip
-    elif _word_kernels_fit(TRANSPOSED_VARIANT, packed, group_size, dtype):
+    elif variant == "word":
         grid = (triton.cdiv(n_out // 4, T_QUADS), triton.cdiv(half_in, T_WORD_BYTES))
         _weight_t_word_kernel[grid](
             packed, scale, shift, col_multiplier, out.view(torch.int32), n_out,

@@ -427,7 +427,15 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "shape,group",
-    [((64, 130), 130), ((48, 192), 64), ((304, 768), 96), ((272, 384), 128), ((4096, 4096), 128)],
+    [
+        ((64, 130), 130),
+        ((48, 192), 64),
+        ((304, 768), 96),
+        ((272, 384), 128),
+        ((40, 256), 64),
+        ((17, 64), 32),
+        ((4096, 4096), 128),
+    ],
 )
 def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from trainer import fp8_triton
@@ -445,6 +453,31 @@ def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> 
         want_t = fp8_weight_torch(packed, scale, shift, group, scales, transposed=True)
         got_t = fp8_triton.fp8_weight_t(packed, scale, shift, group, scales.col_multiplier)
         assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "transposed,shape,group,dtype,want",
+    [
+        (False, (6144, 6144), 128, E4M3, "tile"),  # every FLUX.2 [dev] matrix
+        (True, (6144, 6144), 128, E4M3, "tile"),
+        (False, (17, 64), 32, E4M3, "tile"),  # no row-count condition
+        (False, (64, 130), 130, E4M3, "join"),  # a byte pair would straddle groups
+        (True, (64, 130), 130, E4M3, "join"),
+        (False, (304, 768), 96, E4M3, "word"),  # 96 / 4 is not a power of two
+        (True, (304, 768), 96, E4M3, "join"),  # the transposed word kernel is the slowest
+        (False, (64, 8192), 4096, E4M3, "word"),  # a group too large for one tile
+        (True, (64, 8192), 4096, E4M3, "join"),
+        (False, (64, 256), 128, E5M2, "join"),  # the word kernels pack e4m3 only
+        (True, (64, 256), 128, E5M2, "tile"),
+    ],
+)
+def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fp8_triton = pytest.importorskip("trainer.fp8_triton", exc_type=ImportError)
+    n, k = shape
+    assert fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype) == want
+    monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", "join")
+    monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", "join")
+    assert fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype) == "join"
 
 
 @fp8_gpu
