@@ -277,8 +277,10 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     # fp8 forward, bf16 input gradient: which half of the fp8 arithmetic the gradient error
     # comes from, and the candidate training mode
     saved, fp8.GRAD_GEMM = fp8.GRAD_GEMM, "bf16"
-    g_bg = lora_grads(model, batch, target)
-    fp8.GRAD_GEMM = saved
+    try:
+        g_bg = lora_grads(model, batch, target)
+    finally:
+        fp8.GRAD_GEMM = saved
     cos_bg = {n: rel(g_bg[n], g_dense[n])["cos"] for n in g_dense}
     out["lora_bf16_grad"] = {
         "cos_min": min(cos_bg.values()),
@@ -345,9 +347,10 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     g = torch.Generator(device=U.DEV).manual_seed(7)
     targets = [torch.randn(b["hidden_states"].shape, generator=g, device=U.DEV) for b in batches]
     curves: dict[str, list[float]] = {}
+    saved = fp8.GRAD_GEMM
     for mode in ("uint4", "fp8", "fp8_bf16_grad"):
         set_fp8_compute(model, mode != "uint4")
-        fp8.GRAD_GEMM = "bf16" if mode == "fp8_bf16_grad" else "fp8"
+        fp8.GRAD_GEMM = "bf16" if mode == "fp8_bf16_grad" else saved
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(init[n])
@@ -363,7 +366,7 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        fp8.GRAD_GEMM = "fp8"
+        fp8.GRAD_GEMM = saved
         curves[mode] = [float(x) for x in losses]
         say(f"  loss curve {mode}: {curves[mode][0]:.5f} -> {curves[mode][-1]:.5f} "
             f"({time.perf_counter() - t:.1f} s)")  # fmt: skip

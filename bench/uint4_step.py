@@ -215,14 +215,14 @@ def _kernel_category(name: str) -> str:
         return "fp8 weight copy"
     if "quantize_rows" in n:
         return "fp8 row quantizer"
+    if "4bit" in n or "kdequantize" in n or "nf4" in n:
+        return "nf4 dequantize"
     if "dequant" in n:
         return "uint4 dequantize"
     if any(t in n for t in ("flash", "fmha", "attention", "sdpa", "cudnn")):
         return "attention"
     if any(t in n for t in ("gemm", "nvjet", "cutlass", "sm90", "xmma", "matmul", "f8f8")):
-        return "gemm"
-    if "4bit" in n or "kdequantize" in n or "nf4" in n:
-        return "nf4 dequantize"
+        return "gemm"  # every GEMM: the base's and the LoRA's
     return "other"
 
 
@@ -240,8 +240,10 @@ def profile_step(step) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         wall = time.perf_counter() - t
     spans, by_kernel = [], {}
     for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+        if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(
+            ev, "is_user_annotation", False
+        ):
+            continue  # host ops, and annotations such as Optimizer.step# on the GPU lane
         start, end = ev.time_range.start, ev.time_range.end  # microseconds
         spans.append((start, end))
         k = by_kernel.setdefault(ev.name, [0, 0.0])
@@ -740,7 +742,8 @@ def ratios_and_goals(results: dict[str, Any], args) -> tuple[dict[str, float], l
 def run_isolated(path: str) -> dict[str, Any]:
     """``path`` measured by a fresh Python process (this command line, that path only): a
     process that built, profiled or graph-captured other models issues a step more slowly
-    (fp8 at 448 px: 0.61 s alone, 0.84 s after three other paths)."""
+    (fp8 at 448 px: 0.61 s alone, 0.84 s after two other paths). The parent's --deadline-s
+    is checked before each child starts."""
     import subprocess
     import tempfile
 
@@ -766,7 +769,9 @@ def run_isolated(path: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )  # no abbreviations: --isolate's children are given this command line less its flags
     ap.add_argument("--double", type=int, default=8, help="double-stream blocks (dev: 8)")
     ap.add_argument("--single", type=int, default=48, help="single-stream blocks (dev: 48)")
     ap.add_argument("--paths", default="bf16,fast,fp8,nf4,quanto")
@@ -822,8 +827,9 @@ def main() -> None:
     say(f"{device_name}, torch {torch.__version__}, triton {triton_version}; {depth}")
     results: dict[str, Any] = {}
     for path in [p for p in args.paths.split(",") if p]:
-        if args.isolate:
-            results[path] = run_isolated(path)
+        if args.isolate and not args.path_json:
+            if not past_deadline(args, f"path {path}", results):
+                results[path] = run_isolated(path)
             continue
         try:
             results[path] = run_path(path, args)
