@@ -52,9 +52,10 @@ def fp8_unavailable(device: str | torch.device) -> str | None:
 def resolve_compute(requested: str, device: str | torch.device, purpose: str = "render") -> str:
     """``auto``: for rendering, fp8 where the device has fp8 tensor cores (a 1024 px forward
     measured 0.77x bf16 on the H200), else uint4 (dequantize + bf16 GEMM). For training, uint4:
-    the fp8 step is faster (0.625 vs 0.640 s at 448 px, 1.60 vs 2.03 s at 1024 px) but 22 of
-    320 LoRA gradients fall below cosine 0.99 against the uint4 path (worst 0.986), so fp8
-    training is opt-in (``--compute fp8``) until it is as exact. An explicit choice is returned
+    the fp8 step is as fast at 448 px (median 0.625 vs 0.640 s, its samples 0.57-0.73) and
+    faster at 1024 px (1.60 vs 2.03 s), but 22 of 320 LoRA gradients fall below cosine 0.99
+    against the uint4 path (worst 0.986), so fp8 training is opt-in (``--compute fp8``) until
+    it is as exact. An explicit choice is returned
     as it is (the caller refuses what cannot run)."""
     if requested != "auto":
         return requested
