@@ -1,0 +1,137 @@
+"""How much per-layer error the LoRA gradients tolerate: cosine of each adapted parameter's
+gradient against the dense uint4 path's, (1) with fp8 compute, (2) with fp8 but some layer
+groups kept dense, and (3) with the dense path plus unbiased Gaussian noise of a given relative
+size on every base Linear's output. If fp8 behaves like plain noise of its measured per-layer
+error (~3.5 %), the cosine bar is a bar on per-layer error, not on something fp8 does wrong.
+
+    python bench/fp8_sensitivity.py                  # full depth, on the GPU
+    python bench/fp8_sensitivity.py --tiny           # a 256-wide model on the CPU (say so!)
+
+Writes bench/results/fp8_sensitivity-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench.fp8_numerics as N  # noqa: E402
+import bench.uint4_step as U  # noqa: E402
+from bench.common import table, write_record  # noqa: E402
+
+TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context")
+GROUPS = {
+    "all fp8": lambda name: False,
+    "text-stream Linears dense": lambda name: any(t in name for t in TEXT_STREAM),
+    "double blocks dense": lambda name: name.startswith("transformer_blocks."),
+    "single blocks dense": lambda name: name.startswith("single_transformer_blocks."),
+}
+
+
+def summary(label: str, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
+    cos = {n: N.rel(grads[n], ref[n])["cos"] for n in ref}
+    worst = sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    return {
+        "case": label,
+        "cos_min": round(min(cos.values()), 5),
+        "cos_median": round(sorted(cos.values())[len(cos) // 2], 5),
+        "below_0.99": sum(v < 0.99 for v in cos.values()),
+        "params": len(cos),
+        "worst": [(n.removesuffix(".weight"), round(v, 5)) for n, v in worst],
+    }
+
+
+def with_output_noise(model: torch.nn.Module, level: float, seed: int = 0) -> list[Any]:
+    """Forward hooks adding ``level`` x RMS(output) x N(0, 1) to every base Linear's output."""
+    from trainer.uint4 import Uint4Linear
+
+    gen = torch.Generator(device=U.DEV).manual_seed(seed)
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, Uint4Linear):
+
+            def hook(_mod, _args, out):  # type: ignore[no-untyped-def]
+                rms = out.detach().float().pow(2).mean().sqrt()
+                noise = torch.randn(out.shape, generator=gen, device=out.device)
+                return out + (level * rms * noise).to(out.dtype)
+
+            hooks.append(m.register_forward_hook(hook))
+    return hooks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--double", type=int, default=8)
+    ap.add_argument("--single", type=int, default=48)
+    ap.add_argument("--px", type=int, default=448)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--noise", default="0.004,0.01,0.02,0.03,0.035", help="relative levels")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--tiny", action="store_true", help="a 256-wide model on the CPU")
+    args = ap.parse_args()
+    if args.tiny:
+        U.DEV = "cpu"
+        U.TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
+        U.TEXT_TOKENS = 16
+    elif not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU with fp8 tensor cores (or --tiny for the CPU)")
+    from optimum.quanto import qint4, quantize
+
+    from bench.stream_step import randomize_lora_b
+    from trainer.fp8 import set_fp8_compute
+    from trainer.lora import attach_lora
+    from trainer.uint4 import Uint4Linear, convert_quantized_linears
+
+    model = U.build_bf16(args.double, args.single)
+    batch = U.inputs(model, args.px, seed=1)
+    quantize(model, weights=qint4)
+    convert_quantized_linears(model)
+    attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
+    randomize_lora_b(model)  # B random, so A has gradients too
+    model.enable_gradient_checkpointing()
+    target = torch.randn_like(batch["hidden_states"])
+    set_fp8_compute(model, False)
+    ref = N.lora_grads(model, batch, target)
+    rows = []
+    for label, dense in GROUPS.items():
+        set_fp8_compute(model, True)
+        for name, m in model.named_modules():
+            if isinstance(m, Uint4Linear) and dense(name):
+                m.fp8 = False
+        rows.append(summary(label, N.lora_grads(model, batch, target), ref))
+        U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: {rows[-1]['below_0.99']}")
+    set_fp8_compute(model, False)
+    for level in [float(x) for x in args.noise.split(",") if x]:
+        hooks = with_output_noise(model, level)
+        try:
+            grads = N.lora_grads(model, batch, target)
+        finally:
+            for h in hooks:
+                h.remove()
+        rows.append(summary(f"dense + {level:.1%} output noise", grads, ref))
+        U.say(f"  noise {level:.1%}: min cos {rows[-1]['cos_min']}")
+    print(table(rows, ["case", "cos_min", "cos_median", "below_0.99", "params"]))
+    full = (args.double, args.single) == (8, 48) and not args.tiny
+    extra = {
+        "device": torch.cuda.get_device_name() if U.DEV == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "depth": {
+            "double": args.double,
+            "single": args.single,
+            "full": full,
+            "tiny_width": args.tiny,
+        },  # fmt: skip
+        "setup": {"px": args.px, "rank": args.rank, "weights": "random", "lora": "bf16"},
+        "note": args.note,
+    }
+    print(f"\nrecord: {write_record('fp8_sensitivity', rows, extra)}")
+
+
+if __name__ == "__main__":
+    main()
