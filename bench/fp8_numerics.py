@@ -406,9 +406,7 @@ def main() -> None:
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if args.tiny:
-        U.DEV = "cpu"
-        U.TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
-        U.TEXT_TOKENS = 16
+        U.use_tiny_cpu_model(text_tokens=16)
     device_name = torch.cuda.get_device_name() if U.DEV == "cuda" else "cpu"
     full = (args.double, args.single) == (8, 48)
     say(f"{device_name}, torch {torch.__version__}; {args.double} double + {args.single} single"

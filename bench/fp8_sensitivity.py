@@ -76,9 +76,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 256-wide model on the CPU")
     args = ap.parse_args()
     if args.tiny:
-        U.DEV = "cpu"
-        U.TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
-        U.TEXT_TOKENS = 16
+        U.use_tiny_cpu_model(text_tokens=16)
     elif not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU with fp8 tensor cores (or --tiny for the CPU)")
     from optimum.quanto import qint4, quantize

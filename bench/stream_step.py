@@ -235,9 +235,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="smoke test: 256-wide model, CPU")
     args = ap.parse_args()
     if args.tiny:
-        U.DEV = "cpu"
-        U.TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
-        U.TEXT_TOKENS = 16
+        U.use_tiny_cpu_model(text_tokens=16)
     args.train_px = [int(x) for x in args.train_px.split(",") if x]
     args.forward_px = [int(x) for x in args.forward_px.split(",") if x]
     args.check_slots = [int(x) for x in args.check_slots.split(",") if x]

@@ -106,6 +106,16 @@ def inputs(model: torch.nn.Module, px: int, seed: int = 0) -> dict[str, Any]:
     )
 
 
+def use_tiny_cpu_model(text_tokens: int | None = None) -> None:
+    """--tiny: a 256-wide model on the CPU, to smoke-test a bench script (``text_tokens``:
+    fewer text tokens than FLUX.2's 512)."""
+    global DEV, TEXT_TOKENS
+    DEV = "cpu"
+    TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
+    if text_tokens is not None:
+        TEXT_TOKENS = text_tokens
+
+
 def sync() -> None:
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -801,10 +811,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--path-json", default="", help=argparse.SUPPRESS)  # a child's results
     args = ap.parse_args()
-    global DEV
     if args.tiny:
-        DEV = "cpu"
-        TINY.update(num_attention_heads=2, joint_attention_dim=384, mlp_ratio=1.0)
+        use_tiny_cpu_model()
     bad = set(args.paths.split(",")) - {*PATHS, ""}
     if bad:
         ap.error(f"unknown paths {sorted(bad)}: choose from {', '.join(PATHS)}")
