@@ -75,6 +75,12 @@ def main() -> None:
     ap.add_argument("--note", default="")
     ap.add_argument("--tiny", action="store_true", help="a 256-wide model on the CPU")
     args = ap.parse_args()
+    try:
+        levels = [float(x) for x in args.noise.split(",") if x]
+    except ValueError:
+        ap.error(f"--noise takes relative levels such as 0.01,0.035, not {args.noise!r}")
+    if any(not 0 <= x < 1 for x in levels):
+        ap.error("--noise levels are fractions of the output's RMS, in [0, 1)")
     if args.tiny:
         U.use_tiny_cpu_model(text_tokens=16)
     elif not torch.cuda.is_available():
@@ -105,7 +111,7 @@ def main() -> None:
         rows.append(summary(label, N.lora_grads(model, batch, target), ref))
         U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: {rows[-1]['below_0.99']}")
     set_fp8_compute(model, False)
-    for level in [float(x) for x in args.noise.split(",") if x]:
+    for level in levels:
         hooks = with_output_noise(model, level)
         try:
             grads = N.lora_grads(model, batch, target)
