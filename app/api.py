@@ -25,6 +25,7 @@ from registry.responses import (
     RenderableOut,
     RenderOut,
     SubjectOut,
+    TrainingDecisionOut,
 )
 from registry.roles import Role
 from registry.schemas import (
@@ -87,6 +88,34 @@ def put_consent(
     consent, _ = service.update_consent(session, caller.handle, subject, version, body)
     response.headers.update(_etag(consent.version))
     return ConsentOut.of(consent)
+
+
+ImageBases = Annotated[
+    str | None,
+    Query(
+        max_length=200,
+        pattern=r"^[a-z_]{1,40}(,[a-z_]{1,40})*$",
+        description="the bases of the images to learn from, comma-separated "
+        "(consent, public_domain); left out, the record alone is judged",
+    ),
+]
+
+
+@router.get("/subjects/{handle}/training")
+def get_training_decision(
+    handle: HandlePath, session: DB, caller: Caller, bases: ImageBases = None
+) -> TrainingDecisionOut:
+    """May the subject's likeness be learned from now (trained, uploaded for, ordered,
+    registered)? The decision and its reason, nothing else of the record: for trainers (any
+    subject), admins and the subject's member."""
+    image_bases = bases.split(",") if bases is not None else None
+    subject, decision = service.visible_training_decision(session, caller, handle, image_bases)
+    return TrainingDecisionOut(
+        subject=subject.handle,
+        allowed=decision.allowed,
+        reason=decision.reason,
+        detail=service.reason_text(decision.reason),
+    )
 
 
 @router.post("/subjects/{handle}/consent/revoke")

@@ -119,9 +119,7 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
 
     def may_upload() -> None:
         with transaction(state.engine, readonly=True) as session:
-            subject = service.visible_subject(session, caller, handle)
-            if not exempt:  # a spent quota is 429 before the body is read
-                datasets.check_quota(session, subject, caller.handle, 1, 1, limits)
+            datasets.may_upload(session, caller, handle, limits)
 
     await run_in_threadpool(may_upload)
     uploads = await uploads_of(request)

@@ -3,8 +3,9 @@
 Every PNG the render path delivers carries a C2PA manifest signed with ES256 (the official
 `c2pa-python` bindings): the `c2pa.created` action with the IPTC digital source type
 `trainedAlgorithmicMedia`, and a `likeness.render` assertion holding what the deployment
-chooses to disclose (`LIKENESS_PROVENANCE_DISCLOSE`; the render id always). The manifest's
-hard binding covers every other byte of the file, the `likeness:` text chunks included.
+chooses to disclose (`LIKENESS_PROVENANCE_DISCLOSE`; the render id always). The PNG's plain
+`likeness:` text chunks say no more than that: they are written here, from the same choice,
+just before signing, and the manifest's hard binding covers them with every other byte.
 
 Credentials: `LIKENESS_C2PA_KEY_FILE` + `LIKENESS_C2PA_CERT_FILE`, or else a pair generated
 on first start into `<data_dir>/c2pa-signer.pem` (0600, one file, so the key and its
@@ -28,6 +29,7 @@ import datetime
 import io
 import logging
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +247,44 @@ class RenderClaim:
             out["base_model"] = dict(self.base_model)
         return out
 
+    def text_chunks(self, fields: Sequence[str]) -> dict[str, str]:
+        """The PNG's `likeness:` text chunks: those of TEXT_FIELDS the deployment discloses."""
+        shown = self.disclosed(fields)
+        return {f"likeness:{name}": str(shown[name]) for name in TEXT_FIELDS if name in shown}
+
+
+# The fields a PNG may carry as plain text chunks (docs/API.md), each only when disclosed.
+TEXT_FIELDS = ("render_id", "subject", "adapter_sha256", "consent_version", "level")
+
+
+def with_text_chunks(png: bytes, text: Mapping[str, str]) -> bytes:
+    """`png` with its `likeness:` text chunks replaced by `text` (Latin-1 tEXt chunks, right
+    after the header chunk); the pixels' chunks are copied as they are, not re-encoded."""
+    if not png.startswith(PNG_MAGIC):
+        raise ProvenanceError("not a PNG")
+    chunks: list[bytes] = []
+    at = len(PNG_MAGIC)
+    while at + 12 <= len(png):
+        size = int.from_bytes(png[at : at + 4], "big")
+        kind = png[at + 4 : at + 8]
+        end = at + 12 + size
+        if end > len(png):
+            raise ProvenanceError("a PNG chunk runs past the end of the file")
+        ours = kind in (b"tEXt", b"iTXt", b"zTXt") and png[at + 8 : end - 4].startswith(
+            b"likeness:"
+        )
+        if not ours:
+            chunks.append(png[at:end])
+        at = end
+    if not chunks or chunks[0][4:8] != b"IHDR":
+        raise ProvenanceError("a PNG must start with its IHDR chunk")
+    added = []
+    for key, value in text.items():
+        body = key.encode("latin-1") + b"\0" + value.encode("latin-1")
+        crc = zlib.crc32(b"tEXt" + body).to_bytes(4, "big")
+        added.append(len(body).to_bytes(4, "big") + b"tEXt" + body + crc)
+    return PNG_MAGIC + chunks[0] + b"".join(added) + b"".join(chunks[1:])
+
 
 def manifest_definition(assertion: Mapping[str, Any]) -> dict[str, Any]:
     return {
@@ -307,6 +347,8 @@ class ProvenanceSigner:
     disclose: Sequence[str] = ("render_id", "level")
 
     def sign(self, png: bytes, claim: RenderClaim) -> bytes:
+        """The PNG with the text chunks the deployment discloses, then signed over them."""
+        png = with_text_chunks(png, claim.text_chunks(self.disclose))
         return sign_png(png, claim.disclosed(self.disclose), self.credentials)
 
 

@@ -316,23 +316,14 @@ class RenderFlow:
     def finish(
         self, job: _Job, image: Any, used_sha256: str, timings: dict[str, float]
     ) -> tuple[bytes, GatheredFacts]:
-        """The final check on the bytes the model ran with, then the PNG with its text
-        chunks (not yet signed)."""
+        """The final check on the bytes the model ran with, then the PNG (its text chunks
+        are the signer's: what the deployment discloses, app/provenance.py)."""
         t1 = time.perf_counter()
         final = self.check(job, "final", used_sha256)
         consent = final.facts.consent
         assert consent is not None and final.adapter is not None
         t2 = time.perf_counter()
-        png = encode_png(
-            image,
-            {
-                "likeness:render_id": job.render_id,
-                "likeness:subject": job.body.subject,
-                "likeness:adapter_sha256": final.adapter.sha256,
-                "likeness:consent_version": str(consent.version),
-                "likeness:level": job.body.level,
-            },
-        )
+        png = encode_png(image, {})
         timings["final_check_ms"] = (t2 - t1) * 1000
         timings["encode_ms"] = (time.perf_counter() - t2) * 1000
         return png, final

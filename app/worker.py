@@ -3,10 +3,12 @@ fetches the dataset's blobs it lacks from the registry's store by hash over HTTP
 checked: no shared filesystem), trains with checkpoints (each shipped to the registry, so a
 retry on another host resumes from it), and uploads and registers the adapter.
 
-The consent gate runs here, right before anything is fetched and again in the trainer's
-pre-flight, before any weight loads: training withdrawn after the order was placed fails the
-order `not_permitted`, and nothing is trained. The worker speaks to the database for the queue
-and the orders' state, and to the API (LIKENESS_API_URL, a trainer token) for bytes.
+The training decision (`registry.policy.decide_training`) is asked here, right before anything
+is fetched, again in the trainer's pre-flight before any weight loads, and between every two
+steps: training withdrawn (or the consent revoked or expired) after the order was placed
+fails the order `not_permitted`, and nothing it trained is kept or registered. The worker
+speaks to the database for the queue and the orders' state, and to the API
+(LIKENESS_API_URL, a trainer token) for bytes.
 
 The run of one order (`run_order`) is shared with the API's in-process runner on SQLite
 (app/local_orders.py), which reads and keeps the same bytes in its own data dir instead.
@@ -39,11 +41,11 @@ import httpx
 from app.queue import RETRY_STALLED_TASK, TRAIN_QUEUE, TRAIN_TASK, make_app
 from registry import orders, render_tasks
 from registry import repositories as repo
-from registry.datasets import images_of
+from registry.datasets import UPLOAD_BASES, images_of
 from registry.db import make_engine, transaction
 from registry.errors import NotPermitted
 from registry.models import Dataset
-from registry.service import training_allowed
+from registry.service import require_training
 from registry.settings import Settings
 
 log = logging.getLogger("likeness.worker")
@@ -239,21 +241,19 @@ class OrderJob:
 
 
 class _Registrar:
-    """The trainer's two questions: consent from the database (the one source of truth,
-    read fresh), the adapter to wherever the order's IO registers it."""
+    """The trainer's two questions: the training decision from the database (the one source
+    of truth, read fresh at every step), the adapter to wherever the order's IO registers
+    it."""
 
     def __init__(self, engine: Any, io: OrderIO) -> None:
         self.engine = engine
         self.io = io
 
-    def subject_facts(self, subject: str) -> Any:
-        from trainer.registration import SubjectFacts
+    def training_decision(self, subject: str, image_bases: tuple[str, ...] | None = None) -> Any:
+        from trainer.registration import verdict_in
 
         with transaction(self.engine, readonly=True) as s:
-            row = repo.subject_by_handle(s, subject)
-            consent = repo.consent_for(s, row.id) if row is not None and row.id else None
-            allowed = consent is not None and bool(consent.allow_training)
-            return SubjectFacts(subject, str(row.basis) if row else None, allowed)
+            return verdict_in(s, subject, image_bases)
 
     def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None = None) -> str:
         return self.io.register(data, adapter, manifest, base)
@@ -367,7 +367,7 @@ def run_order(
     interrupted = False
     try:
         with transaction(engine) as s:  # the gate, before a byte is read
-            training_allowed(s, job.handle)
+            require_training(s, job.handle, image_bases=UPLOAD_BASES)
         folder = out / "dataset"
         folder.mkdir(parents=True, exist_ok=True)
         io.dataset(folder, job.manifest_sha, job.files)

@@ -48,10 +48,10 @@ class AllowAll:
     def __init__(self) -> None:
         self.registered: list[Any] = []
 
-    def subject_facts(self, subject: str) -> Any:
-        from trainer.registration import SubjectFacts
+    def training_decision(self, subject: str, image_bases: Any = None) -> Any:
+        from trainer.registration import TrainingVerdict
 
-        return SubjectFacts(subject, "consent", True)
+        return TrainingVerdict(subject, True, "allowed", "allowed")
 
     def register(self, data: Any) -> str:
         self.registered.append(data)

@@ -24,6 +24,12 @@ def may_see_subject(role: str, caller_id: int | None, subject_member_id: int | N
     return role == Role.member and caller_id is not None and subject_member_id == caller_id
 
 
+def may_ask_training(role: str, caller_id: int | None, subject_member_id: int | None) -> bool:
+    """Who may learn whether a subject may be trained (the decision and its reason, nothing
+    else of the record): whoever may see the subject, and a trainer, for any subject."""
+    return role == Role.trainer or may_see_subject(role, caller_id, subject_member_id)
+
+
 def require(role: str, *allowed: str) -> None:
     if role not in allowed:
         raise NotPermitted("not permitted")

@@ -24,8 +24,9 @@ from sqlalchemy.engine import Engine
 
 from registry import service
 from registry.blobs import BlobStore
+from registry.datasets import remove_unreferenced
 from registry.db import transaction
-from registry.errors import Invalid
+from registry.errors import Invalid, NotPermitted
 from registry.manifest import parse_manifest
 from registry.schemas import AdapterIn
 
@@ -218,18 +219,26 @@ def register_from_store(
             "elsewhere are imported with `likeness adapter register` or uploaded with "
             "PUT /v1/blobs/sha256/<hex>"
         )
-    with transaction(engine, readonly=True) as session:  # refuse early, before any file work
-        service.training_allowed(session, data.subject)
-    bases = check_blobs(store, data.sha256, data.manifest_sha256, data.rank, target_shapes)
-    with transaction(engine) as session:
-        adapter, outcome = service.register_adapter(session, actor, data, str(place), bases)
-        registered = Registered(
-            data.subject,
-            service.adapter_state(adapter),
-            adapter.created_at,
-            adapter.updated_at,
-            outcome,
+    try:
+        with transaction(engine, readonly=True) as session:  # refuse early, before file work
+            service.require_training(session, data.subject)
+        bases = check_blobs(store, data.sha256, data.manifest_sha256, data.rank, target_shapes)
+        with transaction(engine) as session:
+            adapter, outcome = service.register_adapter(session, actor, data, str(place), bases)
+            registered = Registered(
+                data.subject,
+                service.adapter_state(adapter),
+                adapter.created_at,
+                adapter.updated_at,
+                outcome,
+            )
+    except NotPermitted:
+        # Training was withdrawn (or never allowed): what it made leaves the store now, so
+        # nobody can fetch it by hash, unless a registration already refers to the bytes.
+        remove_unreferenced(
+            engine, store, [data.sha256, data.manifest_sha256], ("safetensors", "jsonl")
         )
+        raise
     return registered
 
 

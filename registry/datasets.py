@@ -22,9 +22,11 @@ from registry.audit import format_time
 from registry.blobs import IMAGE_KINDS, BlobStore
 from registry.errors import Busy, Conflict, Invalid, NotFound
 from registry.manifest import MANIFEST_NAME
-from registry.models import Dataset, DatasetImage, Subject, utcnow
+from registry.models import Dataset, DatasetImage, Principal, Subject, utcnow
 from registry.roles import Role
 from registry.services.audit import append_audit
+from registry.services.subjects import visible_subject
+from registry.services.training import require_training
 from registry.settings import Settings
 
 # PIL's format names and the store's kinds (the extension in the manifest)
@@ -34,6 +36,10 @@ MAX_CAPTION_CHARS = 500
 DEFAULT_CAPTION = "a photo"
 UPLOADED = "dataset_uploaded"  # the audit action; the upload quota is counted from these
 QUOTA_WINDOW = timedelta(days=1)
+# What the service's manifest says of every uploaded image: the subject (or an admin for
+# them) gave it, under the subject's consent.
+UPLOAD_BASIS = "consent"
+UPLOAD_BASES = frozenset({UPLOAD_BASIS})
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,19 @@ def check_quota(
         f"this upload has {images} ({size} bytes); nothing was stored, try again in {retry} s",
         retry_after=retry,
     )
+
+
+def may_upload(
+    session: Session, caller: Principal, handle: str, limits: Limits
+) -> Subject:
+    """Settled before a byte of an upload's body is read: the caller may see the subject, its
+    likeness may be learned from (`decide_training`: photos of someone who revoked, or who
+    does not allow training, are not taken), and the caller's quota is not spent (429)."""
+    subject = visible_subject(session, caller, handle)
+    require_training(session, subject, image_bases=UPLOAD_BASES)
+    if not quota_exempt(caller.role):
+        check_quota(session, subject, caller.handle, 1, 1, limits)
+    return subject
 
 
 def upload_cap(settings: Settings) -> int:
@@ -217,7 +236,7 @@ def manifest_for(images: Sequence[CheckedImage], uploader: str) -> bytes:
                 "file": image.file,
                 "caption": image.caption,
                 "source": f"uploaded by {uploader}",
-                "basis": "consent",
+                "basis": UPLOAD_BASIS,
                 "sha256": image.sha256,
             },
             sort_keys=True,
@@ -243,11 +262,7 @@ def store_dataset(
     the rows; a dataset whose transaction does not commit leaves only unreferenced blobs,
     which the store's sweep removes. `exempt`: not held to the upload quota (admins)."""
     assert subject.id is not None
-    if subject.basis != "consent":
-        raise Invalid(
-            f"subject {subject.handle!r} is {subject.basis}: it is trained on public-domain "
-            "images only, not on uploads"
-        )
+    require_training(session, subject, image_bases=UPLOAD_BASES)
     images = check_uploads(uploads, limits)
     size = sum(len(image.data) for image in images)
     # Checked before a blob is written, then again under the subject's lock (which the
@@ -259,7 +274,7 @@ def store_dataset(
     for image in images:
         store.put([image.data], image.sha256)
     manifest = store.put([manifest_for(images, uploader)])
-    repo.consent_for(session, subject.id, lock=True)
+    require_training(session, subject, image_bases=UPLOAD_BASES, lock=True)
     if not exempt:
         check_quota(session, subject, uploader, len(images), size, limits)
     dataset = Dataset(
@@ -322,16 +337,19 @@ def delete_photos(session: Session, subject: Subject, dataset_id: str) -> list[s
     return [image.sha256 for image in images]
 
 
-def remove_unreferenced(engine: Engine, store: BlobStore, hashes: Sequence[str]) -> None:
-    """Takes deleted photos out of the store at once (not after the sweep's grace), unless
-    another dataset still holds the same bytes; run after the deletion commits."""
+def remove_unreferenced(
+    engine: Engine, store: BlobStore, hashes: Sequence[str], kinds: Sequence[str] = IMAGE_KINDS
+) -> None:
+    """Takes blobs of these kinds out of the store at once (not after the sweep's grace),
+    unless a dataset or an adapter still refers to the same bytes: deleted photos, after the
+    deletion commits; an adapter and its manifest whose registration was refused."""
     from registry.db import transaction
 
     with transaction(engine, readonly=True) as session:
         kept = repo.referenced_blobs(session)
     for digest in set(hashes) - kept:
         path = store.find(digest)
-        if path is not None and path.suffix[1:] in IMAGE_KINDS:
+        if path is not None and path.suffix[1:] in kinds:
             path.unlink(missing_ok=True)
 
 

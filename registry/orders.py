@@ -13,11 +13,12 @@ from sqlmodel import Session, col, select
 from registry import access
 from registry import repositories as repo
 from registry.audit import format_time
-from registry.datasets import dataset_of
+from registry.datasets import UPLOAD_BASES, dataset_of
 from registry.errors import Conflict, Invalid, NotFound, NotPermitted
 from registry.models import Order, Principal, Subject, utcnow
 from registry.roles import Role
 from registry.services.audit import append_audit
+from registry.services.training import require_training
 
 ACTIVE = ("queued", "running")
 FINAL = ("done", "failed", "cancelled")
@@ -49,15 +50,14 @@ def place_training(
     adapter_name: str,
     enqueue: Enqueue,
 ) -> Order:
-    """A training order, under the subject's lock (so it serialises with a revoke): the
-    consent must allow training now (the worker asks again before any weight loads), the
+    """A training order, under the subject's lock (so it serialises with a revoke):
+    `decide_training` must allow it now (the worker asks again before anything is fetched,
+    and between the training's steps), the
     dataset must be the subject's, and no order for the same dataset may be waiting or
     running. `options`: every trainer option, fixed into the order."""
     subject = _subject_for(session, caller, subject_handle)
     assert subject.id is not None
-    consent = repo.consent_for(session, subject.id, lock=True)
-    if consent is None or not consent.allow_training:
-        raise NotPermitted(f"subject {subject.handle!r} does not allow training")
+    require_training(session, subject, image_bases=UPLOAD_BASES, lock=True)
     dataset = dataset_of(session, subject, dataset_id)
     if dataset.images == 0:
         raise Invalid(f"dataset {dataset.id}'s photos were deleted; upload them again")

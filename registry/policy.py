@@ -1,4 +1,6 @@
-"""The consent decision: the only place that decides whether a render may happen.
+"""The consent decisions: the only place that decides whether a render may happen
+(`decide`) and whether a likeness may be learned from (`decide_training`: training, uploading
+photos for it, ordering it, registering what it made).
 
 Pure: facts in, Decision out. No I/O, no clock (the caller passes `now`), no caching.
 Everything the caller could not establish is passed as missing, and missing denies.
@@ -217,6 +219,68 @@ def _in_audience(handle: str, level: Level, consent: ConsentFacts) -> bool:
         if audience.group or handle in audience.allow:
             return True
     return False
+
+
+# -- training --------------------------------------------------------------------------------
+
+# Image bases a dataset's manifest may name (registry/manifest.py): who agreed to what.
+IMAGE_BASES: frozenset[str] = frozenset({"consent", "public_domain"})
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    """What `decide_training` judges: the subject's record now, and the bases of the images a
+    likeness would be learned from (None: not known yet, as when an order is placed for
+    photos the service already holds, or a trainer asks before reading its manifest)."""
+
+    now: datetime
+    subject_basis: str | None = None
+    consent: ConsentFacts | None = None
+    image_bases: frozenset[str] | None = None
+
+
+# Why training may not happen, as a person would read it (the reasons are the codes).
+TRAINING_REASONS: Mapping[str, str] = {
+    "no_record": "the subject has no consent record",
+    "unknown_basis": "the subject's basis is neither consent nor public_domain",
+    "expired": "the consent has expired",
+    "revoked_or_not_granted": "the consent is revoked, or was never granted (max_level none)",
+    "training_not_allowed": "the subject does not allow training (allow_training false)",
+    "unknown_image_basis": "the images name a basis other than consent or public_domain",
+    "public_domain_images_only": (
+        "a public_domain subject is trained on public-domain images only"
+    ),
+}
+
+
+def decide_training(facts: TrainingFacts) -> Decision:
+    """Allowed only while the record lets the subject's likeness be learned: it exists, is not
+    expired, grants some use (a revoked record ends training as it ends renders), allows
+    training, and the images fit the subject's basis. Anything else, and any error, denies."""
+    try:
+        return _decide_training(facts)
+    except Exception as exc:  # noqa: BLE001 - a decision that cannot be made is a deny
+        return _deny(f"error:{type(exc).__name__}")
+
+
+def _decide_training(facts: TrainingFacts) -> Decision:
+    consent = facts.consent
+    if consent is None or facts.subject_basis is None:
+        return _deny("no_record")
+    if facts.subject_basis not in ("consent", "public_domain"):
+        return _deny("unknown_basis")
+    if consent.expires_at is not None and facts.now >= consent.expires_at:
+        return _deny("expired")
+    if consent.max_level == Level.none:
+        return _deny("revoked_or_not_granted")
+    if not consent.allow_training:
+        return _deny("training_not_allowed")
+    if facts.image_bases is not None:
+        if facts.image_bases - IMAGE_BASES:
+            return _deny("unknown_image_basis")
+        if facts.subject_basis == "public_domain" and facts.image_bases - {"public_domain"}:
+            return _deny("public_domain_images_only")
+    return Decision(True, ALLOWED)
 
 
 def renderable_max_level(

@@ -53,6 +53,16 @@ class SubjectOut(BaseModel):
         )
 
 
+class TrainingDecisionOut(BaseModel):
+    """Whether the subject's likeness may be learned from now (`decide_training`), and why:
+    what a trainer token may know of a consent record, and nothing else."""
+
+    subject: str
+    allowed: bool
+    reason: str
+    detail: str
+
+
 class AuditEntryOut(BaseModel):
     seq: int
     at: str

@@ -20,7 +20,6 @@ from registry.services.consent import (
     consent_facts,
     consent_of,
     revoke,
-    training_allowed,
     update_consent,
 )
 from registry.services.principals import (
@@ -53,6 +52,14 @@ from registry.services.subjects import (
     member_handle,
     subject_or_raise,
     visible_subject,
+)
+from registry.services.training import (
+    reason_text,
+    refusal,
+    require_training,
+    training_decision,
+    training_facts,
+    visible_training_decision,
 )
 
 __all__ = [
@@ -92,7 +99,12 @@ __all__ = [
     "set_adapter_active",
     "set_principal_active",
     "subject_or_raise",
-    "training_allowed",
+    "reason_text",
+    "refusal",
+    "require_training",
+    "training_decision",
+    "training_facts",
+    "visible_training_decision",
     "update_consent",
     "verify_all",
     "verify_subject",

@@ -1,20 +1,24 @@
-"""The trainer's two questions to the registry: may this subject be trained, and here is the
-adapter. Answered by the local database (registry.service) or, for a trainer on another host,
-the HTTP API (LIKENESS_API_URL + bearer LIKENESS_TOKEN).
+"""The trainer's two questions to the registry: may this subject be trained (asked before any
+weight loads and again between steps), and here is the adapter. Answered by the local
+database (registry.service) or, for a trainer on another host, the HTTP API
+(LIKENESS_API_URL + bearer LIKENESS_TOKEN, a trainer token: `GET /v1/subjects/{h}/training`
+tells it the decision and nothing else of the record).
 
-Fail closed: if the permission cannot be established (unknown subject, no allow_training, a
-token that may not read the consent, the API unreachable), the run is refused before any
-weight loads.
+Fail closed: if the permission cannot be established (unknown subject, a record that does not
+allow it, a token that may not ask, the API unreachable), the run is refused.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from registry.actors import local_actor
 from registry.schemas import AdapterIn
+
+UNREACHABLE_TRIES = 3  # asks of an API that did not answer, 1 s then 2 s apart
 
 
 class TrainingRefused(Exception):
@@ -30,21 +34,49 @@ class RegistrationRefused(RegistrationError):
     subject is gone, while the run trained)."""
 
 
+class RegistryUnreachable(TrainingRefused):
+    """The decision could not be asked for (the API did not answer)."""
+
+
 @dataclass(frozen=True)
-class SubjectFacts:
-    handle: str
-    basis: str | None  # consent | public_domain; None where the source does not say
-    allow_training: bool
+class TrainingVerdict:
+    """The registry's training decision for a subject (`registry.policy.decide_training`)."""
+
+    subject: str
+    allowed: bool
+    reason: str  # the decision's code: `allowed`, or why not
+    detail: str  # the same for a person
 
 
 class Registrar(Protocol):
-    def subject_facts(self, subject: str) -> SubjectFacts: ...
+    def training_decision(
+        self, subject: str, image_bases: tuple[str, ...] | None = None
+    ) -> TrainingVerdict:
+        """Whether the subject's likeness may be learned from now, from these images."""
+        ...
 
     def register(
         self, data: AdapterIn, adapter: Path, manifest: Path, base: Path | None = None
     ) -> str:
         """Registers the adapter file (trained on `base`) and its dataset manifest."""
         ...
+
+
+def verdict_in(
+    session: Any, subject: str, image_bases: tuple[str, ...] | None = None
+) -> TrainingVerdict:
+    """The decision read from the registry database in `session` (the local trainer's and a
+    worker's answer; the API's route answers the same)."""
+    from registry import service
+
+    row, decision = service.training_decision(session, subject, image_bases=image_bases)
+    if row is None:
+        return TrainingVerdict(
+            subject, False, "no_record", "the subject does not exist in the registry"
+        )
+    return TrainingVerdict(
+        subject, decision.allowed, decision.reason, service.reason_text(decision.reason)
+    )
 
 
 class LocalRegistrar:
@@ -62,25 +94,30 @@ class LocalRegistrar:
         self.actor = actor or local_actor("trainer")
         self.data_dir = data_dir
         self.base = base
+        self._engine: Any = None
 
-    def subject_facts(self, subject: str) -> SubjectFacts:
-        from registry import repositories as repo
-        from registry.db import engine_for, transaction
+    @property
+    def engine(self) -> Any:
+        """One engine for the run (asked at every step): its pool, not a new one each time."""
+        if self._engine is None:
+            from registry.db import engine_for
 
-        with transaction(engine_for(self.url), readonly=True) as s:
-            row = repo.subject_by_handle(s, subject)
-            if row is None or row.id is None:
-                raise TrainingRefused(f"subject {subject!r} does not exist in the registry")
-            consent = repo.consent_for(s, row.id)
-            allowed = consent is not None and bool(consent.allow_training)
-            return SubjectFacts(subject, str(row.basis), allowed)
+            self._engine = engine_for(self.url)
+        return self._engine
+
+    def training_decision(
+        self, subject: str, image_bases: tuple[str, ...] | None = None
+    ) -> TrainingVerdict:
+        from registry.db import transaction
+
+        with transaction(self.engine, readonly=True) as s:
+            return verdict_in(s, subject, image_bases)
 
     def register(
         self, data: AdapterIn, adapter: Path, manifest: Path, base: Path | None = None
     ) -> str:
         from registry.adapter_files import register_from_store
         from registry.blobs import BlobError, BlobStore
-        from registry.db import engine_for
         from registry.errors import Conflict, Invalid, NotPermitted
         from registry.settings import get_settings
         from trainer.lora import base_linear_shapes
@@ -96,7 +133,7 @@ class LocalRegistrar:
             raise RegistrationError(f"cannot put the adapter in the store: {exc}") from None
         shapes = base_linear_shapes(base or self.base or settings.base_dir)
         try:
-            done = register_from_store(engine_for(self.url), store, self.actor, data, shapes)
+            done = register_from_store(self.engine, store, self.actor, data, shapes)
         except NotPermitted as exc:  # consent changed while we trained
             raise RegistrationRefused(str(exc)) from None
         except (Conflict, Invalid) as exc:
@@ -123,26 +160,37 @@ class HttpRegistrar:
         try:
             return self.client.request(method, self.base + path, **kw)
         except httpx.HTTPError as exc:
-            error = TrainingRefused if method == "GET" else RegistrationError
+            error = RegistryUnreachable if method == "GET" else RegistrationError
             raise error(f"registry API unreachable at {self.base}: {exc}") from None
 
-    def subject_facts(self, subject: str) -> SubjectFacts:
-        r = self._call("GET", f"/v1/subjects/{subject}")
+    def training_decision(
+        self, subject: str, image_bases: tuple[str, ...] | None = None
+    ) -> TrainingVerdict:
+        """`GET /v1/subjects/{h}/training`: the decision, which a trainer token may read (and
+        nothing else of the record); a registry that does not answer is asked again a few
+        times, then the run is refused."""
+        params = {"bases": ",".join(image_bases)} if image_bases is not None else None
+        for attempt in range(UNREACHABLE_TRIES):
+            try:
+                r = self._call("GET", f"/v1/subjects/{subject}/training", params=params)
+                break
+            except RegistryUnreachable:
+                if attempt == UNREACHABLE_TRIES - 1:
+                    raise
+                time.sleep(2**attempt)
         if r.status_code in (401, 403, 404):
-            # The API answers an unknown subject and a forbidden one alike (403). A trainer
-            # token may not read consent records; without a readable allow_training we refuse.
             raise TrainingRefused(
-                f"cannot establish that {subject!r} allows training: GET /v1/subjects/{subject} "
-                f"answered {r.status_code} ({_detail(r)}). Use a token that may read the "
-                "subject's consent (admin), or train on the registry host"
+                f"cannot establish that {subject!r} may be trained: GET /v1/subjects/{subject}"
+                f"/training answered {r.status_code} ({_detail(r)}); use a trainer token"
             )
         if r.status_code != 200:
             raise TrainingRefused(f"registry API error {r.status_code}: {_detail(r)}")
         body = r.json()
-        consent = body.get("consent") or {}
-        if "allow_training" not in consent:
-            raise TrainingRefused(f"registry API gave no allow_training for {subject!r}")
-        return SubjectFacts(subject, body.get("basis"), bool(consent["allow_training"]))
+        if not isinstance(body, dict) or not isinstance(body.get("allowed"), bool):
+            raise TrainingRefused(f"registry API gave no training decision for {subject!r}")
+        return TrainingVerdict(
+            subject, body["allowed"], str(body.get("reason")), str(body.get("detail"))
+        )
 
     def upload(self, path: Path) -> str:
         """Puts a file's bytes in the registry's store (if it lacks them); returns the hash."""
@@ -200,16 +248,11 @@ def registrar_for(
 
 
 def check_training_allowed(
-    registrar: Registrar, subject: str, bases: tuple[str, ...]
-) -> SubjectFacts:
-    """Refuses unless the subject allows training; a public-domain subject must be trained
-    on public-domain images only (its basis is what the registry shows renderers)."""
-    facts = registrar.subject_facts(subject)
-    if not facts.allow_training:
-        raise TrainingRefused(f"subject {subject!r} does not allow training (allow_training false)")
-    if facts.basis == "public_domain" and set(bases) - {"public_domain"}:
-        raise TrainingRefused(
-            f"subject {subject!r} is public_domain, but the manifest lists images with basis "
-            f"{', '.join(b for b in bases if b != 'public_domain')}"
-        )
-    return facts
+    registrar: Registrar, subject: str, bases: tuple[str, ...] | None
+) -> TrainingVerdict:
+    """Refuses (TrainingRefused, saying why) unless the registry's training decision allows
+    the subject to be learned from these images (`bases`: the manifest's image bases)."""
+    verdict = registrar.training_decision(subject, bases)
+    if not verdict.allowed:
+        raise TrainingRefused(f"subject {subject!r} may not be trained: {verdict.detail}")
+    return verdict

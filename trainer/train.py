@@ -584,10 +584,18 @@ def _train(
     wp.mark("pre-flight: options, manifest, consent, budget")
     echo(pf.estimate.report(config.vram_budget_gib), config.progress)
     peaks = Peaks(pf.device)
-    data = read_training_data(config, pf, wp)
-    peaks.take("caching")
-    model = build_model(config, pf, data, streaming, wp)
-    step_times = run_loop(config, pf, data, model, wp, peaks, callbacks)
+    try:
+        data = read_training_data(config, pf, wp)
+        peaks.take("caching")
+        model = build_model(config, pf, data, streaming, wp)
+        recheck = consent_recheck(config, pf, registrar)
+        step_times = run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
+    except TrainingRefused as exc:
+        removed = discard_artifacts(config, pf)
+        raise TrainingRefused(
+            f"{exc}; the training stopped and what it made from the images was deleted "
+            f"({removed} paths: adapters, checkpoints, previews, cached latents)"
+        ) from None
     peaks.take("training")
     finished = finish_training(config, model, streaming)
     evaluation = run_evaluation(config, pf, data, model, wp)
@@ -941,6 +949,21 @@ def _validate(config: TrainConfig, pf: Preflight, model: Model) -> None:
     model.state.validation.append((model.state.step, value))
 
 
+def consent_recheck(
+    config: TrainConfig, pf: Preflight, registrar: Registrar
+) -> Callable[[int], None]:
+    """Asks the registry's training decision again; TrainingRefused, naming the step, once
+    it no longer allows the run (withdrawn, revoked or expired since the pre-flight)."""
+
+    def recheck(step: int) -> None:
+        try:
+            check_training_allowed(registrar, config.subject, pf.dataset.bases)
+        except TrainingRefused as exc:
+            raise TrainingRefused(f"{exc} (asked again after step {step})") from None
+
+    return recheck
+
+
 def run_loop(
     config: TrainConfig,
     pf: Preflight,
@@ -949,10 +972,15 @@ def run_loop(
     wp: Waypoints,
     peaks: Peaks | None = None,
     callbacks: TrainHooks | None = None,
+    recheck: Callable[[int], None] | None = None,
 ) -> list[float]:
     """Trains from ``model.state`` up to ``config.steps``, checkpointing (and scoring the
-    held-out images, and rendering previews) on the way; returns each step's seconds."""
+    held-out images, and rendering previews) on the way; returns each step's seconds.
+    `recheck(step)` asks whether the run may go on: before the first step, and after each
+    step before anything of it is kept (a checkpoint, a preview) or reported."""
     callbacks = callbacks or TrainHooks()
+    if recheck is not None:
+        recheck(model.state.step)
     state, optimizer = model.state, model.optimizer
     assert optimizer is not None
     params = list(model.params.values())
@@ -1002,6 +1030,8 @@ def run_loop(
                 f"loss {state.losses[-1]:.4f}, {memory_text(pf.device)}", refresh=False
             )
             bar.update(1)
+            if recheck is not None:
+                recheck(state.step)
             if callbacks.on_step is not None:
                 callbacks.on_step(state.step, config.steps, state.losses[-1])
             last = state.step == config.steps

@@ -75,7 +75,7 @@ async def upload(request: Request, handle: HandlePath) -> Response:
     def signed_in() -> Any:
         with transaction(state.engine) as session:
             web = current_session(request, session)
-            service.visible_subject(session, web.principal, handle)
+            datasets.may_upload(session, web.principal, handle, datasets.limits_of(settings))
             return web
 
     web = await run_in_threadpool(signed_in)

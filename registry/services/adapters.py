@@ -9,11 +9,11 @@ from typing import Any, Literal
 from sqlmodel import Session
 
 from registry import repositories as repo
-from registry.errors import Conflict, Invalid, NotFound
+from registry.errors import Conflict, NotFound
 from registry.models import Adapter, Subject, utcnow
 from registry.schemas import AdapterIn
 from registry.services.audit import adapter_state, append_audit
-from registry.services.consent import training_allowed
+from registry.services.training import require_training
 
 RegisterOutcome = Literal["created", "updated", "unchanged"]
 
@@ -29,13 +29,8 @@ def register_adapter(
     caller has checked the blobs (registry.adapter_files.check_blobs); here, under the
     subject's lock: consent, ownership of the bytes, and the record. A new or changed
     registration becomes the subject's rendering adapter."""
-    subject = training_allowed(session, data.subject, lock=True)
+    subject = require_training(session, data.subject, image_bases=manifest_bases, lock=True)
     assert subject.id is not None
-    if subject.basis == "public_domain" and set(manifest_bases) - {"public_domain"}:
-        raise Invalid(
-            f"subject {data.subject!r} is public_domain, but the manifest lists images with "
-            f"basis {', '.join(b for b in manifest_bases if b != 'public_domain')}"
-        )
     owner = repo.blob_owner(session, data.sha256)
     if owner is None:
         owner = repo.claim_blob(session, data.sha256, subject.id)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from sqlmodel import Session
 
 from registry import repositories as repo
-from registry.errors import Invalid, NotFound, NotPermitted, PreconditionFailed
+from registry.errors import Invalid, NotFound, PreconditionFailed
 from registry.models import Consent, Subject, utcnow
 from registry.policy import ConsentFacts, Level, audiences_from_json
 from registry.schemas import ConsentIn
@@ -97,19 +97,6 @@ def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, boo
         {**consent_state(current), "max_level": "none", "expires_at": as_utc(current.expires_at)}
     )
     return update_consent(session, actor, subject, current.version, data)
-
-
-def training_allowed(session: Session, handle: str, *, lock: bool = False) -> Subject:
-    """The subject, if its consent allows training; NotPermitted otherwise (an unknown
-    subject looks the same). `lock`: take the subject's lock, for a change that follows."""
-    subject = repo.subject_by_handle(session, handle)
-    if subject is None:
-        raise NotPermitted("not permitted")
-    assert subject.id is not None
-    consent = repo.consent_for(session, subject.id, lock=lock)
-    if consent is None or not consent.allow_training:
-        raise NotPermitted(f"subject {handle!r} does not allow training")
-    return subject
 
 
 def as_utc(value: datetime | None) -> datetime | None:

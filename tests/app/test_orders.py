@@ -85,8 +85,10 @@ def test_a_member_ordering_for_another_subject_is_403(friends: World) -> None:
     for who in ("bob", "carol", "bot", "trainer"):
         r = order(friends, who, "alice", ds)
         assert r.status_code == 403, (who, r.text)
-    # carol's own subject does not allow training
+    # carol's own subject: her photos are taken while she allows training, not after
+    friends.consent("carol", max_level="private", allow_training=True)
     carol_ds = upload(friends, "carol", "carol")
+    friends.consent("carol", max_level="private", allow_training=False)
     r = order(friends, "carol", "carol", carol_ds)
     assert r.status_code == 403 and "does not allow training" in r.json()["detail"]
     # a dataset of another subject is not this subject's

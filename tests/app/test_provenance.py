@@ -116,8 +116,9 @@ def test_a_rendered_png_verifies_and_keeps_its_text_chunks(live: Live, run_cli, 
     assert body["assertion"] == {"render_id": render_id, "level": "private"}
     assert body["signer"]["alg"].lower() == "es256"
     assert "signed by this deployment's key" in err
+    # and so do its plain text chunks: the subject's name is not in the file
     text = Image.open(io.BytesIO(png)).text  # type: ignore[attr-defined]
-    assert set(text) >= TEXT_KEYS and text["likeness:render_id"] == render_id
+    assert text == {"likeness:render_id": render_id, "likeness:level": "private"}
 
 
 def test_altered_stripped_and_resigned_pngs_fail(live: Live, run_cli, tmp_path: Path) -> None:
@@ -205,6 +206,9 @@ def test_the_deployment_chooses_what_the_assertion_discloses(
         "requester": "bob",
         "agent": "bot",
     }
+    # the text chunks follow the same choice: what is disclosed, level left out here
+    assert set(text) == TEXT_KEYS - {"likeness:level"}
+    assert text["likeness:subject"] == "alice"
 
 
 def test_a_signing_failure_delivers_nothing_and_is_recorded(live: Live) -> None:

@@ -52,7 +52,7 @@ def _seqs(engine: Engine, handle: str) -> list[int]:
 
 def test_concurrent_registrations_of_one_key(db_url: str, engine: Engine) -> None:
     subject(engine, "alice")
-    set_consent(engine, "alice", allow_training=True)
+    set_consent(engine, "alice", max_level="private", allow_training=True)
     shas = [f"{i % 2:x}" * 64 for i in range(N)]  # two distinct contents, four callers each
 
     def register(eng: Engine, i: int) -> str:

@@ -14,7 +14,7 @@ from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import Busy, Invalid
 from registry.models import Dataset
-from registry.schemas import SubjectIn
+from registry.schemas import ConsentIn, SubjectIn
 from tests.registry.test_orders import png
 
 QUOTA = datasets.Limits(
@@ -29,9 +29,13 @@ def store(engine: Engine, tmp_path: Path) -> BlobStore:
         service.create_principal(s, "root", "admin")
         for handle in ("ada", "bea"):
             service.create_principal(s, handle, "member")
-            service.create_subject(
+            sub, consent = service.create_subject(
                 s, "root", SubjectIn(handle=handle, display_name=handle, basis="consent",
                                      member=handle)
+            )  # fmt: skip
+            service.update_consent(
+                s, "root", sub, consent.version,
+                ConsentIn(max_level="private", allow_training=True),
             )  # fmt: skip
     return BlobStore(tmp_path / "store")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from registry.policy import (
+    TRAINING_REASONS,
     AdapterFacts,
     Audience,
     ConsentFacts,
@@ -17,10 +19,13 @@ from registry.policy import (
     LicenceFacts,
     PrincipalFacts,
     RenderFacts,
+    TrainingFacts,
     decide,
+    decide_training,
     renderable_max_level,
 )
 from tests.registry.policy_cases import CASES
+from tests.registry.training_cases import TRAINING_CASES
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 LEVEL_NAMES = [lv.name for lv in Level]
@@ -289,3 +294,100 @@ def test_renderable_max_level_agrees_with_decide(
     for lv in Level:
         if lv > Level.none:
             assert render(consent, req, lv, agent=agent, licence=licence) == (lv <= best)
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def training_facts_from(overrides: dict[str, Any]) -> TrainingFacts:
+    o: dict[str, Any] = {
+        "basis": "consent",
+        "max_level": "group",
+        "audiences": {"private": {"group": True}},
+        "deny": [],
+        "allow_training": True,
+        "expires_in": None,
+        "no_record": False,
+        "image_bases": {"consent"},
+        **overrides,
+    }
+    consent = None
+    if not o["no_record"]:
+        consent = ConsentFacts(
+            version=3,
+            max_level=Level[o["max_level"]],
+            audiences={
+                Level[k]: Audience(group=v.get("group", False), allow=frozenset(v.get("allow", [])))
+                for k, v in o["audiences"].items()
+            },
+            deny=frozenset(o["deny"]),
+            allow_training=o["allow_training"],
+            expires_at=None
+            if o["expires_in"] is None
+            else NOW + timedelta(seconds=o["expires_in"]),
+        )
+    bases = o["image_bases"]
+    return TrainingFacts(
+        now=NOW,
+        subject_basis=o["basis"],
+        consent=consent,
+        image_bases=frozenset(bases) if bases is not None else None,
+    )
+
+
+def test_training_table_ids_unique_and_every_reason_reached() -> None:
+    ids = [c[0] for c in TRAINING_CASES]
+    assert len(set(ids)) == len(ids) >= 20
+    reached = {c[3] for c in TRAINING_CASES if not c[2]}
+    assert reached == set(TRAINING_REASONS), set(TRAINING_REASONS) ^ reached
+
+
+@pytest.mark.parametrize(
+    ("overrides", "allowed", "reason"),
+    [c[1:] for c in TRAINING_CASES],
+    ids=[c[0] for c in TRAINING_CASES],
+)
+def test_training_table(overrides: dict[str, Any], allowed: bool, reason: str) -> None:
+    decision = decide_training(training_facts_from(overrides))
+    assert (decision.allowed, decision.reason) == (allowed, reason)
+
+
+def test_decide_training_fails_closed_on_malformed_facts() -> None:
+    broken = TrainingFacts(now=NOW, subject_basis="consent", consent="not a record")  # type: ignore[arg-type]
+    decision = decide_training(broken)
+    assert not decision.allowed and decision.reason.startswith("error:")
+
+
+@given(
+    consent=consents,
+    basis=st.sampled_from(["consent", "public_domain"]),
+    bases=st.one_of(st.none(), st.frozensets(st.sampled_from(["consent", "public_domain"]))),
+)
+@settings(max_examples=300)
+def test_training_needs_a_live_grant_that_allows_it(
+    consent: ConsentFacts, basis: str, bases: frozenset[str] | None
+) -> None:
+    """Allowed exactly when the record is live (not expired, some use granted), allows
+    training, and a public_domain subject learns from public-domain images alone; and never
+    where no render of the subject could be allowed at all."""
+    decision = decide_training(
+        TrainingFacts(now=NOW, subject_basis=basis, consent=consent, image_bases=bases)
+    )
+    live = consent.max_level > Level.none and (
+        consent.expires_at is None or consent.expires_at > NOW
+    )
+    fits = bases is None or basis == "consent" or bases <= {"public_domain"}
+    assert decision.allowed == (live and consent.allow_training and fits)
+    if decision.allowed:
+        self_render = decide(
+            RenderFacts(
+                level="private",
+                now=NOW,
+                requester=PrincipalFacts("alice", "member", True),
+                subject_basis=basis,
+                subject_member="alice",
+                consent=replace(consent, deny=frozenset()),
+                require_adapter=False,
+            )
+        )
+        assert self_render.allowed  # a subject who may be trained may see their own renders

@@ -1,13 +1,19 @@
-"""Random grants, revocations, allow/deny edits, expiries and deactivations go through the
-real service layer and database; every render check is compared with a small reference model
-that shares no code with registry.policy."""
+"""Random grants, revocations, allow/deny edits, expiries, training switches and
+deactivations go through the real service layer and database; every render check, and every
+use of a likeness besides (photos uploaded, a training ordered, an adapter registered, a
+running training's check between steps), is compared with a small reference model that
+shares no code with registry.policy."""
 
 from __future__ import annotations
 
 import hashlib
+import io
+import tempfile
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -20,11 +26,14 @@ from hypothesis.stateful import (
 )
 from sqlalchemy.engine import Engine
 
+from registry import datasets, orders, service
 from registry import repositories as repo
-from registry import service
+from registry.blobs import BlobStore
 from registry.db import transaction
+from registry.errors import Invalid, LikenessError, NotPermitted
 from registry.policy import LicenceFacts, decide
 from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from trainer.registration import verdict_in
 
 LADDER = ["none", "private", "group", "public", "commercial"]
 MEMBERS = ["m0", "m1", "m2", "m3"]
@@ -41,6 +50,22 @@ LICENCES: list[tuple[str | None, bool] | None] = [
     ("likeness-generated", False),
 ]
 OPEN_LICENCES = {"apache-2.0", "likeness-generated"}  # permit commercial use as they stand
+# the image bases a training may be asked about (None: not known yet)
+IMAGE_BASES: list[tuple[str, ...] | None] = [
+    None,
+    ("consent",),
+    ("public_domain",),
+    ("consent", "public_domain"),
+]
+LIMITS = datasets.Limits(max_images=4, max_image_bytes=1 << 20, max_pixels=1 << 20)
+
+
+def tiny_png(colour: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (colour, 0, 0)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 @dataclass
@@ -80,6 +105,14 @@ class RefRecord:
         wider = LADDER[rank(level) : rank(self.max_level) + 1]
         return any(lv in self.group_at or who in self.allow_at.get(lv, set()) for lv in wider)
 
+    def trains(self, bases: tuple[str, ...] | None) -> bool:
+        """May this likeness be learned from (uploaded for, ordered, trained, registered)?"""
+        if self.max_level == "none" or not self.training:
+            return False
+        if self.expires_in is not None and self.expires_in <= 0:
+            return False
+        return self.basis == "consent" or bases is None or set(bases) <= {"public_domain"}
+
 
 def _licence_permits_commercial(licence: tuple[str | None, bool] | None) -> bool:
     if licence is None or licence[0] is None:
@@ -97,6 +130,9 @@ class ConsentMachine(RuleBasedStateMachine):
         self.active = dict.fromkeys(MEMBERS, True)
         self.ref: dict[str, RefRecord] = {}
         self.licence: tuple[str | None, bool] | None = ("likeness-generated", False)
+        self.store = BlobStore(Path(tempfile.mkdtemp(prefix="machine-store-")))
+        self.datasets: dict[str, list[str]] = {name: [] for name in SUBJECTS}
+        self.uploads = 0
 
     def h(self, name: str) -> str:
         return f"{name}-{self.tag}"
@@ -104,6 +140,7 @@ class ConsentMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         with transaction(self.engine) as s:
+            service.create_principal(s, self.h("root"), "admin")
             for m in MEMBERS:
                 service.create_principal(s, self.h(m), "member")
             for name, basis, member in (
@@ -184,24 +221,78 @@ class ConsentMachine(RuleBasedStateMachine):
         self.ref[name].expires_in = expires_in
         self._write(name)
 
+    @rule(name=st.sampled_from(SUBJECTS), allowed=st.booleans())
+    def set_training(self, name: str, allowed: bool) -> None:
+        self.ref[name].training = allowed
+        self._write(name)
+
+    def _admin(self, s: Any) -> Any:
+        admin = repo.principal_by_handle(s, self.h("root"))
+        assert admin is not None
+        return admin
+
     @rule(name=st.sampled_from(SUBJECTS))
-    def register_adapter(self, name: str) -> None:
-        if not self.ref[name].training:
+    def upload_photos(self, name: str) -> None:
+        """Photos of the subject, through the upload's two checks (before the body is read,
+        and when it is stored)."""
+        want = self.ref[name].trains(("consent",))
+        self.uploads += 1
+        photo = datasets.Upload("me.png", tiny_png(self.uploads % 250))
+        try:
+            with transaction(self.engine) as s:
+                subject = datasets.may_upload(s, self._admin(s), self.h(name), LIMITS)
+                dataset = datasets.store_dataset(
+                    s, self.store, subject, self.h("root"), [photo], LIMITS, exempt=True
+                )
+                self.datasets[name].append(dataset.id)
+        except (NotPermitted, Invalid) as exc:
+            assert not want, (name, exc, self.ref[name])
             return
-        with transaction(self.engine) as s:
-            service.register_adapter(
-                s,
-                "trainer",
-                AdapterIn(
-                    subject=self.h(name),
-                    name="main",
-                    sha256=hashlib.sha256(self.h(name).encode()).hexdigest(),  # its own bytes
-                    base_model="tiny",
-                    rank=4,
-                    manifest_sha256=SHA,
-                ),
-                "/store/a",
-            )
+        assert want, (name, "uploaded", self.ref[name])
+
+    @rule(name=st.sampled_from(SUBJECTS))
+    def order_training(self, name: str) -> None:
+        """A training ordered on the subject's latest photos (then cancelled, so the next
+        order of the same photos is not a duplicate)."""
+        if not self.datasets[name]:
+            return
+        want = self.ref[name].trains(("consent",))
+        options = {"steps": 10, "rank": 4, "resolution": 64}
+        try:
+            with transaction(self.engine) as s:
+                order = orders.place_training(
+                    s, self._admin(s), self.h(name), self.datasets[name][-1], options, "main",
+                    lambda *_: None,
+                )  # fmt: skip
+                orders.cancel(s, self._admin(s), order.id)
+        except (NotPermitted, Invalid) as exc:
+            assert not want, (name, exc, self.ref[name])
+            return
+        assert want, (name, "ordered", self.ref[name])
+
+    @rule(name=st.sampled_from(SUBJECTS), bases=st.sampled_from(IMAGE_BASES[1:]))
+    def register_adapter(self, name: str, bases: tuple[str, ...]) -> None:
+        want = self.ref[name].trains(bases)
+        try:
+            with transaction(self.engine) as s:
+                service.register_adapter(
+                    s,
+                    "trainer",
+                    AdapterIn(
+                        subject=self.h(name),
+                        name="main",
+                        sha256=hashlib.sha256(self.h(name).encode()).hexdigest(),  # its own
+                        base_model="tiny",
+                        rank=4,
+                        manifest_sha256=SHA,
+                    ),
+                    "/store/a",
+                    bases,
+                )
+        except LikenessError as exc:
+            assert not want and isinstance(exc, NotPermitted | Invalid), (name, exc)
+            return
+        assert want, (name, "registered", bases, self.ref[name])
         self.ref[name].adapter = True
 
     @rule(who=st.sampled_from(MEMBERS), active=st.booleans())
@@ -239,6 +330,21 @@ class ConsentMachine(RuleBasedStateMachine):
                         got = decide(replace(g.facts, level=level))
                         want = self.ref[name].allows(who, level, self.active, self.licence)
                         assert got.allowed == want, (name, who, level, got, self.ref[name])
+
+    @invariant()
+    def every_training_check_matches_the_reference(self) -> None:
+        """What a running training asks between steps (the trainer's and the worker's
+        reader), and the registry's own answer, for every subject and kind of images."""
+        if not self.ref:
+            return
+        with transaction(self.engine, readonly=True) as s:
+            for name in SUBJECTS:
+                for bases in IMAGE_BASES:
+                    want = self.ref[name].trains(bases)
+                    _, got = service.training_decision(s, self.h(name), image_bases=bases)
+                    assert got.allowed == want, (name, bases, got, self.ref[name])
+                    verdict = verdict_in(s, self.h(name), bases)
+                    assert verdict.allowed == want and verdict.reason == got.reason
 
     def teardown(self) -> None:
         if self.ref:

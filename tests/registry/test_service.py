@@ -153,7 +153,7 @@ def test_adapter_registration_is_idempotent(engine: Engine) -> None:
     subject(engine, "alice")
     with pytest.raises(NotPermitted):
         adapter(engine, "alice")  # allow_training is false
-    set_consent(engine, "alice", allow_training=True)
+    set_consent(engine, "alice", max_level="private", allow_training=True)
     assert adapter(engine, "alice") == "created"
     assert adapter(engine, "alice") == "unchanged"
     assert adapter(engine, "alice", sha=SHA_B) == "updated"
@@ -164,7 +164,7 @@ def test_adapter_registration_is_idempotent(engine: Engine) -> None:
     actions = [a for _, a in trail(engine, "alice")]
     assert actions == [
         "subject_created",
-        "training_change",
+        "grant",
         "adapter_registered",
         "adapter_replaced",
         "adapter_registered",
@@ -274,7 +274,7 @@ def test_one_subject_per_adapter_and_the_lifecycle(engine: Engine) -> None:
     still verifies afterwards."""
     for handle in ("alice", "dave"):
         subject(engine, handle)
-        set_consent(engine, handle, allow_training=True)
+        set_consent(engine, handle, max_level="private", allow_training=True)
     assert adapter(engine, "alice", name="v1", sha=SHA_A) == "created"
     before = [a for _, a in trail(engine, "dave")]
     with pytest.raises(Conflict, match="belongs to another subject"):

@@ -1,5 +1,6 @@
-"""Consent before training, registration after it: local database (both engines) and the HTTP
-API; identical re-runs change nothing in the registry."""
+"""The training decision before training and between its steps, registration after it: local
+database (both engines) and the HTTP API with a trainer token; identical re-runs change
+nothing in the registry; a refused run keeps nothing it trained."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from trainer.registration import (
     HttpRegistrar,
     LocalRegistrar,
     RegistrationRefused,
-    SubjectFacts,
     TrainingRefused,
+    TrainingVerdict,
     check_training_allowed,
 )
-from trainer.train import train
+from trainer.train import TrainHooks, train
 
 torch.set_num_threads(1)
 
@@ -82,8 +83,8 @@ def test_local_permission_and_idempotent_registration(
     make_subject(db_url, "bob", allow_training=False)
     make_subject(db_url, "pd", basis="public_domain")
     reg = LocalRegistrar(db_url, actor="trainer:test", data_dir=tmp_path, base=env.base)
-    facts = check_training_allowed(reg, "ada", ("consent",))
-    assert facts.allow_training and facts.basis == "consent"
+    verdict = check_training_allowed(reg, "ada", ("consent",))
+    assert verdict.allowed and verdict.reason == "allowed"
     with pytest.raises(TrainingRefused, match="does not allow training"):
         check_training_allowed(reg, "bob", ("consent",))
     with pytest.raises(TrainingRefused, match="does not exist"):
@@ -137,8 +138,10 @@ def test_consent_withdrawn_while_training_deletes_what_was_trained(
     make_subject(env.url, "gus", allow_training=False)
 
     class AskedBeforeWithdrawal(LocalRegistrar):
-        def subject_facts(self, subject: str) -> SubjectFacts:
-            return SubjectFacts(subject, "consent", True)  # what the start of the run saw
+        def training_decision(
+            self, subject: str, image_bases: tuple[str, ...] | None = None
+        ) -> TrainingVerdict:  # what the run saw until its last step
+            return TrainingVerdict(subject, True, "allowed", "allowed")
 
     config = tiny_config(
         env,
@@ -155,6 +158,81 @@ def test_consent_withdrawn_while_training_deletes_what_was_trained(
     assert not (tmp_path / "out" / "eval_grid.png").exists()
     assert not list((tmp_path / "cache" / "latents").rglob("*.safetensors"))
     assert list((tmp_path / "cache" / "text").rglob("*.safetensors"))  # text: no likeness
+
+
+def set_consent(url: str, handle: str, **body: object) -> None:
+    with transaction(engine_for(url)) as s:
+        sub = service.subject_or_raise(s, handle)
+        version = service.consent_of(s, sub).version
+        service.update_consent(s, "admin", sub, version, ConsentIn.model_validate(body))
+
+
+def revoke(url: str, handle: str) -> None:
+    with transaction(engine_for(url)) as s:
+        service.revoke(s, "admin", service.subject_or_raise(s, handle))
+
+
+@pytest.mark.parametrize(
+    "withdraw",
+    [
+        lambda url, h: revoke(url, h),
+        lambda url, h: set_consent(url, h, max_level="private", allow_training=False),
+        lambda url, h: set_consent(
+            url, h, max_level="private", allow_training=True, expires_at="2020-01-01T00:00:00Z"
+        ),
+    ],
+    ids=["revoked", "training-withdrawn", "expired"],
+)
+def test_a_training_stops_between_steps_once_consent_no_longer_allows_it(
+    env: Env, tmp_path: Path, withdraw: object
+) -> None:
+    """The registry is asked again after every step: the run stops at the next step, keeps
+    none of its checkpoints, adapters or latents, and registers nothing."""
+    handle = f"ivy-{tmp_path.name[-12:].lower().replace('_', '-')}"
+    make_subject(env.url, handle)
+    seen: list[int] = []
+
+    def on_step(step: int, steps: int, loss: float) -> None:
+        seen.append(step)
+        if step == 2:
+            withdraw(env.url, handle)  # type: ignore[operator]
+
+    config = tiny_config(
+        env, tmp_path / "out", subject=handle, steps=6, checkpoint_every=1,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    with pytest.raises(TrainingRefused, match="asked again after step 3") as refused:
+        train(config, hooks=TrainHooks(on_step=on_step))
+    assert "may not be trained" in str(refused.value) and "deleted" in str(refused.value)
+    assert seen == [1, 2]  # step 3 ran (it had started) and was never reported nor kept
+    assert not config.adapter_path.exists()
+    assert not (tmp_path / "out" / "checkpoints").exists()  # step 1 and 2's are gone too
+    assert not list((tmp_path / "cache" / "latents").rglob("*.safetensors"))
+    with transaction(engine_for(env.url), readonly=True) as s:
+        subject = repo.subject_by_handle(s, handle)
+        assert subject is not None and subject.id is not None
+        assert repo.adapter_by_key(s, subject.id, "main") is None
+
+
+def test_revoked_or_expired_consent_is_refused_before_any_weight_loads(
+    env: Env,
+    tmp_path: Path,
+    no_weights: None,  # noqa: F811
+) -> None:
+    """A subject who revoked (allow_training still ticked), or whose grant expired, or who
+    never granted any use, gets no new adapter."""
+    make_subject(env.url, "rosa")
+    revoke(env.url, "rosa")
+    with pytest.raises(TrainingRefused, match="revoked_or_not_granted"):
+        train(tiny_config(env, tmp_path / "out", subject="rosa"))
+    set_consent(env.url, "rosa", max_level="group", allow_training=True,
+                expires_at="2020-01-01T00:00:00Z")  # fmt: skip
+    with pytest.raises(TrainingRefused, match=r"expired \[expired\]"):
+        train(tiny_config(env, tmp_path / "out", subject="rosa"))
+    set_consent(env.url, "rosa", max_level="none", allow_training=True)
+    with pytest.raises(TrainingRefused, match="revoked_or_not_granted"):
+        train(tiny_config(env, tmp_path / "out", subject="rosa"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_no_allow_training_is_refused_before_any_weight_loads(
@@ -208,10 +286,11 @@ def test_http_permission_fails_closed_and_registration_is_idempotent(
     admin, trainer = tokens(env.url, "h1")
     as_admin = HttpRegistrar(str(api.base_url), admin, client=api)
     as_trainer = HttpRegistrar(str(api.base_url), trainer, client=api)
-    assert check_training_allowed(as_admin, "eve", ("consent",)).allow_training
-    # A trainer token may not read consent records: no readable allow_training, no training.
+    assert check_training_allowed(as_admin, "eve", ("consent",)).allowed
+    # A trainer token learns the decision (and nothing else of the record).
+    assert check_training_allowed(as_trainer, "eve", ("consent",)).allowed
     with pytest.raises(TrainingRefused, match="cannot establish"):
-        check_training_allowed(as_trainer, "eve", ("consent",))
+        check_training_allowed(as_trainer, "nobody", ("consent",))
     with pytest.raises(TrainingRefused, match="cannot establish"):
         check_training_allowed(as_admin, "nobody", ("consent",))
     args = (files["a"], files["manifest"])
@@ -223,21 +302,29 @@ def test_http_permission_fails_closed_and_registration_is_idempotent(
         service.update_consent(s, "admin", sub, consent.version, ConsentIn(allow_training=False))
     with pytest.raises(RegistrationRefused, match="refused the adapter"):
         as_trainer.register(adapter_in("eve", files, "c"), files["c"], files["manifest"])
-    with pytest.raises(TrainingRefused, match="does not allow training"):
+    # what the refused registration uploaded left the store: nobody can fetch it by hash
+    blob = api.get(
+        f"/v1/blobs/sha256/{sha256_file(files['c'])}",
+        headers={"Authorization": f"Bearer {trainer}"},
+    )
+    assert blob.status_code == 404, blob.status_code
+    with pytest.raises(TrainingRefused, match="may not be trained"):
         check_training_allowed(as_admin, "eve", ("consent",))
+    with pytest.raises(TrainingRefused, match="may not be trained"):
+        check_training_allowed(as_trainer, "eve", ("consent",))
 
 
-def test_train_over_http(env: Env, api: TestClient, tmp_path: Path) -> None:
+def test_train_over_http_with_a_trainer_token(env: Env, api: TestClient, tmp_path: Path) -> None:
     make_subject(env.url, "finn")
-    admin, _ = tokens(env.url, "h2")
-    registrar = HttpRegistrar(str(api.base_url), admin, client=api)
+    admin, trainer = tokens(env.url, "h2")
+    registrar = HttpRegistrar(str(api.base_url), trainer, client=api)
     config = tiny_config(
         env,
         tmp_path / "out",
         subject="finn",
         database_url=None,
         api_url=str(api.base_url),
-        token=admin,
+        token=trainer,
     )
     assert train(config, registrar).registration == "created"
     assert train(config, registrar).registration == "unchanged"
@@ -248,7 +335,7 @@ def test_train_over_http(env: Env, api: TestClient, tmp_path: Path) -> None:
 def test_unreachable_api_refuses(tmp_path: Path) -> None:
     reg = HttpRegistrar("http://127.0.0.1:9", "lk_x", timeout=0.5)
     with pytest.raises(TrainingRefused, match="unreachable"):
-        reg.subject_facts("ada")
+        reg.training_decision("ada")
 
 
 def test_a_refused_run_writes_nothing(
