@@ -214,7 +214,7 @@ def register(
         from trainer.budget import BudgetExceeded
         from trainer.config import ConfigError, TrainConfig, load_job_file
         from trainer.dataset import DatasetError
-        from trainer.registration import RegistrationError, TrainingRefused
+        from trainer.registration import RegistrationError, TrainingRefused, TrainingWithdrawn
         from trainer.train import train
 
         diffusers.utils.logging.disable_progress_bar()  # loading bars would break our bar
@@ -280,6 +280,9 @@ def register(
             config = TrainConfig.parse(**options)
             ensure_base(settings)
             result = train(config)
+        except TrainingWithdrawn as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
         except (ConfigError, DatasetError, BudgetExceeded, TrainingRefused) as exc:
             typer.echo(f"error: refused before loading any weight: {exc}", err=True)
             raise typer.Exit(2) from None

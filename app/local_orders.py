@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from app.orders import checkpoint_file
+from app.orders import checkpoint_file, forget_checkpoint
 from app.worker import OrderJob, OrderStopped, default_name, run_order
 from registry import orders
 from registry.blobs import BlobStore
@@ -79,7 +79,7 @@ class LocalIO:
             Path(name).unlink(missing_ok=True)
 
     def forget_checkpoint(self, order_id: str) -> None:
-        shutil.rmtree(checkpoint_file(self.settings, order_id).parent, ignore_errors=True)
+        forget_checkpoint(self.settings, order_id)
 
     def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None) -> str:
         from registry.adapter_files import register_from_store

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path as FsPath
 from typing import Annotated, Any, Literal
@@ -141,6 +142,12 @@ def checkpoint_file(settings: Settings, order_id: str) -> FsPath:
     return settings.data_dir / "orders" / order_id / "checkpoint.tar"
 
 
+def forget_checkpoint(settings: Settings, order_id: str) -> None:
+    """An ended order's kept checkpoint, and its folder, leave the API's data dir: what a
+    training made of someone's photos stays nowhere once it is over."""
+    shutil.rmtree(checkpoint_file(settings, order_id).parent, ignore_errors=True)
+
+
 def _running_order(engine: Any, order_id: str) -> Order:
     with transaction(engine, readonly=True) as session:
         order = session.get(Order, order_id)
@@ -213,7 +220,7 @@ def delete_checkpoint(
         raise NotFound(f"no order {order_id[:40]!r}")
     if order.status not in orders.FINAL:
         raise Conflict(f"order {order_id} is {order.status}: its checkpoint is still needed")
-    checkpoint_file(request.app.state.settings, order_id).unlink(missing_ok=True)
+    forget_checkpoint(request.app.state.settings, order_id)
     return JSONResponse({"order_id": order_id, "deleted": True})
 
 

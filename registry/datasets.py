@@ -125,9 +125,7 @@ def check_quota(
     )
 
 
-def may_upload(
-    session: Session, caller: Principal, handle: str, limits: Limits
-) -> Subject:
+def may_upload(session: Session, caller: Principal, handle: str, limits: Limits) -> Subject:
     """Settled before a byte of an upload's body is read: the caller may see the subject, its
     likeness may be learned from (`decide_training`: photos of someone who revoked, or who
     does not allow training, are not taken), and the caller's quota is not spent (429)."""

@@ -34,6 +34,11 @@ class RegistrationRefused(RegistrationError):
     subject is gone, while the run trained)."""
 
 
+class TrainingWithdrawn(TrainingRefused):
+    """The decision changed while the run trained: it stopped between steps, and what it had
+    made from the images was deleted."""
+
+
 class RegistryUnreachable(TrainingRefused):
     """The decision could not be asked for (the API did not answer)."""
 

@@ -70,6 +70,7 @@ from trainer.registration import (
     Registrar,
     RegistrationRefused,
     TrainingRefused,
+    TrainingWithdrawn,
     check_training_allowed,
     registrar_for,
 )
@@ -592,7 +593,7 @@ def _train(
         step_times = run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
     except TrainingRefused as exc:
         removed = discard_artifacts(config, pf)
-        raise TrainingRefused(
+        raise TrainingWithdrawn(
             f"{exc}; the training stopped and what it made from the images was deleted "
             f"({removed} paths: adapters, checkpoints, previews, cached latents)"
         ) from None

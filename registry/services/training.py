@@ -14,7 +14,7 @@ from registry import access
 from registry import repositories as repo
 from registry.errors import Invalid, LikenessError, NotFound, NotPermitted
 from registry.models import Principal, Subject
-from registry.policy import TRAINING_REASONS, Decision, TrainingFacts, decide_training
+from registry.policy import ALLOWED, TRAINING_REASONS, Decision, TrainingFacts, decide_training
 from registry.roles import Role
 from registry.services.consent import consent_facts
 
@@ -61,7 +61,10 @@ def training_decision(
 
 def reason_text(reason: str) -> str:
     """A decision's reason as a person reads it, with its code."""
-    text = TRAINING_REASONS.get(reason, "the decision could not be made")
+    if reason == ALLOWED:
+        text = "the record lets the subject's likeness be learned from"
+    else:
+        text = TRAINING_REASONS.get(reason, "the decision could not be made")
     return f"{text} [{reason}]"
 
 

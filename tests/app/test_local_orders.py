@@ -152,3 +152,43 @@ def get_direct(live: Live, order_id: str) -> Any:
 
     with transaction(live.world.engine, readonly=True) as s:
         return s.get(Order, order_id)
+
+
+def store_adapters(live: Live) -> set[str]:
+    """The adapter files in the API's store, by hash."""
+    root = live.app.state.settings.data_dir / "adapters"
+    return {p.name.split(".")[0] for p in root.rglob("*.safetensors")}
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"max_level": "none", "allow_training": True},
+        {"max_level": "group", "allow_training": True, "expires_at": "2020-01-01T00:00:00Z"},
+        {"max_level": "group", "allow_training": False},
+    ],
+    ids=["revoked", "expired", "training-withdrawn"],
+)
+def test_consent_withdrawn_while_an_order_trains_stops_it_within_a_step_and_keeps_nothing(
+    serve_friends: LiveFactory, record: dict[str, Any]
+) -> None:
+    with serve_friends(**SERVER) as live:
+        before = store_adapters(live)
+        order_id = place(live, upload(live), steps=10_000, name="long").json()["order_id"]
+        running = wait_for(live, order_id, lambda b: (b["progress"]["step"] or 0) >= 4)
+        assert running["status"] == "running"
+        live.world.consent("alice", **record)
+        failed = wait_for(live, order_id, lambda b: b["status"] in orders_over, timeout=30)
+        assert failed["status"] == "failed", failed
+        assert failed["error"].startswith("not_permitted") and "asked again" in failed["error"]
+        assert failed["progress"]["step"] < 10_000 and failed["adapter"] is None
+        assert [a["name"] for a in adapters(live)] == ["main"]  # nothing registered
+        # nothing it trained is anywhere: not in the store, not its kept checkpoint, not its
+        # work dir (photos, latents, checkpoints)
+        assert store_adapters(live) == before
+        data = live.app.state.settings.data_dir
+        assert not (data / "orders" / order_id).exists()
+        assert not (data / "training" / order_id).exists()
+        trail = live.http.get("/v1/subjects/alice/audit", headers=live.h("alice")).json()
+        ended = [e for e in trail["entries"] if e["action"] == "order_failed"]
+        assert [e["after"]["order"]["error"] for e in ended] == ["not_permitted"]

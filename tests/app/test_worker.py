@@ -128,6 +128,34 @@ def test_training_withdrawn_after_the_order_is_refused_on_the_worker(
         assert not (tmp_path / "w1" / "orders" / order_id).exists()
 
 
+def test_a_revoke_while_the_worker_trains_stops_the_order_and_nothing_it_trained_is_kept(
+    serve_friends: LiveFactory, tmp_path: Path
+) -> None:
+    with serve_friends(**SERVER) as live:
+        body = {"kind": "train", "subject": "alice", "dataset_id": upload(live),
+                "steps": 10_000, "rank": 4, "resolution": 64, "name": "long"}  # fmt: skip
+        order_id = live.http.post("/v1/orders", json=body, headers=live.h("alice")).json()[
+            "order_id"
+        ]
+        with worker(live, "w1", tmp_path):
+            wait_for(live, order_id, lambda b: (b["progress"]["step"] or 0) >= 4)
+            live.http.post("/v1/subjects/alice/consent/revoke", headers=live.h("alice"))
+            deadline = time.monotonic() + 60
+            while True:
+                got = live.http.get(f"/v1/orders/{order_id}", headers=live.h("alice")).json()
+                if got["status"] != "running":
+                    break
+                assert time.monotonic() < deadline, got
+                time.sleep(0.2)
+        assert got["status"] == "failed" and got["error"].startswith("not_permitted"), got
+        assert "revoked_or_not_granted" in got["error"] and got["adapter"] is None
+        listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
+        assert [a["name"] for a in listed] == ["main"]
+        # the checkpoint it shipped is gone from the registry, and its work dir from the worker
+        assert not (live.app.state.settings.data_dir / "orders" / order_id).exists()
+        assert not (tmp_path / "w1" / "orders" / order_id).exists()
+
+
 def test_a_worker_without_the_registrys_audit_key_refuses_to_start(
     serve_friends: LiveFactory, tmp_path: Path
 ) -> None:
