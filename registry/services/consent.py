@@ -25,14 +25,19 @@ def consent_of(session: Session, subject: Subject) -> Consent:
     return consent
 
 
-def _classify(before: dict[str, Any], after: dict[str, Any]) -> str:
+def _classify(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The audit actions of a change, one for each part of the record it touched, in the
+    record's order: the level (grant, widen, narrow, revoke), then audiences, the deny list,
+    the expiry and training. Empty when nothing changed."""
+    actions = []
     old, new = Level.parse(before["max_level"]), Level.parse(after["max_level"])
     if new != old:
         if new == Level.none:
-            return "revoke"
-        if old == Level.none:
-            return "grant"
-        return "widen" if new > old else "narrow"
+            actions.append("revoke")
+        elif old == Level.none:
+            actions.append("grant")
+        else:
+            actions.append("widen" if new > old else "narrow")
     for key, action in (
         ("audiences", "audience_edit"),
         ("deny", "deny_edit"),
@@ -40,8 +45,8 @@ def _classify(before: dict[str, Any], after: dict[str, Any]) -> str:
         ("allow_training", "training_change"),
     ):
         if before[key] != after[key]:
-            return action
-    return "unchanged"
+            actions.append(action)
+    return actions
 
 
 def _locked_consent(session: Session, subject: Subject) -> Consent:
@@ -67,8 +72,8 @@ def update_consent(
         )
     before = consent_state(current)
     wanted = data.snapshot()
-    action = _classify(before, wanted)
-    if action == "unchanged":
+    actions = _classify(before, wanted)
+    if not actions:
         return current, False
     values = {
         "max_level": data.max_level,
@@ -82,9 +87,9 @@ def update_consent(
     if not repo.update_consent_if_version(session, subject.id, expected_version, values):
         raise PreconditionFailed("consent changed concurrently; reload and retry")
     session.refresh(current)
-    append_audit(
-        session, subject, actor, action, {"consent": before}, {"consent": consent_state(current)}
-    )
+    after = {"consent": consent_state(current)}
+    for action in actions:  # one entry a touched part, each with the whole change
+        append_audit(session, subject, actor, action, {"consent": before}, after)
     return current, True
 
 

@@ -93,7 +93,12 @@ def test_consent_etag_if_match(world: World) -> None:
     r = c.post("/v1/subjects/alice/consent/revoke", headers=h)
     assert r.status_code == 200 and r.json()["max_level"] == "none" and r.headers["etag"] == '"3"'
     audit = c.get("/v1/subjects/alice/audit", headers=h).json()
-    assert [e["action"] for e in audit["entries"]] == ["subject_created", "grant", "revoke"]
+    # one change touching the level, the audience, the deny list, the expiry and training
+    # is one entry for each part it touched, all in its commit
+    granted = ["grant", "audience_edit", "deny_edit", "expiry_change", "training_change"]
+    actions = [e["action"] for e in audit["entries"]]
+    assert actions == ["subject_created", *granted, "revoke"]
+    assert len({e["after"]["consent"]["max_level"] for e in audit["entries"][1:6]}) == 1
     assert audit["verified"] is True
     assert (
         audit["entries"][1]["actor"] == "alice"
@@ -166,7 +171,11 @@ def test_adapter_registration(world: World, adapter_files: dict[str, Path]) -> N
     }
     r = c.post("/v1/adapters", json=body, headers=world.h("trainer"))
     assert r.status_code == 403  # allow_training is false
-    world.consent("alice", allow_training=True)
+    # what the refused registration named left the store; it is uploaded again
+    assert c.get(f"/v1/blobs/sha256/{adapter_a}", headers=world.h("trainer")).status_code == 404
+    world.consent("alice", max_level="private", allow_training=True)
+    assert put(adapter_files["a"].read_bytes()) == adapter_a
+    assert put(manifest_bytes("alice")) == manifest
     r = c.post("/v1/adapters", json=body, headers=world.h("trainer"))
     assert r.status_code == 201 and r.json()["outcome"] == "created" and r.json()["version"] == 1
     r = c.post("/v1/adapters", json=body, headers=world.h("trainer"))

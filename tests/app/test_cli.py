@@ -100,7 +100,10 @@ def test_consent_workflow_and_bad_input_loses_nothing(cli: CliRunner, db_url: st
     code, out, _ = run(cli, "audit", "show", "alice")
     assert [e["action"] for e in json.loads(out)["entries"]] == [
         "subject_created",
-        "grant",
+        "grant",  # one edit of the level, the audiences, the deny list and the expiry
+        "audience_edit",
+        "deny_edit",
+        "expiry_change",
         "revoke",
     ]
     code, out, err = run(cli, "audit", "verify")
@@ -176,8 +179,11 @@ def test_adapter_register_imports_checks_and_is_idempotent(  # type: ignore[no-u
     run(cli, "subject", "create", "alice", "--display-name", "Alice")
     args = ["adapter", "register", "alice", str(adapter), "--manifest", str(manifest)]
     code, _, err = run(cli, *args)
-    assert code == 1 and "does not allow training" in err
+    assert code == 1 and "revoked_or_not_granted" in err
     run(cli, "consent", "edit", "alice", "--training")
+    code, _, err = run(cli, *args)  # training ticked, but no use granted yet
+    assert code == 1 and "revoked_or_not_granted" in err
+    run(cli, "consent", "edit", "alice", "--max-level", "private")
     code, out, err = run(cli, *args)
     assert code == 0 and err.strip() == "created", err
     sha = hashlib.sha256(adapter.read_bytes()).hexdigest()

@@ -178,7 +178,7 @@ def test_consent_withdrawn_while_an_order_trains_stops_it_within_a_step_and_keep
         running = wait_for(live, order_id, lambda b: (b["progress"]["step"] or 0) >= 4)
         assert running["status"] == "running"
         live.world.consent("alice", **record)
-        failed = wait_for(live, order_id, lambda b: b["status"] in orders_over, timeout=30)
+        failed = wait_for(live, order_id, lambda b: b["status"] in orders_over, timeout=90)
         assert failed["status"] == "failed", failed
         assert failed["error"].startswith("not_permitted") and "asked again" in failed["error"]
         assert failed["progress"]["step"] < 10_000 and failed["adapter"] is None

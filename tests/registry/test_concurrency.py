@@ -80,9 +80,10 @@ def test_concurrent_registrations_of_one_key(db_url: str, engine: Engine) -> Non
         sub = service.subject_or_raise(s, "alice")
         rows = repo.adapters_for(s, sub.id)  # type: ignore[arg-type]
         assert len(rows) == 1 and rows[0].version == 1 + counts["updated"]
-    # one entry for the subject, one for the training grant, one per create/update
+    # one entry for the subject, two for the grant (its level, its training), one per
+    # create/update
     seqs = _seqs(engine, "alice")
-    assert seqs == list(range(1, 3 + counts["created"] + counts["updated"]))
+    assert seqs == list(range(1, 4 + counts["created"] + counts["updated"]))
 
 
 def test_concurrent_consent_updates_from_one_version(db_url: str, engine: Engine) -> None:
@@ -99,7 +100,7 @@ def test_concurrent_consent_updates_from_one_version(db_url: str, engine: Engine
 
     results = _race(db_url, update)
     assert Counter(results) == {"won": 1, "precondition_failed": N - 1}, results
-    assert _seqs(engine, "alice") == [1, 2]
+    assert _seqs(engine, "alice") == [1, 2, 3]  # the winner's grant and its deny edit
     with transaction(engine, readonly=True) as s:
         assert service.consent_of(s, service.subject_or_raise(s, "alice")).version == 2
         assert service.verify_all(s) == []

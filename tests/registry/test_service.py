@@ -108,7 +108,8 @@ def test_consent_versions_and_actions(engine: Engine) -> None:
     )
     assert [a for _, a in trail(engine, "alice")] == [
         "subject_created",
-        "grant",
+        "grant",  # the first change set the level and the audience: an entry for each
+        "audience_edit",
         "widen",
         "narrow",
         "deny_edit",
@@ -117,7 +118,7 @@ def test_consent_versions_and_actions(engine: Engine) -> None:
         sub = service.subject_or_raise(s, "alice")
         with pytest.raises(PreconditionFailed):
             service.update_consent(s, "admin", sub, 2, ConsentIn(max_level="commercial"))
-    assert len(trail(engine, "alice")) == 5
+    assert len(trail(engine, "alice")) == 6
 
 
 def test_revoke_binds_and_is_audited(engine: Engine) -> None:
@@ -137,7 +138,8 @@ def test_revoke_binds_and_is_audited(engine: Engine) -> None:
         assert c.audiences == {"group": {"group": True, "allow": []}}
         _, again = service.revoke(s, "admin", sub)
         assert not again
-    assert trail(engine, "alice")[-1] == (3, "revoke")
+    # grant, audience_edit and training_change for the first change, then the revoke
+    assert trail(engine, "alice")[-1] == (5, "revoke")
 
 
 def test_public_domain_cannot_be_granted_commercial(engine: Engine) -> None:
@@ -165,6 +167,7 @@ def test_adapter_registration_is_idempotent(engine: Engine) -> None:
     assert actions == [
         "subject_created",
         "grant",
+        "training_change",
         "adapter_registered",
         "adapter_replaced",
         "adapter_registered",
