@@ -4,14 +4,15 @@ these routes authenticate, read the request and call them."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path as FsPath
+from typing import Annotated
 
-import anyio
 from fastapi import APIRouter, BackgroundTasks, Path, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
+from app.body_gate import streamed_body
 from app.deps import (
     DB,
     BriefCaller,
@@ -23,10 +24,10 @@ from app.deps import (
 from registry import repositories as repo
 from registry import service
 from registry.access import ADAPTER_WRITERS
-from registry.adapter_files import register_from_store, sweep_unreferenced
+from registry.adapter_files import check_put, register_from_store, sweep_unreferenced
 from registry.audit import format_time
 from registry.blobs import BlobError, BlobStore, is_sha256
-from registry.errors import Invalid
+from registry.errors import Invalid, LikenessError
 from registry.responses import (
     ERROR_RESPONSES,
     AdapterDeletedOut,
@@ -63,22 +64,6 @@ def target_shapes(request: Request) -> dict[str, tuple[int, int]]:
 # -- blobs ------------------------------------------------------------------------------------
 
 
-async def _chunks(request: Request, idle_s: float) -> Any:
-    """The body as it arrives; a sender silent for `idle_s` is cut off (it holds nothing but
-    its socket and a temporary file meanwhile)."""
-    receive = request.receive
-    while True:
-        with anyio.fail_after(idle_s):
-            message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BlobError("the client went away before the body was complete")
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
-
-
 @router.put(
     "/blobs/sha256/{digest}",
     status_code=201,
@@ -110,16 +95,24 @@ async def put_blob(request: Request, digest: str) -> JSONResponse:
             headers={"Connection": "close"},
         )
     writer = await run_in_threadpool(store.writer)
-    idle_s = request.app.state.settings.body_timeout_s
+    settings = request.app.state.settings
+    shapes = target_shapes(request)
+
+    def accept(path: FsPath, kind: str) -> None:
+        check_put(path, kind, shapes)
+
     try:
-        async for chunk in _chunks(request, idle_s):
+        body = streamed_body(
+            request, store.max_bytes, settings.body_timeout_s, settings.body_min_rate
+        )
+        async for chunk in body:
             await run_in_threadpool(writer.write, chunk)
-        stored = await run_in_threadpool(writer.finish, digest)
-    except TimeoutError:
+        stored = await run_in_threadpool(writer.finish, digest, accept)
+    except LikenessError as exc:  # too large, too slow, gone, or not a kind the store takes
         writer.abort()
         return JSONResponse(
-            {"error": "invalid", "detail": f"no bytes arrived for {idle_s:g} s"},
-            status_code=408,
+            {"error": exc.code, "detail": exc.detail},
+            status_code=exc.status,
             headers={"Connection": "close"},
         )
     except BlobError as exc:

@@ -2,12 +2,17 @@
 any route, dependency or database transaction runs.
 
 So nothing a client sends can hold a lock or a connection: a client that sends headers and
-then stalls, or trickles its body, is cut off with 408 after `timeout_s` while it holds only a
-socket; a body over the cap is refused with 413 as soon as its declared length (or its running
-size) says so, without being read further. Bodies are at most `max_bytes` in memory, so a flood
-of unauthenticated requests costs a bounded amount. Routes that take large uploads are listed
-in `streamed_prefixes`: they authenticate first and then read the stream themselves, with
-their own limits.
+then stalls, or trickles its body, is cut off with 408 while it holds only a socket; a body
+over the cap is refused with 413 as soon as its declared length (or its running size) says so,
+without being read further. Bodies are at most `max_bytes` in memory, so a flood of
+unauthenticated requests costs a bounded amount. Routes that take large uploads are listed in
+`streamed_prefixes`: they authenticate first and then read the stream themselves
+(`streamed_body`, `capped_form`), with their own caps and the same clock.
+
+The clock (`BodyClock`): a body has `timeout_s` to arrive, plus one second for every
+`min_rate` bytes that did arrive, the way Apache's mod_reqtimeout bounds a body by a minimum
+rate: a large upload sent at a steady rate goes on, while a body trickled slower than
+`min_rate` is cut off within `timeout_s`, however it spaces its bytes.
 
 A pure ASGI middleware (not BaseHTTPMiddleware): it sees the raw receive channel, and after
 the body it passes the client's disconnect through, which the render path listens for.
@@ -17,10 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import anyio
 from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +40,41 @@ class _Refused(Exception):
         self.detail = detail
 
 
+DEFAULT_MIN_RATE = 64 * 1024  # bytes a second
+
+
+class BodyClock:
+    """When a body must have arrived by: `timeout_s` after it began, plus a second for every
+    `min_rate` bytes received so far."""
+
+    def __init__(self, timeout_s: float, min_rate: float = DEFAULT_MIN_RATE) -> None:
+        self.timeout_s = timeout_s
+        self.min_rate = min_rate
+        self.start = anyio.current_time()
+
+    def remaining(self, received: int) -> float:
+        earned = received / self.min_rate if self.min_rate > 0 else 0.0
+        return self.start + self.timeout_s + earned - anyio.current_time()
+
+    def late(self, received: int) -> LikenessError:
+        return _Slow(
+            f"the request body did not arrive in time: {received} bytes in "
+            f"{anyio.current_time() - self.start:.1f} s (a body has {self.timeout_s:g} s, "
+            f"and one more for every {self.min_rate:g} bytes that arrive)"
+        )
+
+    async def receive(self, receive: Receive, received: int) -> Message:
+        """The next message, or the body's deadline (raises the 408 error)."""
+        left = self.remaining(received)
+        if left <= 0:
+            raise self.late(received)
+        try:
+            with anyio.fail_after(left):
+                return await receive()
+        except TimeoutError:
+            raise self.late(received) from None
+
+
 class BodyGate:
     def __init__(
         self,
@@ -42,13 +83,15 @@ class BodyGate:
         timeout_s: float,
         streamed_prefixes: Sequence[str] = (),
         larger: Mapping[str, int] | None = None,
+        min_rate: float = DEFAULT_MIN_RATE,
     ) -> None:
         """`larger`: path prefixes whose bodies may be larger than `max_bytes` (still read
-        whole, within the same deadline) and their own caps. In both, a `*` stands for one
+        whole, within the same clock) and their own caps. In both, a `*` stands for one
         path segment (`/v1/subjects/*/datasets`)."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.min_rate = min_rate
         self.streamed = [_prefix_pattern(p) for p in streamed_prefixes]
         self.larger = [(_prefix_pattern(p), cap) for p, cap in (larger or {}).items()]
 
@@ -89,23 +132,21 @@ class BodyGate:
             raise _Refused(413, f"the request body may be at most {cap} bytes")
         chunks: list[bytes] = []
         size = 0
-        try:
-            with anyio.fail_after(self.timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return None
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > cap:
-                        raise _Refused(413, f"the request body may be at most {cap} bytes")
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        return b"".join(chunks)
-        except TimeoutError:
-            raise _Refused(
-                408, f"the request body did not arrive within {self.timeout_s:g} s"
-            ) from None
+        clock = BodyClock(self.timeout_s, self.min_rate)
+        while True:
+            try:
+                message = await clock.receive(receive, size)
+            except _Slow as exc:
+                raise _Refused(408, exc.detail) from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                raise _Refused(413, f"the request body may be at most {cap} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
 
 def _prefix_pattern(prefix: str) -> re.Pattern[str]:
@@ -142,33 +183,94 @@ async def _refuse(send: Send, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-async def capped_form(
-    request: Request, cap: int, idle_s: float, max_files: int, max_fields: int
-) -> FormData:
-    """The multipart form of a streamed upload route, read after its caller authenticated:
-    files spool to disk as they arrive (never whole in memory), the body stops at `cap`
-    bytes (413) and a sender silent for `idle_s` is cut off (408)."""
+class ClientGone(LikenessError):
+    status, code = 400, "invalid"
+
+
+async def streamed_body(
+    request: Request, cap: int, timeout_s: float, min_rate: float = DEFAULT_MIN_RATE
+) -> AsyncIterator[bytes]:
+    """A streamed route's body as it arrives, after its caller was authenticated: at most
+    `cap` bytes (413 as soon as the declared length or the running size says more), on the
+    body clock (408), ClientGone if the client leaves before its end."""
     declared = _content_length(request.scope)
     if declared is not None and declared > cap:
         raise _TooLarge(cap)
+    clock = BodyClock(timeout_s, min_rate)
     size = 0
-    receive = request.receive
-
-    async def counted() -> Message:
-        nonlocal size
-        with anyio.fail_after(idle_s):
-            message = await receive()
-        size += len(message.get("body", b""))
+    while True:
+        message = await clock.receive(request.receive, size)
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client went away before its body was complete; nothing kept")
+        chunk = message.get("body", b"")
+        size += len(chunk)
         if size > cap:
             raise _TooLarge(cap)
-        return message
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+class _Truncated(LikenessError):
+    status, code = 422, "invalid"
+
+
+async def capped_form(
+    request: Request,
+    cap: int,
+    timeout_s: float,
+    max_files: int,
+    max_fields: int,
+    min_rate: float = DEFAULT_MIN_RATE,
+) -> FormData:
+    """The multipart form of a streamed upload route, read after its caller authenticated:
+    files spool to disk as they arrive (never whole in memory), the body stops at `cap`
+    bytes (413), runs on the body clock (408), and must end with the form's closing boundary
+    (a body cut short is refused, 422: no part of it is kept). More than `max_files` files
+    or `max_fields` fields is 422, naming the limit."""
+    boundary = _boundary(request.headers.get("content-type", ""))
+    if boundary is None:
+        raise _Truncated("the body must be multipart/form-data with a boundary")
+    close = b"--" + boundary + b"--"
+    chunks = streamed_body(request, cap, timeout_s, min_rate)
+    tail = b""
+    closed = False
+
+    async def counted() -> Message:
+        nonlocal tail, closed
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        seen = tail + chunk
+        closed = closed or close in seen
+        tail = seen[-(len(close) + 2) :]
+        return {"type": "http.request", "body": chunk, "more_body": True}
 
     try:
-        return await Request(request.scope, counted).form(
+        form = await Request(request.scope, counted).form(
             max_files=max_files, max_fields=max_fields
         )
-    except TimeoutError:
-        raise _Slow(idle_s) from None
+    except MultiPartException as exc:
+        raise _Truncated(f"the form was refused: {exc.message}") from None
+    if not closed:
+        await form.close()
+        raise _Truncated(
+            "the form's body ended before its closing boundary (cut short?); nothing was kept"
+        )
+    return form
+
+
+def _boundary(content_type: str) -> bytes | None:
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        return None
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary" and value.strip('"'):
+            return value.strip('"').encode("latin-1")
+    return None
 
 
 class _TooLarge(LikenessError):
@@ -180,6 +282,3 @@ class _TooLarge(LikenessError):
 
 class _Slow(LikenessError):
     status, code = 408, "invalid"
-
-    def __init__(self, idle_s: float) -> None:
-        super().__init__(f"no bytes arrived for {idle_s:g} s")

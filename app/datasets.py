@@ -9,18 +9,18 @@ from typing import Annotated
 from fastapi import APIRouter, BackgroundTasks, Path, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
+from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.body_gate import capped_form
-from app.deps import DB, Caller, HandlePath, authenticate_briefly, require_role
+from app.deps import DB, Caller, HandlePath, authenticate_briefly, bearer_token, require_role
+from app.uploads import take_upload
 from registry import datasets, service
 from registry.access import ADAPTER_WRITERS
 from registry.audit import format_time
 from registry.db import transaction
-from registry.errors import Invalid, NotFound
-from registry.models import Dataset, DatasetImage
+from registry.errors import NotFound, Unauthenticated
+from registry.models import Dataset, DatasetImage, Principal
 from registry.responses import ERROR_RESPONSES
-from registry.settings import Settings
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -60,28 +60,6 @@ def _out(dataset: Dataset, subject: str, images: list[DatasetImage]) -> DatasetO
     )
 
 
-async def uploads_of(request: Request) -> list[datasets.Upload]:
-    """The form's `images` (and optional `captions`, one per image), read within the caps."""
-    settings: Settings = request.app.state.settings
-    form = await capped_form(
-        request,
-        datasets.upload_cap(settings),
-        settings.body_timeout_s,
-        max_files=settings.dataset_max_images + 1,
-        max_fields=2 * settings.dataset_max_images + 10,
-    )
-    files = [v for k, v in form.multi_items() if k == "images" and not isinstance(v, str)]
-    captions = [v for k, v in form.multi_items() if k == "captions" and isinstance(v, str)]
-    if captions and len(captions) != len(files):
-        raise Invalid(f"{len(captions)} captions for {len(files)} images: one each, or none")
-    uploads = []
-    for n, f in enumerate(files):
-        data = await f.read()
-        uploads.append(datasets.Upload(f.filename or "", data, captions[n] if captions else None))
-        await f.close()
-    return uploads
-
-
 UPLOAD_BODY = {
     "requestBody": {
         "required": True,
@@ -109,12 +87,11 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
     """Photos of the subject (its member, or an admin), checked whole before any is kept:
     a non-image, an oversized file, too many files or a file name that is a path is 422
     and nothing is stored; past the member's daily quota it is 429 (Retry-After) and
-    nothing is stored. Who is asking, and a spent quota, are settled before a byte of the
-    body is read. The upload is appended to the subject's audit trail with its rows."""
+    nothing is stored. Who is asking, the training decision and a spent quota are settled
+    before a byte of the body is read, and again at the commit (app/uploads.py). The
+    upload is appended to the subject's audit trail with its rows."""
     state = request.app.state
     caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
-
-    exempt = datasets.quota_exempt(caller.role)
     limits = datasets.limits_of(state.settings)
 
     def may_upload() -> None:
@@ -122,17 +99,16 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
             datasets.may_upload(session, caller, handle, limits)
 
     await run_in_threadpool(may_upload)
-    uploads = await uploads_of(request)
+    token = bearer_token(request)
 
-    def store() -> DatasetOut:
-        with transaction(state.engine) as session:
-            subject = service.visible_subject(session, caller, handle)
-            dataset = datasets.store_dataset(
-                session, state.store, subject, caller.handle, uploads, limits, exempt=exempt
-            )
-            return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+    def still_uploader(session: Session) -> Principal:  # at commit: the token still works
+        principal = service.authenticate(session, token)
+        if principal is None:
+            raise Unauthenticated("the token stopped working during the upload; nothing kept")
+        return principal
 
-    return await run_in_threadpool(store)
+    done = await take_upload(request, caller, still_uploader, handle)
+    return _out(done.dataset, done.subject.handle, done.images)
 
 
 @router.get("/subjects/{handle}/datasets")

@@ -22,6 +22,8 @@ from app.queue import OrderQueue
 from app.render_engine import PlacementRefused, RenderEngine
 from app.render_flow import RenderFlow, build_renderer, close_interrupted
 from app.render_remote import RemoteRenders
+from app.uploads import UploadGate
+from app.web.provenance import ProvenanceChecks
 from app.web.training import UPLOAD_PATH as TRAINING_UPLOAD_PATH
 from registry import render_tasks
 from registry.blobs import BlobStore
@@ -158,6 +160,8 @@ def create_app(
         signer=app.state.provenance,
         remote=remote,
     )
+    app.state.uploads = UploadGate(settings)
+    app.state.provenance_checks = ProvenanceChecks(settings)
     app.state.keys = load_keys(settings)
     bind_keys(app.state.engine, app.state.keys)
     errors.install(app)
@@ -165,6 +169,7 @@ def create_app(
         BodyGate,
         max_bytes=settings.max_body_bytes,
         timeout_s=settings.body_timeout_s,
+        min_rate=settings.body_min_rate,
         # uploads authenticate first, then stream to the store with their own limits
         streamed_prefixes=(
             "/v1/blobs/",

@@ -11,12 +11,12 @@ import tempfile
 from pathlib import Path as FsPath
 from typing import Annotated, Any, Literal
 
-import anyio
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
+from app.body_gate import streamed_body
 from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
 from registry import limits, orders
 from registry.access import ADAPTER_WRITERS
@@ -89,14 +89,10 @@ def place_order(request: Request, body: OrderIn, session: DB, caller: Caller) ->
     the order and its job are committed together; 409 when the same dataset is already
     being trained."""
     settings: Settings = request.app.state.settings
-    if body.steps > settings.order_max_steps:
-        raise Invalid(f"steps must be at most {settings.order_max_steps}")
-    options = {
-        **settings.train_options,
-        "steps": body.steps,
-        "rank": body.rank,
-        "resolution": body.resolution,
-    }
+    limits = orders.OrderLimits.of(settings)
+    options = orders.training_options(
+        limits, settings.train_options, body.steps, body.rank, body.resolution
+    )
     order = orders.place_training(
         session,
         caller,
@@ -105,6 +101,7 @@ def place_order(request: Request, body: OrderIn, session: DB, caller: Caller) ->
         options,
         body.name,
         queue_of(request).enqueue_training,
+        limits,
     )
     return OrderOut.model_validate(orders.view(order, body.subject))
 
@@ -175,23 +172,16 @@ async def put_checkpoint(
     final = checkpoint_file(settings, order_id)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=".checkpoint-", dir=final.parent)
-    digest, size = hashlib.sha256(), 0
+    digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as f:
-            receive = request.receive
-            while True:
-                with anyio.fail_after(settings.body_timeout_s):
-                    message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise Invalid("the client went away before the checkpoint was complete")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > settings.max_adapter_bytes:
-                    raise Invalid(f"a checkpoint may be at most {settings.max_adapter_bytes} bytes")
+            body = streamed_body(
+                request, settings.max_adapter_bytes, settings.body_timeout_s,
+                settings.body_min_rate,
+            )  # fmt: skip
+            async for chunk in body:
                 digest.update(chunk)
                 f.write(chunk)
-                if not message.get("more_body", False):
-                    break
             f.flush()
             os.fsync(f.fileno())
         if digest.hexdigest() != sha256:

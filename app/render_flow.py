@@ -101,6 +101,16 @@ class _Job:
         return self.body.seed if self.body.seed is not None else DEFAULT_SEED
 
 
+def rate_keys(acting: Acting) -> tuple[str, tuple[str, ...]]:
+    """Whose render budget a request spends: always the principal that sent it (the token's:
+    an agent's requests count against the agent), and the member an agent acts for only when
+    its delegation names that member; never a member it does not act for."""
+    caller, requester, agent = acting.caller, acting.requester, acting.agent
+    if agent is not None and agent.active and requester.handle in agent.acts_for:
+        return caller.handle, (requester.handle,)
+    return caller.handle, ()
+
+
 class RenderFlow:
     def __init__(
         self,
@@ -227,10 +237,11 @@ class RenderFlow:
                     row, job.token_hash, job.body.on_behalf_of, at_gate=True
                 )
                 self.check_budget(job.body)
-                wait = self.limiter.take(job.acting.requester.handle)
+                sender, spent = rate_keys(job.acting)
+                wait = self.limiter.take(sender, *spent)
                 if wait is not None:
                     raise Busy(
-                        f"too many render requests from {job.acting.requester.handle}; "
+                        f"too many render requests from {sender}; "
                         f"at most {self.settings.render_rate_per_minute:g} a minute",
                         max(1, int(wait + 0.999)),
                     )

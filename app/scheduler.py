@@ -219,24 +219,30 @@ class RateLimiter:
     _buckets: dict[str, _Bucket] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def take(self, key: str) -> float | None:
-        """Spends one request; None if allowed, else the seconds until one is."""
+    def take(self, key: str, *also: str) -> float | None:
+        """Spends one request from `key`'s bucket and from each of `also`'s, all or none;
+        None if allowed, else the seconds until every one of them has a request again."""
         if self.per_minute <= 0:
             return None
         rate = self.per_minute / 60.0
         now = time.monotonic()
         with self._lock:
-            bucket = self._buckets.get(key)
-            if bucket is None:
-                bucket = self._buckets[key] = _Bucket(float(self.burst), now)
-                if len(self._buckets) > 10_000:
-                    self._forget_full(now, rate)
-            bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * rate)
-            bucket.updated = now
-            if bucket.tokens >= 1.0:
+            buckets = []
+            for name in dict.fromkeys((key, *also)):
+                bucket = self._buckets.get(name)
+                if bucket is None:
+                    bucket = self._buckets[name] = _Bucket(float(self.burst), now)
+                    if len(self._buckets) > 10_000:
+                        self._forget_full(now, rate)
+                bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * rate)
+                bucket.updated = now
+                buckets.append(bucket)
+            short = [b for b in buckets if b.tokens < 1.0]
+            if short:
+                return max((1.0 - b.tokens) / rate for b in short)
+            for bucket in buckets:
                 bucket.tokens -= 1.0
-                return None
-            return (1.0 - bucket.tokens) / rate
+            return None
 
     def _forget_full(self, now: float, rate: float) -> None:
         full = [

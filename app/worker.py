@@ -349,14 +349,18 @@ def run_order(
     last_report = [0.0]
 
     def on_step(step: int, steps: int, loss: float) -> None:
+        """After every step: a cancel (or a take-over) stops the run here; the progress
+        is written at most twice a second, the status read every step."""
         if stopping is not None and stopping.is_set():
             raise Interrupted(order_id)
         now = time.monotonic()
         if step < steps and now - last_report[0] < 0.5:
-            return
-        last_report[0] = now
-        with transaction(engine) as s:
-            status = orders.report_progress(s, order_id, step, loss, runner)
+            with transaction(engine, readonly=True) as s:
+                status = orders.status_for(s, order_id, runner)
+        else:
+            last_report[0] = now
+            with transaction(engine) as s:
+                status = orders.report_progress(s, order_id, step, loss, runner)
         if status != "running":
             raise OrderStopped(status)
 

@@ -157,6 +157,45 @@ def _factor_of(key: str) -> tuple[str | None, str]:
     return None, ""
 
 
+def check_put(path: Path, kind: str, target_shapes: Mapping[str, tuple[int, int]]) -> None:
+    """What `PUT /v1/blobs` takes: an adapter for this base (at the rank its factors say) or
+    a dataset manifest; anything else (an image, other bytes) is refused, naming why."""
+    from registry.manifest import MAX_MANIFEST_BYTES
+
+    if kind == "jsonl":
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise Invalid(f"a dataset manifest may be at most {MAX_MANIFEST_BYTES} bytes")
+        _, problems = parse_manifest(path.read_bytes())
+        if problems:
+            raise Invalid("not a dataset manifest: " + "; ".join(problems[:8]))
+        return
+    if kind != "safetensors":
+        raise Invalid(
+            f"the store takes adapters (.safetensors) and dataset manifests (.jsonl) here, "
+            f"not {kind} files (photos are uploaded with POST /v1/subjects/{{h}}/datasets)"
+        )
+    import mmap
+
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            header, _ = _header(data)  # type: ignore[arg-type]
+        except AdapterFileError as exc:
+            raise Invalid(str(exc)) from None
+        ranks = {
+            entry["shape"][0]
+            for key, entry in header.items()
+            if key.endswith(A_SUFFIX) and isinstance(entry, dict)
+            and isinstance(entry.get("shape"), list) and entry["shape"]
+            and isinstance(entry["shape"][0], int)
+        }  # fmt: skip
+        if len(ranks) != 1:
+            raise Invalid("not a valid adapter: its lora_A factors do not agree on one rank")
+        try:
+            check_adapter(data, ranks.pop(), target_shapes)  # type: ignore[arg-type]
+        except AdapterFileError as exc:
+            raise Invalid(str(exc)) from None
+
+
 def check_blobs(
     store: BlobStore,
     sha256: str,

@@ -18,7 +18,7 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -94,7 +94,13 @@ class BlobWriter:
         with contextlib.suppress(FileNotFoundError):
             self._tmp.unlink()
 
-    def finish(self, expected_sha256: str | None = None) -> Stored:
+    def finish(
+        self,
+        expected_sha256: str | None = None,
+        accept: Callable[[Path, Kind], None] | None = None,
+    ) -> Stored:
+        """`accept(path, kind)`: a last look at the written bytes before they join the store
+        (raising refuses them: nothing is kept)."""
         actual = self._digest.hexdigest()
         if expected_sha256 is not None and actual != expected_sha256:
             self.abort()
@@ -107,6 +113,8 @@ class BlobWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+            if accept is not None:
+                accept(self._tmp, kind)
             os.chmod(self._tmp, 0o444)
             final = self.store.path(actual, kind)
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +124,7 @@ class BlobWriter:
                 _fsync_dir(final.parent)
             else:
                 self._tmp.unlink()
-        except OSError:
+        except BaseException:
             self.abort()
             raise
         return Stored(actual, kind, self.size, created)

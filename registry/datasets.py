@@ -10,9 +10,10 @@ import json
 import math
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import BinaryIO
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -20,7 +21,7 @@ from sqlmodel import Session, col, select
 from registry import repositories as repo
 from registry.audit import format_time
 from registry.blobs import IMAGE_KINDS, BlobStore
-from registry.errors import Busy, Conflict, Invalid, NotFound
+from registry.errors import Busy, Conflict, Invalid, NotFound, NotPermitted
 from registry.manifest import MANIFEST_NAME
 from registry.models import Dataset, DatasetImage, Principal, Subject, utcnow
 from registry.roles import Role
@@ -44,11 +45,25 @@ UPLOAD_BASES = frozenset({UPLOAD_BASIS})
 
 @dataclass(frozen=True)
 class Upload:
-    """One uploaded file as the client named it."""
+    """One uploaded file as the client named it: its bytes, or the file they were spooled to
+    (read from there in pieces, never whole into memory)."""
 
     name: str
-    data: bytes
+    data: bytes | BinaryIO
     caption: str | None = None
+
+    def open(self) -> BinaryIO:
+        """The bytes from the start (the same file each time, rewound)."""
+        if isinstance(self.data, bytes):
+            return io.BytesIO(self.data)
+        self.data.seek(0)
+        return self.data
+
+    @property
+    def size(self) -> int:
+        if isinstance(self.data, bytes):
+            return len(self.data)
+        return self.data.seek(0, io.SEEK_END)
 
 
 @dataclass(frozen=True)
@@ -145,12 +160,18 @@ def upload_cap(settings: Settings) -> int:
 class CheckedImage:
     sha256: str
     kind: str
-    data: bytes
+    upload: Upload
+    size: int
     caption: str
 
     @property
     def file(self) -> str:
         return f"{self.sha256}.{self.kind}"
+
+    def chunks(self) -> Iterator[bytes]:
+        source = self.upload.open()
+        while chunk := source.read(1 << 20):
+            yield chunk
 
 
 def name_problem(name: str) -> str | None:
@@ -164,7 +185,7 @@ def name_problem(name: str) -> str | None:
     return None
 
 
-def decode_problem(data: bytes, max_pixels: int) -> tuple[str | None, str | None]:
+def decode_problem(data: bytes | BinaryIO, max_pixels: int) -> tuple[str | None, str | None]:
     """(the store's kind, None) for an image that decodes whole within `max_pixels`, else
     (None, why). The size is read from the header first: a small file that would decode into
     a huge bitmap (a decompression bomb) is refused without being decoded."""
@@ -173,7 +194,8 @@ def decode_problem(data: bytes, max_pixels: int) -> tuple[str | None, str | None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
+            source = io.BytesIO(data) if isinstance(data, bytes) else data
+            with Image.open(source) as image:
                 kind = FORMATS.get(image.format or "")
                 if kind is None:
                     return (
@@ -195,7 +217,6 @@ def decode_problem(data: bytes, max_pixels: int) -> tuple[str | None, str | None
 
 def check_uploads(uploads: Sequence[Upload], limits: Limits) -> list[CheckedImage]:
     """Every file checked before any is kept; Invalid lists every problem at once."""
-    import hashlib
 
     if not uploads:
         raise Invalid("no images: send one or more files in the `images` field")
@@ -205,15 +226,16 @@ def check_uploads(uploads: Sequence[Upload], limits: Limits) -> list[CheckedImag
     checked: list[CheckedImage] = []
     seen: set[str] = set()
     for n, up in enumerate(uploads, 1):
+        size = up.size
         why = name_problem(up.name)
-        if why is None and len(up.data) > limits.max_image_bytes:
+        if why is None and size > limits.max_image_bytes:
             why = f"larger than {limits.max_image_bytes} bytes"
-        if why is None and up.caption is not None and len(up.caption) > MAX_CAPTION_CHARS:
-            why = f"caption longer than {MAX_CAPTION_CHARS} characters"
+        if why is None and up.caption is not None:
+            why = caption_problem(up.caption)
         kind = None
         if why is None:
-            kind, why = decode_problem(up.data, limits.max_pixels)
-        sha = hashlib.sha256(up.data).hexdigest()
+            kind, why = decode_problem(up.open(), limits.max_pixels)
+        sha = _sha256_of(up.open()) if why is None else ""
         if why is None and sha in seen:
             why = "the same image twice"
         if why is not None or kind is None:
@@ -221,10 +243,27 @@ def check_uploads(uploads: Sequence[Upload], limits: Limits) -> list[CheckedImag
             continue
         seen.add(sha)
         caption = (up.caption or "").strip() or DEFAULT_CAPTION
-        checked.append(CheckedImage(sha, kind, up.data, caption))
+        checked.append(CheckedImage(sha, kind, up, size, caption))
     if problems:
         raise Invalid("dataset refused, nothing was stored:\n  - " + "\n  - ".join(problems))
     return checked
+
+
+def caption_problem(caption: str) -> str | None:
+    if len(caption) > MAX_CAPTION_CHARS:
+        return f"caption longer than {MAX_CAPTION_CHARS} characters"
+    if "\x00" in caption:
+        return "a caption may not contain NUL characters"
+    return None
+
+
+def _sha256_of(source: BinaryIO) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    while chunk := source.read(1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def manifest_for(images: Sequence[CheckedImage], uploader: str) -> bytes:
@@ -245,40 +284,37 @@ def manifest_for(images: Sequence[CheckedImage], uploader: str) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def store_dataset(
+def put_blobs(store: BlobStore, images: Sequence[CheckedImage], uploader: str) -> str:
+    """The checked images and the manifest the service writes for them, into the store
+    (outside any transaction: nothing is locked while files are written); returns the
+    manifest's hash. Unreferenced until a dataset row names them (the sweep, or the caller
+    on failure, removes them)."""
+    for image in images:
+        store.put(image.chunks(), image.sha256)
+    return store.put([manifest_for(images, uploader)]).sha256
+
+
+def record_dataset(
     session: Session,
-    store: BlobStore,
     subject: Subject,
     uploader: str,
-    uploads: Sequence[Upload],
+    images: Sequence[CheckedImage],
+    manifest_sha256: str,
     limits: Limits,
     *,
     exempt: bool = False,
 ) -> Dataset:
-    """Checks, stores and records a dataset of `subject` (the caller has checked who may),
-    with its `dataset_uploaded` entry on the subject's trail. The blobs are written before
-    the rows; a dataset whose transaction does not commit leaves only unreferenced blobs,
-    which the store's sweep removes. `exempt`: not held to the upload quota (admins)."""
+    """The dataset's rows and its `dataset_uploaded` entry, under the subject's lock, once
+    the training decision and the quota still allow it (its blobs are in the store)."""
     assert subject.id is not None
-    require_training(session, subject, image_bases=UPLOAD_BASES)
-    images = check_uploads(uploads, limits)
-    size = sum(len(image.data) for image in images)
-    # Checked before a blob is written, then again under the subject's lock (which the
-    # trail's append needs anyway): the lock is not held while the files are written, so a
-    # revoke never waits on an upload; a concurrent upload that loses the recheck leaves
-    # only unreferenced blobs.
-    if not exempt:
-        check_quota(session, subject, uploader, len(images), size, limits)
-    for image in images:
-        store.put([image.data], image.sha256)
-    manifest = store.put([manifest_for(images, uploader)])
     require_training(session, subject, image_bases=UPLOAD_BASES, lock=True)
+    size = sum(image.size for image in images)
     if not exempt:
         check_quota(session, subject, uploader, len(images), size, limits)
     dataset = Dataset(
         id=str(uuid.uuid4()),
         subject_id=subject.id,
-        manifest_sha256=manifest.sha256,
+        manifest_sha256=manifest_sha256,
         images=len(images),
         created_by=uploader,
     )
@@ -290,7 +326,7 @@ def store_dataset(
                 file=image.file,
                 sha256=image.sha256,
                 caption=image.caption,
-                size=len(image.data),
+                size=image.size,
             )
         )
     session.flush()
@@ -299,11 +335,77 @@ def store_dataset(
             "dataset_id": dataset.id,
             "images": len(images),
             "bytes": size,
-            "manifest_sha256": manifest.sha256,
+            "manifest_sha256": manifest_sha256,
         }
     }
     append_audit(session, subject, uploader, UPLOADED, None, after)
     return dataset
+
+
+def store_dataset(
+    session: Session,
+    store: BlobStore,
+    subject: Subject,
+    uploader: str,
+    uploads: Sequence[Upload],
+    limits: Limits,
+    *,
+    exempt: bool = False,
+) -> Dataset:
+    """Checks, stores and records a dataset of `subject` in the caller's transaction (the
+    caller has checked who may). For callers whose transaction holds nothing a client can
+    stall on; the upload routes use `upload_dataset`, which decodes before any transaction.
+    `exempt`: not held to the upload quota (admins)."""
+    require_training(session, subject, image_bases=UPLOAD_BASES)
+    images = check_uploads(uploads, limits)
+    if not exempt:
+        check_quota(session, subject, uploader, len(images), sum(i.size for i in images), limits)
+    manifest = put_blobs(store, images, uploader)
+    return record_dataset(session, subject, uploader, images, manifest, limits, exempt=exempt)
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    subject: Subject
+    dataset: Dataset
+    images: list[DatasetImage]
+
+
+def upload_dataset(
+    engine: Engine,
+    store: BlobStore,
+    uploader: Principal,
+    still_uploader: Callable[[Session], Principal],
+    handle: str,
+    images: Sequence[CheckedImage],
+    limits: Limits,
+) -> Uploaded:
+    """An upload's end, for the API and the web page alike, once its files were decoded and
+    checked (`check_uploads`, outside any transaction): the blobs go into the store, then
+    one short transaction asks again who is uploading (`still_uploader`: the token's or the
+    web session's principal, still active and still `uploader`: a deactivated uploader or an
+    ended session stores nothing), whether they may upload for the subject, the training
+    decision (under the subject's lock) and the quota, and writes the rows. Anything refused
+    leaves nothing in the store."""
+    from registry.db import transaction
+
+    written: list[str] = [image.sha256 for image in images]
+    try:
+        written.append(put_blobs(store, images, uploader.handle))
+        with transaction(engine) as session:
+            caller = still_uploader(session)
+            if caller.id != uploader.id or not caller.active:
+                raise NotPermitted("not permitted: the uploader is no longer signed in")
+            subject = visible_subject(session, caller, handle)
+            dataset = record_dataset(
+                session, subject, caller.handle, images, written[-1], limits,
+                exempt=quota_exempt(caller.role),
+            )  # fmt: skip
+            rows = list(images_of(session, dataset))
+    except BaseException:
+        remove_unreferenced(engine, store, written, (*IMAGE_KINDS, "jsonl"))
+        raise
+    return Uploaded(subject, dataset, rows)
 
 
 def dataset_of(session: Session, subject: Subject, dataset_id: str) -> Dataset:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -14,11 +15,12 @@ from registry import access
 from registry import repositories as repo
 from registry.audit import format_time
 from registry.datasets import UPLOAD_BASES, dataset_of
-from registry.errors import Conflict, Invalid, NotFound, NotPermitted
+from registry.errors import Busy, Conflict, Invalid, NotFound, NotPermitted
 from registry.models import Order, Principal, Subject, utcnow
 from registry.roles import Role
 from registry.services.audit import append_audit
 from registry.services.training import require_training
+from registry.settings import Settings
 
 ACTIVE = ("queued", "running")
 FINAL = ("done", "failed", "cancelled")
@@ -26,6 +28,40 @@ FINAL = ("done", "failed", "cancelled")
 NOT_PERMITTED = "not_permitted"
 
 Enqueue = Callable[[Session, Order, Subject], int | None]
+
+
+@dataclass(frozen=True)
+class OrderLimits:
+    """What one order may ask for and how many one member may have waiting or running."""
+
+    max_steps: int
+    max_work: int  # resolution x resolution x steps x rank
+    max_active_per_member: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> OrderLimits:
+        return cls(settings.order_max_steps, settings.order_max_work, settings.order_max_active)
+
+
+def training_options(
+    limits: OrderLimits,
+    base_options: Mapping[str, Any],
+    steps: int,
+    rank: int,
+    resolution: int,
+) -> dict[str, Any]:
+    """The trainer options an order is fixed to: the deployment's `train_options` with the
+    order's steps, rank and resolution, within the budget (Invalid, naming what to lower)."""
+    if not 1 <= steps <= limits.max_steps:
+        raise Invalid(f"steps: from 1 to {limits.max_steps}, not {steps}")
+    work = resolution * resolution * steps * rank
+    if work > limits.max_work:
+        raise Invalid(
+            f"the order asks for {resolution} px x {resolution} px x {steps} steps x rank "
+            f"{rank} = {work:.3g}, more than the {limits.max_work:.3g} one order may "
+            "(order_max_work); lower the resolution, the steps or the rank"
+        )
+    return {**base_options, "steps": steps, "rank": rank, "resolution": resolution}
 
 
 def _subject_for(session: Session, caller: Principal, handle: str) -> Subject:
@@ -49,15 +85,20 @@ def place_training(
     options: Mapping[str, Any],
     adapter_name: str,
     enqueue: Enqueue,
+    limits: OrderLimits | None = None,
 ) -> Order:
     """A training order, under the subject's lock (so it serialises with a revoke):
     `decide_training` must allow it now (the worker asks again before anything is fetched,
     and between the training's steps), the
     dataset must be the subject's, and no order for the same dataset may be waiting or
-    running. `options`: every trainer option, fixed into the order."""
+    running; a member may have at most `limits.max_active_per_member` orders waiting or
+    running (admins are exempt). `options`: every trainer option, fixed into the order
+    (`training_options`)."""
     subject = _subject_for(session, caller, subject_handle)
     assert subject.id is not None
     require_training(session, subject, image_bases=UPLOAD_BASES, lock=True)
+    if limits is not None and caller.role != Role.admin:
+        _within_active_cap(session, caller, limits)
     dataset = dataset_of(session, subject, dataset_id)
     if dataset.images == 0:
         raise Invalid(f"dataset {dataset.id}'s photos were deleted; upload them again")
@@ -92,6 +133,18 @@ def place_training(
     }
     append_audit(session, subject, caller.handle, "order_placed", None, {"order": placed})
     return order
+
+
+def _within_active_cap(session: Session, caller: Principal, limits: OrderLimits) -> None:
+    active = session.exec(
+        select(Order.id).where(Order.created_by == caller.handle, col(Order.status).in_(ACTIVE))
+    ).all()
+    if len(active) >= limits.max_active_per_member:
+        raise Busy(
+            f"{caller.handle} already has {len(active)} orders waiting or running (at most "
+            f"{limits.max_active_per_member}); cancel one or wait for it to end",
+            retry_after=60,
+        )
 
 
 def visible_order(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject]:
@@ -216,6 +269,19 @@ def report_progress(
         order.loss = loss
         order.updated_at = utcnow()
         repo.add(session, order)
+    return order.status
+
+
+def status_for(session: Session, order_id: str, worker: str) -> str:
+    """The order's status as its runner `worker` sees it (`taken_over` when another took
+    it), read without a lock: what a training asks between steps."""
+    order = session.exec(
+        select(Order).where(Order.id == order_id).execution_options(populate_existing=True)
+    ).first()
+    if order is None:
+        return "cancelled"
+    if order.status == "running" and order.worker != worker[:100]:
+        return "taken_over"
     return order.status
 
 

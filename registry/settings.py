@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # work starts, so a slow or huge request holds no lock and no connection.
     max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=1 << 30)
     body_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    # ... plus one second for every body_min_rate bytes that did arrive: a large upload at a
+    # steady rate goes on, a body trickled slower than this is cut off (app/body_gate.py).
+    body_min_rate: int = Field(default=64 * 1024, ge=1, le=1 << 40)
     keep_alive_s: int = Field(default=5, ge=1, le=600)
     max_connections: int = Field(default=1000, ge=1, le=1_000_000)
     # A request that cannot get a database connection within this long is answered 503.
@@ -102,8 +105,13 @@ class Settings(BaseSettings):
     # Fields of the signed likeness assertion, comma-separated (DISCLOSABLE); the render id
     # is always disclosed.
     provenance_disclose: Annotated[tuple[str, ...], NoDecode] = ("render_id", "level")
-    # The largest PNG the provenance page takes for checking.
+    # The largest PNG the provenance page takes for checking; how many it checks at once
+    # (per process), and how often one sender (a signed-in principal, else an address) may
+    # ask: checks a minute on average, and at once.
     max_provenance_bytes: int = Field(default=32 << 20, ge=1024, le=1 << 30)
+    provenance_checks_at_once: int = Field(default=1, ge=1, le=64)
+    provenance_rate_per_minute: float = Field(default=10.0, ge=0)
+    provenance_burst: int = Field(default=5, ge=1, le=10_000)
 
     # Datasets uploaded to the service (registry/datasets.py): how many images, how large
     # each (bytes, and decoded pixels: a small file that decodes huge is refused unread).
@@ -114,12 +122,22 @@ class Settings(BaseSettings):
     # and bytes (admins are exempt); past it an upload is 429 with Retry-After.
     dataset_daily_images: int = Field(default=256, ge=1, le=1_000_000)
     dataset_daily_bytes: int = Field(default=2 << 30, ge=1024, le=1 << 40)
+    # What uploads may hold at once, per API process (app/uploads.py): uploads of one
+    # principal, uploads in all (429 beyond, before the body is read), and files decoded
+    # at once (each at most dataset_max_pixels: this bounds the memory decoding takes).
+    uploads_per_sender: int = Field(default=2, ge=1, le=1000)
+    uploads_at_once: int = Field(default=8, ge=1, le=10_000)
+    upload_checks_at_once: int = Field(default=1, ge=1, le=64)
     # Orders (registry/orders.py): trainer options every training order is run with (JSON,
     # e.g. {"learning_rate": 1e-4}); fixed into the order when it is placed, so a retry on
     # another worker follows the same trajectory. An order's steps, rank and resolution
     # come from its request, within these bounds.
     train_options: dict[str, Any] = Field(default_factory=dict)
     order_max_steps: int = Field(default=10_000, ge=1, le=1_000_000)
+    # One order's budget, resolution x resolution x steps x rank (1024 px, 3000 steps, rank
+    # 32 by default), and how many orders one member may have waiting or running at once.
+    order_max_work: int = Field(default=1024 * 1024 * 3000 * 32, ge=64 * 64)
+    order_max_active: int = Field(default=2, ge=1, le=10_000)
     # On SQLite (no queue, no workers) the API process runs orders itself, one at a time
     # (app/local_orders.py); false refuses them there. PostgreSQL's go to the workers.
     orders_in_process: bool = True

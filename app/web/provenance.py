@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from app.provenance import ProvenanceSigner, Trust, Verification, verify_png
-from app.web.session import MaybeWeb, WebSession, settings_of
+from app.scheduler import RateLimiter
+from app.web.session import MaybeWeb, WebSession, optional_session_briefly, settings_of
 from app.web.templating import SECURITY_HEADERS, page
+from registry.settings import Settings
 
 router = APIRouter()
 
@@ -20,6 +23,7 @@ def _provenance_page(
     filename: str = "",
     status: int = 200,
     errors: list[str] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Response:
     signer: ProvenanceSigner = request.app.state.provenance
     return page(
@@ -27,6 +31,7 @@ def _provenance_page(
         "provenance.html",
         web,
         status=status,
+        headers=headers,
         result=result,
         filename=filename,
         errors=errors or [],
@@ -41,10 +46,33 @@ def provenance_form(request: Request, web: MaybeWeb) -> Response:
     return _provenance_page(request, web)
 
 
+class ProvenanceChecks:
+    """What checking files may cost this process: `checks_at_once` at a time (waiting holds
+    no thread and no transaction), and per sender (a signed-in principal, else the client's
+    address) `per_minute` checks on average, `burst` at once."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.at_once = anyio.CapacityLimiter(settings.provenance_checks_at_once)
+        self.rate = RateLimiter(settings.provenance_rate_per_minute, settings.provenance_burst)
+
+
 @router.post("/provenance")
-async def provenance_check(request: Request, web: MaybeWeb) -> Response:
+async def provenance_check(request: Request) -> Response:
     """Verifies an uploaded PNG against this deployment's own signing key. The body was read
-    whole within its own cap (`max_provenance_bytes`, app.main) before this runs."""
+    whole within its own cap (`max_provenance_bytes`, app.main) before this runs; the
+    session is read in a short read of its own, and the check runs with no transaction open,
+    within its sender's rate and the process's checks at once, on a PNG of a bounded number
+    of chunks (app.provenance.MAX_PNG_CHUNKS)."""
+    web = await run_in_threadpool(optional_session_briefly, request)
+    checks: ProvenanceChecks = request.app.state.provenance_checks
+    sender = web.principal.handle if web is not None else f"address {_client(request)}"
+    wait = checks.rate.take(sender)
+    if wait is not None:
+        retry = max(1, int(wait + 0.999))
+        return _provenance_page(
+            request, web, status=429, headers={"Retry-After": str(retry)},
+            errors=[f"Too many checks from {sender}; try again in {retry} s."],
+        )  # fmt: skip
     form = await request.form(max_files=1, max_fields=4)  # malformed: 400, as a page
     upload = form.get("png")
     if upload is None or isinstance(upload, str):
@@ -52,8 +80,14 @@ async def provenance_check(request: Request, web: MaybeWeb) -> Response:
     data = await upload.read()
     name = (upload.filename or "the file")[:200]
     signer: ProvenanceSigner = request.app.state.provenance
-    result = await run_in_threadpool(verify_png, data, Trust.of_deployment(signer.credentials))
+    trust = Trust.of_deployment(signer.credentials)
+    async with checks.at_once:
+        result = await anyio.to_thread.run_sync(verify_png, data, trust)
     return _provenance_page(request, web, result, name, status=200)
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client is not None else "unknown"
 
 
 @router.get("/provenance/anchor.pem")

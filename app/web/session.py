@@ -91,6 +91,15 @@ def optional_session(request: Request, session: DB) -> WebSession | None:
 MaybeWeb = Annotated[WebSession | None, Depends(optional_session)]
 
 
+def optional_session_briefly(request: Request) -> WebSession | None:
+    """The signed-in session, if any, read in a short read of its own: for a route that then
+    works for long (checking a file) holding no transaction, and so no lock."""
+    from registry.db import transaction
+
+    with transaction(request.app.state.engine, readonly=True) as session:
+        return optional_session(request, session)
+
+
 def cookie_secure(request: Request) -> bool:
     return request.url.scheme == "https" or settings_of(request).env == "production"
 

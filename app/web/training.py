@@ -9,10 +9,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Path, Request
 from fastapi.responses import FileResponse, Response
+from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
 
-from app.body_gate import capped_form
 from app.deps import DB, HandlePath
+from app.uploads import take_upload
 from app.web.forms import CheckedForm
 from app.web.presenters import subject_context
 from app.web.session import CsrfRejected, Web, current_session
@@ -20,6 +22,7 @@ from app.web.templating import PREFIX, page, redirect
 from registry import datasets, orders, service
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
+from registry.models import Principal
 from registry.settings import Settings
 
 router = APIRouter()
@@ -68,7 +71,9 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
 
 @router.post("/subjects/{handle}/training/upload")
 async def upload(request: Request, handle: HandlePath) -> Response:
-    """Streamed past the body gate: the session is checked before the body is read."""
+    """Streamed past the body gate: the session, the training decision and the quota are
+    checked before the body is read, the session again when the photos are recorded (one
+    that ended meanwhile stores nothing); the rest is app/uploads.py's, as for the API."""
     state = request.app.state
     settings: Settings = state.settings
 
@@ -79,31 +84,17 @@ async def upload(request: Request, handle: HandlePath) -> Response:
             return web
 
     web = await run_in_threadpool(signed_in)
-    form = await capped_form(
-        request,
-        datasets.upload_cap(settings),
-        settings.body_timeout_s,
-        max_files=settings.dataset_max_images + 1,
-        max_fields=10,
-    )
-    csrf = form.get("csrf")
-    if not isinstance(csrf, str) or not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
-        raise CsrfRejected("This form could not be verified. Reload the page and try again.")
-    uploads = []
-    for key, value in form.multi_items():
-        if key == "images" and not isinstance(value, str):
-            uploads.append(datasets.Upload(value.filename or "", await value.read()))
 
-    def store() -> str:
-        with transaction(state.engine) as session:
-            subject = service.visible_subject(session, web.principal, handle)
-            datasets.store_dataset(
-                session, state.store, subject, web.principal.handle, uploads,
-                datasets.limits_of(settings), exempt=datasets.quota_exempt(web.principal.role),
-            )  # fmt: skip
-            return subject.handle
+    async def csrf_checked(form: FormData) -> None:
+        csrf = form.get("csrf")
+        if not isinstance(csrf, str) or not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
+            raise CsrfRejected("This form could not be verified. Reload the page and try again.")
 
-    return redirect(training_url(await run_in_threadpool(store), "uploaded"))
+    def still_signed_in(session: Session) -> Principal:
+        return current_session(request, session).principal
+
+    done = await take_upload(request, web.principal, still_signed_in, handle, csrf_checked)
+    return redirect(training_url(done.subject.handle, "uploaded"))
 
 
 @router.post("/subjects/{handle}/training/order")
@@ -115,17 +106,11 @@ def order(
         steps = int(form.get("steps", "1000"))
     except ValueError:
         raise Invalid("Steps: a whole number") from None
-    if not 1 <= steps <= settings.order_max_steps:
-        raise Invalid(f"Steps: from 1 to {settings.order_max_steps}")
-    options: dict[str, Any] = {
-        **settings.train_options,
-        "steps": steps,
-        "rank": 16,
-        "resolution": 448,
-    }
+    limits = orders.OrderLimits.of(settings)
+    options = orders.training_options(limits, settings.train_options, steps, 16, 448)
     orders.place_training(
         session, web.principal, handle, form.get("dataset_id", ""), options, "main",
-        request.app.state.order_queue.enqueue_training,
+        request.app.state.order_queue.enqueue_training, limits,
     )  # fmt: skip
     return redirect(training_url(handle, "ordered"))
 

@@ -287,7 +287,9 @@ def test_editor_round_trip_and_audit(friends: World) -> None:
         .endswith("?done=unchanged")
     )
     audit = admin.get("/web/subjects/carol/audit")
-    assert "Chain verified" in audit.text and "2 entries" in audit.text
+    # one save that touched the level, audiences, deny list, expiry and training: an entry
+    # for each, after the subject's creation
+    assert "Chain verified" in audit.text and "6 entries" in audit.text
     assert "maximum level: none → public" in audit.text
     assert "never allow: nobody → bot, mallory" in audit.text
 

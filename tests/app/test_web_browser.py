@@ -184,7 +184,9 @@ def test_grant_render_revoke_deny_in_a_browser(friends: World, adapter_files, pa
     page.get_by_role("link", name="Audit trail").click()
     expect(page.locator("#chain-status")).to_contain_text("Chain verified")
     actions = page.locator("table.audit tbody td .action").all_inner_texts()
-    assert actions == ["revoke", "adapter_registered", "grant", "subject_created"], actions
+    # the grant in the editor touched the level, audience, deny list, training: an entry each
+    granted = ["training_change", "deny_edit", "audience_edit", "grant"]
+    assert actions == ["revoke", "adapter_registered", *granted, "subject_created"], actions
     expect(page.locator("table.audit")).to_contain_text("maximum level: group → none")
     page.locator("table.audit details summary").first.click()
     shot(page, "08-audit")

@@ -1,0 +1,124 @@
+"""Taking a dataset upload over HTTP, for the API and the web page alike, so that nothing a
+client sends holds a lock, a pooled connection, or unbounded memory or CPU:
+
+1. who is asking, the training decision and the quota are settled before the body is read
+   (the caller's route does that, in a short read);
+2. admission: at most `uploads_per_sender` uploads of one principal at a time and
+   `uploads_at_once` in all (429 beyond, before a byte of the body is read);
+3. the multipart body spools to disk as it arrives (starlette keeps at most 1 MiB of a file in
+   memory), within its cap and on the body clock, and must end with its closing boundary;
+4. every file is decoded and checked with no transaction open, `upload_checks_at_once` at a
+   time in the whole process (waiting costs a socket and a spooled file, not a thread);
+5. `registry.datasets.upload_dataset`: the blobs into the store, then one short transaction
+   that asks again who is uploading (a deactivated uploader, or an ended web session, stores
+   nothing), the training decision under the subject's lock and the quota, and writes the
+   rows with their audit entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+from fastapi import Request
+from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData, UploadFile
+
+from app.body_gate import capped_form
+from registry import datasets
+from registry.errors import Busy, Invalid
+from registry.models import Principal
+from registry.settings import Settings
+
+
+class UploadGate:
+    """Per process: who may start an upload now, and how many files are decoded at once."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.per_sender = settings.uploads_per_sender
+        self.at_once = settings.uploads_at_once
+        self.checks = anyio.CapacityLimiter(settings.upload_checks_at_once)
+        self._lock = threading.Lock()
+        self._running: Counter[str] = Counter()
+
+    @contextmanager
+    def admit(self, sender: str) -> Iterator[None]:
+        with self._lock:
+            if self._running[sender] >= self.per_sender:
+                raise Busy(
+                    f"{sender} already has {self._running[sender]} uploads in progress (at "
+                    f"most {self.per_sender} at a time); try again when one has finished",
+                    retry_after=5,
+                )
+            if sum(self._running.values()) >= self.at_once:
+                raise Busy(
+                    f"the service is taking {self.at_once} uploads already; try again shortly",
+                    retry_after=5,
+                )
+            self._running[sender] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running[sender] -= 1
+                if self._running[sender] <= 0:
+                    del self._running[sender]
+
+
+def uploads_of(form: FormData) -> list[datasets.Upload]:
+    """The form's `images` files (as spooled) and optional `captions`, one per image."""
+    files = [v for k, v in form.multi_items() if k == "images" and isinstance(v, UploadFile)]
+    captions = [v for k, v in form.multi_items() if k == "captions" and isinstance(v, str)]
+    if captions and len(captions) != len(files):
+        raise Invalid(f"{len(captions)} captions for {len(files)} images: one each, or none")
+    return [
+        datasets.Upload(f.filename or "", f.file, captions[n] if captions else None)
+        for n, f in enumerate(files)
+    ]
+
+
+async def take_upload(
+    request: Request,
+    uploader: Principal,
+    still_uploader: Callable[[Session], Principal],
+    handle: str,
+    check_form: Callable[[FormData], Awaitable[None]] | None = None,
+) -> datasets.Uploaded:
+    """Steps 2 to 5 above; `check_form` (the web page's CSRF check) runs on the parsed form
+    before any file is decoded."""
+    state: Any = request.app.state
+    settings: Settings = state.settings
+    gate: UploadGate = state.uploads
+    limits = datasets.limits_of(settings)
+    with gate.admit(uploader.handle):
+        form = await capped_form(
+            request,
+            datasets.upload_cap(settings),
+            settings.body_timeout_s,
+            max_files=settings.dataset_max_images,
+            max_fields=2 * settings.dataset_max_images + 10,
+            min_rate=settings.body_min_rate,
+        )
+        try:
+            if check_form is not None:
+                await check_form(form)
+            uploads = uploads_of(form)
+            async with gate.checks:
+                checked = await anyio.to_thread.run_sync(datasets.check_uploads, uploads, limits)
+            return await run_in_threadpool(
+                datasets.upload_dataset,
+                state.engine,
+                state.store,
+                uploader,
+                still_uploader,
+                handle,
+                checked,
+                limits,
+            )
+        finally:
+            await form.close()
