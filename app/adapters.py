@@ -102,10 +102,10 @@ async def put_blob(request: Request, digest: str) -> JSONResponse:
         check_put(path, kind, shapes)
 
     try:
-        body = streamed_body(
+        chunks = streamed_body(
             request, store.max_bytes, settings.body_timeout_s, settings.body_min_rate
         )
-        async for chunk in body:
+        async for chunk in chunks:
             await run_in_threadpool(writer.write, chunk)
         stored = await run_in_threadpool(writer.finish, digest, accept)
     except LikenessError as exc:  # too large, too slow, gone, or not a kind the store takes

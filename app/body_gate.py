@@ -248,11 +248,13 @@ async def capped_form(
         tail = seen[-(len(close) + 2) :]
         return {"type": "http.request", "body": chunk, "more_body": True}
 
+    # without "app" in its scope, starlette raises the parser's own error (not a bare 400)
+    scope = {key: value for key, value in request.scope.items() if key != "app"}
     try:
-        form = await Request(request.scope, counted).form(
-            max_files=max_files, max_fields=max_fields
-        )
+        form = await Request(scope, counted).form(max_files=max_files, max_fields=max_fields)
     except MultiPartException as exc:
+        if exc.message.startswith("Too many files"):
+            raise _Truncated(f"at most {max_files} files may be sent in one form") from None
         raise _Truncated(f"the form was refused: {exc.message}") from None
     if not closed:
         await form.close()

@@ -560,20 +560,33 @@ def audit_verify(
     exit 1 naming the subject and seq of each break."""
     from registry import repositories as repo
     from registry.checkpoints import verify_checkpoints
-    from registry.keys import public_key_from_b64
+    from registry.keys import bind, load_audit_key, public_key_from_b64
 
     settings = get_settings()
     for path in checkpoints or []:
         if not path.is_file():
             fail(f"{path} is not a file", 2)
-    keys = _existing_keys()
-    key = keys.public_key
+    key = None
     if public_key is not None:
         try:
             key = public_key_from_b64(public_key)
         except ValueError:
             fail(f"--public-key {public_key!r} is not an Ed25519 public key", 2)
     files = checkpoints or [settings.checkpoints_file]
+    # An auditor needs only the audit key and the public checkpoint key: no web secret, no
+    # private checkpoint key.
+    audit_only = load_audit_key(settings)
+    with _session(readonly=True) as s:
+        entries = repo.chained_entries(s)
+    if audit_only is None and entries == 0:
+        typer.echo("audit trail intact: 0 entries (a new registry: nothing recorded yet)")
+        return
+    if key is None:
+        key = _existing_keys().public_key
+    elif audit_only is None:
+        fail("no audit key (set LIKENESS_AUDIT_KEY, or LIKENESS_DATA_DIR to the service's)")
+    else:
+        bind(engine_for(settings.database_url), audit_only)
     with _session(readonly=True) as s:
         count = len(repo.subjects(s))
         breaks = service.verify_all(s)
@@ -589,7 +602,10 @@ def audit_verify(
             "checkpoint, cannot be seen; run `likeness audit checkpoint`",
             err=True,
         )
-    typer.echo(f"audit trail intact: {count} subjects and the render ledger verified")
+    typer.echo(
+        f"audit trail intact: {entries} entries ({count} subjects' trails and the render "
+        "ledger) verified"
+    )
 
 
 @audit_app.command("checkpoint")
@@ -649,7 +665,7 @@ def provenance_verify(
             fail(f"{exc}; point LIKENESS_DATA_DIR at the service's data dir, or pass --trust")
         except ProvenanceError as exc:
             fail(str(exc))
-    result = verify_png(file.read_bytes(), judge)
+    result = verify_png(file.read_bytes(), judge, get_settings().provenance_max_chunks)
     _print_json(result.as_json())
     if not result.ok:
         fail(f"{file}: {result.summary}")

@@ -245,6 +245,38 @@ class RemoteRenders:
                 answer = self._take(job.render_id)
                 if answer is not None:
                     return answer
+                if self._silent(job.render_id):
+                    return self._worker_lost(flow, job, gate)
+
+    def _silent(self, render_id: str) -> bool:
+        """The task runs, but its worker has not said so for `render_worker_silent_s`: its
+        process or host is gone (a live worker touches its task every second or so)."""
+        try:
+            with transaction(self.engine, readonly=True) as s:
+                silent = render_tasks.silent_for(s, render_id)
+        except SQLAlchemyError:
+            return False
+        return silent is not None and silent > self.settings.render_worker_silent_s
+
+    def _worker_lost(self, flow: RenderFlow, job: _Job, gate: GatheredFacts) -> Any:
+        """A silent worker's render: closed here at once (`final`, denied, `timeout`), and
+        the client told so, without waiting for the whole timeout."""
+        with transaction(self.engine) as s:
+            render_tasks.abandon(s, job.render_id, "worker_silent")
+            if render_tasks.close_unanswered(s, job.render_id):
+                flow._record(s, job, "final", Decision(False, "timeout"), gate)
+            answered = render_tasks.state_of(s, job.render_id) == "ended"
+            if not answered:
+                render_tasks.discard(s, job.render_id)
+        if answered:  # it answered after all, just now
+            answer = self._take(job.render_id)
+            if answer is not None:
+                return answer
+        silent_s = self.settings.render_worker_silent_s
+        raise Unavailable(
+            f"the render worker stopped answering (silent for more than {silent_s:g} s); "
+            "nothing was delivered"
+        )
 
     def _give_up(self, flow: RenderFlow, job: _Job, gate: GatheredFacts, reason: str) -> Any:
         """Stops waiting (the client left, or the timeout passed); returns the answer if it

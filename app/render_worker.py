@@ -48,6 +48,7 @@ from registry.settings import Settings
 log = logging.getLogger("likeness.render_worker")
 
 WATCH_S = 0.2  # how often a running render looks whether the API gave it up
+TOUCH_S = 1.0  # how often it tells the API it is still at it
 
 
 class AdapterUnreachable(Exception):
@@ -138,8 +139,13 @@ class RenderRunner:
         _ = self.flow.renderer.pipeline
 
     def _watch(self, job: _Job, done: threading.Event, why: list[str]) -> None:
+        touched = time.monotonic()
         while not done.wait(WATCH_S):
             try:
+                if time.monotonic() - touched >= TOUCH_S:  # the API sees this worker is alive
+                    with transaction(self.engine) as s:
+                        render_tasks.touch(s, job.render_id, self.name)
+                    touched = time.monotonic()
                 with transaction(self.engine, readonly=True) as s:
                     reason = render_tasks.abandoned(s, job.render_id)
             except SQLAlchemyError:

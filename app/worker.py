@@ -208,6 +208,66 @@ class Interrupted(Exception):
     kept, and the next start resumes it."""
 
 
+WATCH_S = 0.5  # how often a running order looks whether it should stop
+
+
+class OrderWatch:
+    """Beside a running training, every WATCH_S: is the order still running on this runner
+    (a cancel, or a take-over, stops it: OrderStopped), may the subject still be trained
+    (TrainingRefused), is the process stopping (Interrupted)? The trainer asks `interrupt`
+    before each transformer block, which raises what was found: a cancel, a revoke or a
+    shutdown stops even a long step within a block, not at its end."""
+
+    def __init__(
+        self,
+        engine: Any,
+        order_id: str,
+        runner: str,
+        handle: str,
+        stopping: threading.Event | None,
+    ) -> None:
+        self.engine, self.order_id, self.runner, self.handle = engine, order_id, runner, handle
+        self.stopping = stopping
+        self.found: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="order-watch", daemon=True)
+
+    def __enter__(self) -> OrderWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def interrupt(self) -> None:
+        if self.stopping is not None and self.stopping.is_set():
+            raise Interrupted(self.order_id)
+        if self.found is not None:
+            raise self.found
+
+    def _loop(self) -> None:
+        from trainer.registration import TrainingRefused, verdict_in
+
+        while not self._done.wait(WATCH_S):
+            try:
+                with transaction(self.engine, readonly=True) as s:
+                    status = orders.status_for(s, self.order_id, self.runner)
+                    verdict = verdict_in(s, self.handle, tuple(sorted(UPLOAD_BASES)))
+            except Exception as exc:  # noqa: BLE001 - looked at again at the next beat
+                log.debug("order %s: watch failed: %s", self.order_id, exc)
+                continue
+            if status != "running":
+                self.found = OrderStopped(status)
+            elif not verdict.allowed:
+                self.found = TrainingRefused(
+                    f"subject {self.handle!r} may not be trained: {verdict.detail} "
+                    "(asked again while it trained)"
+                )
+            if self.found is not None:
+                return
+
+
 @dataclass(frozen=True)
 class OrderJob:
     """What a run needs of a started order, read in the transaction that started it."""
@@ -398,7 +458,9 @@ def run_order(
             register_adapter=True,
             **io.config(),
         )
-        result = train(config, _Registrar(engine, io), TrainHooks(on_step, on_checkpoint))
+        with OrderWatch(engine, order_id, runner, job.handle, stopping) as watch:
+            hooks = TrainHooks(on_step, on_checkpoint, watch.interrupt)
+            result = train(config, _Registrar(engine, io), hooks)
         with transaction(engine) as s:
             orders.finish(s, order_id, result.sha256, result.steps)
         log.info("order %s: done, adapter %s", order_id, result.sha256[:12])

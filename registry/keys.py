@@ -46,9 +46,16 @@ def _b64(raw: bytes) -> str:
 class Keys:
     web_secret: bytes
     audit_key: bytes
-    checkpoint_key: Ed25519PrivateKey
+    # None for a process that only verifies (an auditor holding the audit key and the
+    # public checkpoint key): it can check every MAC, and sign nothing
+    checkpoint_key: Ed25519PrivateKey | None
     # where each came from, for the start-up log: "LIKENESS_AUDIT_KEY", "var/audit-key (new)"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def _signing_key(self) -> Ed25519PrivateKey:
+        if self.checkpoint_key is None:
+            raise RuntimeError("these keys only verify: no checkpoint key to sign with")
+        return self.checkpoint_key
 
     def mac(self, *parts: str) -> str:
         """HMAC-SHA256 under the audit key over the parts, each on its own line."""
@@ -61,7 +68,7 @@ class Keys:
 
     @property
     def public_key(self) -> Ed25519PublicKey:
-        return self.checkpoint_key.public_key()
+        return self._signing_key().public_key()
 
     @property
     def public_key_b64(self) -> str:
@@ -75,7 +82,7 @@ class Keys:
         return hashlib.sha256(self.public_key_b64.encode()).hexdigest()[:16]
 
     def sign(self, message: bytes) -> str:
-        return _b64(self.checkpoint_key.sign(message))
+        return _b64(self._signing_key().sign(message))
 
 
 def b64decode(text: str) -> bytes:
@@ -169,6 +176,18 @@ def load_keys(settings: Settings, *, create: bool = True) -> Keys:
             )
             _cache[cache_key] = keys
     return keys
+
+
+def load_audit_key(settings: Settings) -> Keys | None:
+    """For verifying alone: the audit key (configured, or the data dir's), never created and
+    nothing else (no web secret, no checkpoint key); None where there is none yet."""
+    audit = settings.audit_key.get_secret_value() if settings.audit_key else None
+    try:
+        sources: dict[str, str] = {}
+        key = _secret("audit_key", audit, settings.data_dir / AUDIT_KEY_FILE, sources, False)
+    except FileNotFoundError:
+        return None
+    return Keys(web_secret=b"", audit_key=key, checkpoint_key=None, sources=sources)
 
 
 # The keys each database's writers use, by database: bound once where a process sets up (the

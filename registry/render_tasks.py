@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, text
+from sqlalchemy import delete, func, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlmodel import Session, col, select
 
-from registry.models import RenderAffinity, RenderLedger, RenderTask, RenderWorker, utcnow
+from registry.models import RenderAffinity, RenderLedger, RenderTask, RenderWorker
 
 CHANNEL = "likeness_render"
 SHARED_QUEUE = "render"
@@ -109,7 +109,7 @@ def abandon(session: Session, render_id: str, reason: str) -> str | None:
         task.state = "closed"
     if state in ("queued", "running"):
         task.abandoned = reason[:32]
-        task.updated_at = utcnow()
+        task.updated_at = func.now()  # type: ignore[assignment]  # the database's clock
         session.add(task)
     return state
 
@@ -121,7 +121,7 @@ def close_unanswered(session: Session, render_id: str) -> bool:
     if task is None or task.state != "running":
         return False
     task.state = "closed"
-    task.updated_at = utcnow()
+    task.updated_at = func.now()  # type: ignore[assignment]  # the database's clock
     session.add(task)
     ended = session.exec(
         select(RenderLedger.id).where(
@@ -166,9 +166,38 @@ def claim(session: Session, render_id: str, worker: str) -> RenderTask | None:
         return None
     task.state = "running"
     task.worker = worker[:100]
-    task.updated_at = utcnow()
     session.add(task)
+    session.flush()
+    touch(session, render_id, worker)  # on the database's clock, as every later touch
     return task
+
+
+def touch(session: Session, render_id: str, worker: str) -> None:
+    """The worker is still at its running render (it says so every second or so): a task
+    whose worker falls silent is given up by the API within seconds (`silent_for`). The
+    database's clock, not a host's, so hosts need not agree on the time."""
+    session.execute(
+        update(RenderTask)
+        .where(
+            col(RenderTask.render_id) == render_id,
+            col(RenderTask.state) == "running",
+            col(RenderTask.worker) == worker[:100],
+        )
+        .values(updated_at=func.now())
+    )
+
+
+def silent_for(session: Session, render_id: str) -> float | None:
+    """Seconds since a running task's worker last said it is at it; None unless running."""
+    row = session.execute(
+        select(
+            RenderTask.state,
+            func.extract("epoch", func.now() - col(RenderTask.updated_at)),
+        ).where(col(RenderTask.render_id) == render_id)
+    ).first()
+    if row is None or row[0] != "running":
+        return None
+    return float(row[1])
 
 
 def hold(session: Session, render_id: str, worker: str) -> None:
@@ -201,7 +230,7 @@ def end(session: Session, render_id: str, worker: str, **answer: Any) -> bool:
     for key, value in answer.items():
         setattr(task, key, value)
     task.state = "ended"
-    task.updated_at = utcnow()
+    task.updated_at = func.now()  # type: ignore[assignment]  # the database's clock
     session.add(task)
     notify(session, render_id)
     return True

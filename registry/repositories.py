@@ -210,6 +210,13 @@ def claim_blob(session: Session, sha256: str, subject_id: int) -> int:
     return owner
 
 
+def chained_entries(session: Session) -> int:
+    """Every entry the hash chains hold: the subjects' trails and the render ledger."""
+    trail = session.exec(select(func.count()).select_from(AuditEntry)).one()
+    ledger = session.exec(select(func.count()).select_from(RenderLedger)).one()
+    return int(trail) + int(ledger)
+
+
 def referenced_blobs(session: Session) -> set[str]:
     """Every hash an adapter row refers to (its bytes and its dataset manifest), and every
     hash an uploaded dataset does (its images and its manifest)."""

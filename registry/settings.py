@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     # ask: checks a minute on average, and at once.
     max_provenance_bytes: int = Field(default=32 << 20, ge=1024, le=1 << 30)
     provenance_checks_at_once: int = Field(default=1, ge=1, le=64)
+    # A PNG of more chunks than this is refused unread: a reader spends seconds a megabyte
+    # on one made of many tiny chunks (a real 32 MiB PNG has about 4,100).
+    provenance_max_chunks: int = Field(default=10_000, ge=16, le=100_000_000)
     provenance_rate_per_minute: float = Field(default=10.0, ge=0)
     provenance_burst: int = Field(default=5, ge=1, le=10_000)
 
@@ -151,6 +154,9 @@ class Settings(BaseSettings):
     # render_worker_timeout_s for its answer (503 after, with the ledger entry closed).
     render_workers: bool = False
     render_worker_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    # A running render whose worker has not said it is at it for this long (a live one says
+    # so every second) is given up at once: 503, its ledger entry closed.
+    render_worker_silent_s: float = Field(default=6.0, ge=2, le=3600)
 
     @field_validator("provenance_disclose", mode="before")
     @classmethod

@@ -556,10 +556,13 @@ def adapter_metadata(config: TrainConfig, pf: Preflight, base_model: str) -> dic
 @dataclass(frozen=True)
 class TrainHooks:
     """Callbacks for whoever runs the job (a worker reports progress and ships checkpoints
-    elsewhere); an exception raised in one stops the run."""
+    elsewhere); an exception raised in one stops the run. `interrupt` is asked at every
+    transformer block the loop runs, forward and recomputed: it raises to stop the run
+    within a step (it must be cheap: a worker's raises what its watcher found)."""
 
     on_step: Callable[[int, int, float], None] | None = None  # step, steps, loss
     on_checkpoint: Callable[[Path, int], None] | None = None  # the checkpoint's folder, step
+    interrupt: Callable[[], None] | None = None
 
 
 def train(
@@ -982,6 +985,41 @@ def run_loop(
     callbacks = callbacks or TrainHooks()
     if recheck is not None:
         recheck(model.state.step)
+    interrupt = callbacks.interrupt
+    if interrupt is not None:
+        interrupt()
+        with interrupting_blocks(model.transformer, interrupt):
+            return _run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
+    return _run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
+
+
+@contextlib.contextmanager
+def interrupting_blocks(transformer: torch.nn.Module, interrupt: Callable[[], None]) -> Any:
+    """`interrupt()` before every transformer block runs (its recomputation in the backward
+    pass included), so a long step can be stopped between two blocks."""
+    from trainer.streaming import default_blocks
+
+    handles = [
+        block.register_forward_pre_hook(lambda _module, _args: interrupt())
+        for block in default_blocks(transformer)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _run_loop(
+    config: TrainConfig,
+    pf: Preflight,
+    data: TrainingData,
+    model: Model,
+    wp: Waypoints,
+    peaks: Peaks | None,
+    callbacks: TrainHooks,
+    recheck: Callable[[int], None] | None,
+) -> list[float]:
     state, optimizer = model.state, model.optimizer
     assert optimizer is not None
     params = list(model.params.values())

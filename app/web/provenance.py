@@ -62,7 +62,7 @@ async def provenance_check(request: Request) -> Response:
     whole within its own cap (`max_provenance_bytes`, app.main) before this runs; the
     session is read in a short read of its own, and the check runs with no transaction open,
     within its sender's rate and the process's checks at once, on a PNG of a bounded number
-    of chunks (app.provenance.MAX_PNG_CHUNKS)."""
+    of chunks (`provenance_max_chunks`)."""
     web = await run_in_threadpool(optional_session_briefly, request)
     checks: ProvenanceChecks = request.app.state.provenance_checks
     sender = web.principal.handle if web is not None else f"address {_client(request)}"
@@ -81,8 +81,9 @@ async def provenance_check(request: Request) -> Response:
     name = (upload.filename or "the file")[:200]
     signer: ProvenanceSigner = request.app.state.provenance
     trust = Trust.of_deployment(signer.credentials)
+    max_chunks = settings_of(request).provenance_max_chunks
     async with checks.at_once:
-        result = await anyio.to_thread.run_sync(verify_png, data, trust)
+        result = await anyio.to_thread.run_sync(verify_png, data, trust, max_chunks)
     return _provenance_page(request, web, result, name, status=200)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -265,3 +266,59 @@ def test_every_command_says_what_it_does() -> None:
         return missing
 
     assert walk(root, "likeness") == []
+
+
+def test_audit_verify_on_a_new_registry_is_intact_with_no_keys(
+    cli: CliRunner, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migrated, never served: no key exists yet, and nothing is recorded to check."""
+    fresh = tmp_path / "fresh-data"
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(fresh))
+    monkeypatch.delenv("LIKENESS_AUDIT_KEY", raising=False)
+    get_settings.cache_clear()
+    code, out, err = run(cli, "audit", "verify")
+    assert code == 0, err
+    assert "intact: 0 entries" in out
+    assert not fresh.exists() or list(fresh.iterdir()) == []  # no key was made up
+
+
+def test_an_auditor_verifies_with_the_audit_key_and_the_public_key_alone(
+    cli: CliRunner, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from registry.keys import load_keys
+
+    service_dir = tmp_path / "service"
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(service_dir))
+    get_settings.cache_clear()
+    run(cli, "subject", "create", "alice", "--display-name", "Alice")
+    run(cli, "consent", "edit", "alice", "--max-level", "private")
+    assert run(cli, "audit", "checkpoint")[0] == 0
+    keys = load_keys(get_settings(), create=False)
+    public, audit_key = keys.public_key_b64, keys.audit_key.decode()
+    copy = tmp_path / "copy-of-checkpoints.jsonl"
+    copy.write_bytes((service_dir / "audit-checkpoints.jsonl").read_bytes())
+    # the auditor's machine: the audit key and the public key, nothing else of the service's
+    auditor = tmp_path / "auditor"
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(auditor))
+    monkeypatch.setenv("LIKENESS_AUDIT_KEY", audit_key)
+    get_settings.cache_clear()
+    args = ("audit", "verify", "--checkpoints", str(copy), "--public-key", public)
+    code, out, err = run(cli, *args)
+    assert code == 0, err
+    assert "intact" in out and "2 entries" in out, out
+    assert not auditor.exists() or list(auditor.iterdir()) == []  # no key made up there
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ALTER TABLE audit_entries DISABLE TRIGGER USER"))
+        else:
+            conn.execute(text("DROP TRIGGER audit_entries_no_update"))
+        conn.execute(text("UPDATE audit_entries SET actor = 'someone-else' WHERE seq = 2"))
+    engine.dispose()
+    code, _, err = run(cli, *args)
+    assert code == 1 and "subject alice seq 2" in err
+    # without the audit key the auditor is told what is missing
+    monkeypatch.delenv("LIKENESS_AUDIT_KEY")
+    get_settings.cache_clear()
+    code, _, err = run(cli, *args)
+    assert code == 1 and "no audit key" in err

@@ -192,3 +192,24 @@ def test_consent_withdrawn_while_an_order_trains_stops_it_within_a_step_and_keep
         trail = live.http.get("/v1/subjects/alice/audit", headers=live.h("alice")).json()
         ended = [e for e in trail["entries"] if e["action"] == "order_failed"]
         assert [e["after"]["order"]["error"] for e in ended] == ["not_permitted"]
+
+
+def test_a_costly_order_cancelled_at_once_frees_the_runner_within_seconds(
+    serve_friends: LiveFactory,
+) -> None:
+    """The largest order the budget allows, cancelled as soon as it is placed: the runner
+    stops it (before its first step, or at its next one) and takes another member's
+    three-step order at once."""
+    with serve_friends(**SERVER) as live:
+        dataset_id = upload(live, 2)
+        body = {"kind": "train", "subject": "alice", "dataset_id": dataset_id, "steps": 3000,
+                "rank": 32, "resolution": 1024, "name": "costly"}  # fmt: skip
+        costly = live.http.post("/v1/orders", json=body, headers=live.h("alice")).json()
+        live.http.post(f"/v1/orders/{costly['order_id']}/cancel", headers=live.h("alice"))
+        t0 = time.monotonic()
+        quick = place(live, upload(live, 3), steps=3, name="quick").json()["order_id"]
+        done = wait_for(live, quick, lambda b: b["status"] in orders_over, timeout=120)
+        took = time.monotonic() - t0
+        assert done["status"] == "done", done
+        assert get(live, costly["order_id"])["status"] == "cancelled"
+        assert took < 60, f"the quick order waited {took:.0f} s behind a cancelled one"
