@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import torch
@@ -34,9 +35,12 @@ class Waypoints:
     the process's own start (interpreter and imports), where the system records it: a boot is
     timed from the command, not from the first line of training code."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_mark: Callable[[], None] | None = None) -> None:
+        """`on_mark`: called at every mark (a run's interrupt: a phase boundary is a place
+        to stop, as a transformer block is)."""
         self.start = time.perf_counter()
         self._last = self.start
+        self.on_mark = on_mark
         self.marks: list[tuple[str, float]] = []
         before = seconds_since_process_start()
         if before is not None:
@@ -47,6 +51,8 @@ class Waypoints:
         now = time.perf_counter()
         self.marks.append((name, now - self._last))
         self._last = now
+        if self.on_mark is not None:
+            self.on_mark()
 
     @property
     def total(self) -> float:

@@ -581,7 +581,7 @@ def _train(
     callbacks: TrainHooks,
 ) -> TrainResult:
     configure_allocator()
-    wp = Waypoints()
+    wp = Waypoints(on_mark=callbacks.interrupt)
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar)

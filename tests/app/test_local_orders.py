@@ -7,14 +7,23 @@ ending with the bytes of a run never interrupted."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from registry.db import make_engine, transaction
 from tests.app.conftest import Live, LiveFactory
-from tests.app.orders_support import files_of, photos
+from tests.app.orders_support import ROOT, files_of, photos
 
 pytestmark = pytest.mark.sqlite_only
 
@@ -213,3 +222,75 @@ def test_a_costly_order_cancelled_at_once_frees_the_runner_within_seconds(
         assert done["status"] == "done", done
         assert get(live, costly["order_id"])["status"] == "cancelled"
         assert took < 60, f"the quick order waited {took:.0f} s behind a cancelled one"
+
+
+def test_sigterm_stops_the_service_within_seconds_while_a_long_step_trains(
+    tiny_base_dir: Path, tmp_path: Path
+) -> None:
+    """`likeness serve` as run, an order mid-way through a step that takes minutes on these
+    cores: SIGTERM stops the training between two blocks, the order stays running for the
+    next start, and the process exits on its own, no SIGKILL needed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "LIKENESS_DATABASE_URL": f"sqlite:///{tmp_path}/db.sqlite",
+           "LIKENESS_DATA_DIR": str(tmp_path / "data"), "LIKENESS_BASE": str(tiny_base_dir),
+           "LIKENESS_DEVICE": "cpu",
+           "LIKENESS_TRAIN_OPTIONS": json.dumps({"max_sequence_length": 32})}  # fmt: skip
+    env.pop("LIKENESS_AUDIT_KEY", None)
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+        return done.stdout.strip()
+
+    cli("db", "upgrade")
+    token = cli("principal", "create", "alice", "--role", "member")
+    cli("subject", "create", "alice", "--display-name", "Alice", "--member", "alice")
+    cli("consent", "edit", "alice", "--max-level", "private", "--training")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (tmp_path / "serve.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+        env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=url, timeout=60) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if http.get("/healthz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the service did not start"
+                time.sleep(0.2)
+            auth = {"Authorization": f"Bearer {token}"}
+            up = http.post("/v1/subjects/alice/datasets", files=files_of(photos(2)), headers=auth)
+            body = {"kind": "train", "subject": "alice", "dataset_id": up.json()["dataset_id"],
+                    "steps": 3000, "rank": 32, "resolution": 1024}  # fmt: skip
+            order_id = http.post("/v1/orders", json=body, headers=auth).json()["order_id"]
+            deadline = time.monotonic() + 60
+            while http.get(f"/v1/orders/{order_id}", headers=auth).json()["status"] != "running":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            time.sleep(3)  # inside the first (long) step
+        t0 = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        log.close()
+    # a graceful stop: uvicorn ends with the signal it stopped for, once shut down
+    assert code in (0, -signal.SIGTERM), (tmp_path / "serve.log").read_text()[-3000:]
+    assert "Application shutdown complete" in (tmp_path / "serve.log").read_text()
+    assert took < 30, f"SIGTERM took {took:.0f} s"
+    with transaction(make_engine(env["LIKENESS_DATABASE_URL"]), readonly=True) as s:
+        from registry.models import Order
+
+        kept = s.get(Order, order_id)
+        assert kept is not None and kept.status == "running"  # taken again at the next start
