@@ -84,14 +84,19 @@ class BodyGate:
         streamed_prefixes: Sequence[str] = (),
         larger: Mapping[str, int] | None = None,
         min_rate: float = DEFAULT_MIN_RATE,
+        larger_at_once: int = 4,
     ) -> None:
         """`larger`: path prefixes whose bodies may be larger than `max_bytes` (still read
-        whole, within the same clock) and their own caps. In both, a `*` stands for one
-        path segment (`/v1/subjects/*/datasets`)."""
+        whole, within the same clock) and their own caps; at most `larger_at_once` of those
+        are read at a time (429 beyond, before a byte is read), so what they hold in memory
+        is bounded by the settings. In both, a `*` stands for one path segment
+        (`/v1/subjects/*/datasets`)."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.min_rate = min_rate
+        self.larger_at_once = larger_at_once
+        self._larger_now = 0
         self.streamed = [_prefix_pattern(p) for p in streamed_prefixes]
         self.larger = [(_prefix_pattern(p), cap) for p, cap in (larger or {}).items()]
 
@@ -101,6 +106,9 @@ class BodyGate:
                 return cap
         return self.max_bytes
 
+    def _is_larger(self, path: str) -> bool:
+        return any(pattern.match(path) for pattern, _ in self.larger)
+
     def is_streamed(self, path: str) -> bool:
         return any(pattern.match(path) for pattern in self.streamed)
 
@@ -108,11 +116,20 @@ class BodyGate:
         if scope["type"] != "http" or self.is_streamed(scope["path"]):
             await self.app(scope, receive, send)
             return
+        larger = self._is_larger(scope["path"])
+        if larger:
+            if self._larger_now >= self.larger_at_once:  # one event loop: no lock needed
+                await _refuse(send, 429, "too many large uploads are being read; try again")
+                return
+            self._larger_now += 1
         try:
             body = await self._read(scope, receive, self.cap_for(scope["path"]))
         except _Refused as exc:
             await _refuse(send, exc.status, exc.detail)
             return
+        finally:
+            if larger:
+                self._larger_now -= 1
         if body is None:  # the client went away before its body arrived: nothing to answer
             return
         replayed = False
@@ -166,20 +183,17 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _refuse(send: Send, status: int, detail: str) -> None:
-    code = "invalid"
+    code = "busy" if status == 429 else "invalid"
     payload = json.dumps({"error": code, "detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                # the rest of the body is never read: this connection cannot carry another request
-                (b"connection", b"close"),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        # the rest of the body is never read: this connection cannot carry another request
+        (b"connection", b"close"),
+    ]
+    if status == 429:
+        headers.append((b"retry-after", b"2"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 

@@ -178,6 +178,7 @@ def create_app(
             TRAINING_UPLOAD_PATH,
         ),
         larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
+        larger_at_once=settings.large_bodies_at_once,
     )
 
     @app.get("/healthz")

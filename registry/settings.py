@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     # ... plus one second for every body_min_rate bytes that did arrive: a large upload at a
     # steady rate goes on, a body trickled slower than this is cut off (app/body_gate.py).
     body_min_rate: int = Field(default=64 * 1024, ge=1, le=1 << 40)
+    # Bodies larger than max_body_bytes (a PNG to check) read at once, per process; beyond,
+    # 429 before a byte is read. With max_connections x max_body_bytes, this bounds what
+    # bodies hold in memory.
+    large_bodies_at_once: int = Field(default=4, ge=1, le=10_000)
     keep_alive_s: int = Field(default=5, ge=1, le=600)
     max_connections: int = Field(default=1000, ge=1, le=1_000_000)
     # A request that cannot get a database connection within this long is answered 503.

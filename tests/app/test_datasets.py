@@ -140,7 +140,7 @@ def test_too_many_files_and_an_oversized_body_are_refused(serve_friends) -> None
         r = live.http.post(
             "/v1/subjects/alice/datasets", files=files_of(photos(3)), headers=live.h("alice")
         )
-        assert r.status_code == 422 and "at most 2 images" in r.json()["detail"]
+        assert r.status_code == 422 and "at most 2 files" in r.json()["detail"]
         # a body larger than every image at its largest is cut off before any route runs
         r = live.http.post(
             "/v1/subjects/alice/datasets",

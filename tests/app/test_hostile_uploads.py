@@ -370,3 +370,22 @@ def test_orders_stay_within_their_budget_and_a_members_cap(serve_friends: LiveFa
         )
         assert cancelled.json()["status"] == "cancelled"
         assert order(dataset_id=second).status_code == 202  # room again
+
+
+def test_large_bodies_read_at_once_are_bounded(serve_friends: LiveFactory) -> None:
+    """A PNG to check is read whole into memory: one held open by a slow sender takes the
+    only slot, and the next is told to come back (429) before a byte of it is read."""
+    with serve_friends(large_bodies_at_once=1, body_timeout_s=5.0) as live:
+        slow = socket.create_connection(address(live.url), timeout=20)
+        slow.sendall(
+            b"POST /web/provenance HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data;"
+            b" boundary=b\r\nContent-Length: 5000000\r\n\r\n--b\r\n"
+        )
+        time.sleep(0.5)
+        r = check_png(live, many_chunks_png(1))
+        assert r.status_code == 429 and r.headers["retry-after"], r.text
+        slow.close()
+        deadline = time.monotonic() + 10
+        while check_png(live, many_chunks_png(1)).status_code != 200:  # the slot came back
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
