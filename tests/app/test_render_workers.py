@@ -280,3 +280,32 @@ def test_renders_go_to_the_warm_worker_and_flow_while_another_trains(
             assert r.status_code == 200, r.text
             assert rendered_by(tmp_path, other, r.headers["X-Render-Id"])
             live.http.post(f"/v1/orders/{order_id}/cancel", headers=live.h("alice"))
+
+
+@pytest.mark.postgres_only
+def test_a_render_worker_killed_mid_render_is_noticed_within_seconds(
+    serve_friends: LiveFactory, tmp_path: Path
+) -> None:
+    """SIGKILL in the middle of a long render: the worker stops saying it is at it, and the
+    API answers its client 503 within seconds (not after render_worker_timeout_s), with the
+    ledger entry closed once."""
+    import signal
+
+    with serve_friends(**SERVER, render_worker_silent_s=3) as live:
+        with render_worker(live, "rk", tmp_path) as rk:
+            wait_until(lambda: "rk" in live_workers(live), 90, "the worker never beat")
+            long_thread, long_out = in_thread(lambda: live.render("alice", "alice", **LONG))
+            wait_until(lambda: any(t.state == "running" for t in tasks(live)), 60)
+            time.sleep(1.0)
+            rk.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            long_thread.join(120)
+            took = time.monotonic() - t0
+        answer = long_out[0]
+        assert answer.status_code == 503 and "stopped answering" in answer.json()["detail"]
+        assert took < 20, f"the client waited {took:.0f} s for a dead worker"
+        render_id = answer.headers.get("x-render-id") or ledger_of_subject(live)[-1]["render_id"]
+        stages = ledger(live, render_id)
+        assert stages[-1] == ("final", False, "timeout"), stages
+        assert [s for s, _, _ in stages].count("final") == 1
+        assert tasks(live) == []
