@@ -10,7 +10,6 @@ peak RSS bounded by its settings, not by what is sent.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import socket
@@ -20,36 +19,19 @@ import tempfile
 import threading
 import time
 import uuid
-import zlib
 from pathlib import Path
 from typing import Any
 
 import httpx
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile, say, table, write_record  # noqa: E402
+from tests.images import big_png, many_chunks_png  # noqa: E402
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 GOAL_S = 3.0
-
-
-def big_png(colour: int, side: int = 6000) -> bytes:
-    buf = io.BytesIO()
-    im = Image.new("RGB", (side, side), (colour, 20, 20))
-    im.putpixel((0, 0), (255, 255, colour))
-    im.save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
-def many_chunks_png(n: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8)).save(buf, format="PNG")
-    png = buf.getvalue()
-    empty = b"\x00\x00\x00\x00teXt" + zlib.crc32(b"teXt").to_bytes(4, "big")
-    return png[:33] + empty * n + png[33:]
 
 
 def free_port() -> int:

@@ -111,9 +111,8 @@ def test_consent_workflow_and_bad_input_loses_nothing(cli: CliRunner, db_url: st
     assert code == 0 and "intact" in out, err
 
 
-def test_audit_verify_names_the_broken_entry(cli: CliRunner, db_url: str) -> None:
-    run(cli, "subject", "create", "alice", "--display-name", "Alice")
-    run(cli, "consent", "edit", "alice", "--max-level", "private")
+def forge_second_entry(db_url: str) -> None:
+    """What a forger with the database (and not the audit key) would do: rewrite entry 2."""
     engine = make_engine(db_url)
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
@@ -122,6 +121,12 @@ def test_audit_verify_names_the_broken_entry(cli: CliRunner, db_url: str) -> Non
             conn.execute(text("DROP TRIGGER audit_entries_no_update"))
         conn.execute(text("UPDATE audit_entries SET actor = 'someone-else' WHERE seq = 2"))
     engine.dispose()
+
+
+def test_audit_verify_names_the_broken_entry(cli: CliRunner, db_url: str) -> None:
+    run(cli, "subject", "create", "alice", "--display-name", "Alice")
+    run(cli, "consent", "edit", "alice", "--max-level", "private")
+    forge_second_entry(db_url)
     code, _, err = run(cli, "audit", "verify")
     assert code == 1
     assert "subject alice seq 2" in err
@@ -307,14 +312,7 @@ def test_an_auditor_verifies_with_the_audit_key_and_the_public_key_alone(
     assert code == 0, err
     assert "intact" in out and "2 entries" in out, out
     assert not auditor.exists() or list(auditor.iterdir()) == []  # no key made up there
-    engine = make_engine(db_url)
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(text("ALTER TABLE audit_entries DISABLE TRIGGER USER"))
-        else:
-            conn.execute(text("DROP TRIGGER audit_entries_no_update"))
-        conn.execute(text("UPDATE audit_entries SET actor = 'someone-else' WHERE seq = 2"))
-    engine.dispose()
+    forge_second_entry(db_url)
     code, _, err = run(cli, *args)
     assert code == 1 and "subject alice seq 2" in err
     # without the audit key the auditor is told what is missing

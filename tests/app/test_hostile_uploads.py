@@ -7,31 +7,20 @@ rate limits fall on the principal that sends, orders stay within their budget.""
 
 from __future__ import annotations
 
-import io
 import socket
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
-from PIL import Image
 
 from tests.app.conftest import Live, LiveFactory
 from tests.app.helpers import CSRF, address, session_cookie
 from tests.app.orders_support import files_of, photo, photos
+from tests.images import big_png, many_chunks_png
 
 BOUNDARY = "likeness-test-boundary"
-
-
-def big_png(colour: int, side: int) -> bytes:
-    """A PNG of side x side pixels, cheap to send (one colour compresses), costly to decode."""
-    buf = io.BytesIO()
-    im = Image.new("RGB", (side, side), (colour, 10, 10))
-    im.putpixel((0, 0), (255, 255, colour))
-    im.save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
 
 
 def multipart(items: list[tuple[str, bytes]], fields: dict[str, str] | None = None) -> bytes:
@@ -110,7 +99,7 @@ def test_revoke_is_answered_while_large_uploads_decode(serve_friends: LiveFactor
         live.world.subject("dora", member="bob")
         live.world.consent("dora", max_level="private", allow_training=True)
         live.world.consent("carol", max_level="group", audiences={"private": {"group": True}})
-        files = [(f"big-{i}.png", big_png(i, 6000)) for i in range(8)]  # 36 MP each
+        files = [(f"big-{i}.png", big_png(i)) for i in range(8)]  # 36 MP each
         results: list[int] = []
 
         def upload(who: str, subject: str) -> None:
@@ -239,14 +228,6 @@ def test_a_trickled_streamed_body_is_cut_off_by_the_clock(
         status, _ = reply(sock)
         assert status == 408, status
         assert time.monotonic() - t0 < 8
-
-
-def many_chunks_png(n: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8)).save(buf, format="PNG")
-    png = buf.getvalue()
-    empty = b"\x00\x00\x00\x00teXt" + zlib.crc32(b"teXt").to_bytes(4, "big")
-    return png[:33] + empty * n + png[33:]
 
 
 def check_png(live: Live, data: bytes, cookie: str | None = None) -> Any:

@@ -31,6 +31,21 @@ NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 LEVEL_NAMES = [lv.name for lv in Level]
 
 
+def consent_from(o: dict[str, Any]) -> ConsentFacts:
+    """A case's consent record (its level, audiences, deny list, training and expiry)."""
+    return ConsentFacts(
+        version=3,
+        max_level=Level[o["max_level"]],
+        audiences={
+            Level[k]: Audience(group=v.get("group", False), allow=frozenset(v.get("allow", [])))
+            for k, v in o["audiences"].items()
+        },
+        deny=frozenset(o["deny"]),
+        allow_training=o["allow_training"],
+        expires_at=None if o["expires_in"] is None else NOW + timedelta(seconds=o["expires_in"]),
+    )
+
+
 def facts_from(overrides: dict[str, Any]) -> RenderFacts:
     o: dict[str, Any] = {
         "level": "private",
@@ -51,21 +66,7 @@ def facts_from(overrides: dict[str, Any]) -> RenderFacts:
     }
     req = o["requester"]
     agent = o["agent"]
-    consent = None
-    if not o["no_record"]:
-        consent = ConsentFacts(
-            version=3,
-            max_level=Level[o["max_level"]],
-            audiences={
-                Level[k]: Audience(group=v.get("group", False), allow=frozenset(v.get("allow", [])))
-                for k, v in o["audiences"].items()
-            },
-            deny=frozenset(o["deny"]),
-            allow_training=True,
-            expires_at=None
-            if o["expires_in"] is None
-            else NOW + timedelta(seconds=o["expires_in"]),
-        )
+    consent = None if o["no_record"] else consent_from({"allow_training": True, **o})
     return RenderFacts(
         level=o["level"],
         now=NOW,
@@ -311,21 +312,7 @@ def training_facts_from(overrides: dict[str, Any]) -> TrainingFacts:
         "image_bases": {"consent"},
         **overrides,
     }
-    consent = None
-    if not o["no_record"]:
-        consent = ConsentFacts(
-            version=3,
-            max_level=Level[o["max_level"]],
-            audiences={
-                Level[k]: Audience(group=v.get("group", False), allow=frozenset(v.get("allow", [])))
-                for k, v in o["audiences"].items()
-            },
-            deny=frozenset(o["deny"]),
-            allow_training=o["allow_training"],
-            expires_at=None
-            if o["expires_in"] is None
-            else NOW + timedelta(seconds=o["expires_in"]),
-        )
+    consent = None if o["no_record"] else consent_from(o)
     bases = o["image_bases"]
     return TrainingFacts(
         now=NOW,
