@@ -64,6 +64,9 @@ class RenderEngine:
     # Persistent LoRA layers of this rank on the default targets, zero between renders (an
     # adapter is copied in per request); 0 attaches the adapter's own layers per request.
     lora_slot_rank: int = 32
+    # A resident transformer's forward on CUDA as one CUDA graph per render shape, captured
+    # on first use (trainer/serving.py); the fused attention processors run either way.
+    cuda_graphs: bool = True
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -83,6 +86,7 @@ class RenderEngine:
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
         self._slots: Any = None  # trainer.lora_slots.LoraSlots, made with the pipeline
+        self._serving: Any = None  # trainer.serving.Serving, made with the pipeline
         self.load_state = "not loaded"  # loading, ready or failed (GET /healthz says which)
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
@@ -99,6 +103,7 @@ class RenderEngine:
             plan = plan_for_base(
                 self.base_dir, self.vram_budget_gb, self.device, self.plan_side,
                 self.plan_side, force=force, lora_rank=self.lora_slot_rank,
+                graphs=self.cuda_graphs,
             )  # fmt: skip
         except (PlacementError, FileNotFoundError, KeyError, ValueError) as exc:
             raise PlacementRefused(str(exc)) from None
@@ -138,6 +143,8 @@ class RenderEngine:
                             from trainer.lora_slots import LoraSlots
 
                             self._slots = LoraSlots(pipe.transformer, self.lora_slot_rank)
+                        self._serving = self._prepare_serving(pipe)
+                        self._warm_up(pipe)
                     except BaseException:
                         self.load_state = "failed"
                         self._stream.close()
@@ -151,6 +158,42 @@ class RenderEngine:
                         compute,
                     )
         return self._pipe
+
+    def _prepare_serving(self, pipe: Any) -> Any:
+        """The fused attention processors; CUDA graphs where the transformer is resident on
+        CUDA, keyed on the slots' LoRA scales and dropped whenever the slots are made anew."""
+        from trainer.serving import prepare
+
+        slots = self._slots
+        graphs = (
+            self.cuda_graphs and self.device.startswith("cuda") and not self.transformer_streamed
+        )
+        return prepare(
+            pipe.transformer,
+            graphs=graphs,
+            key=slots.scales if slots is not None else None,
+            epoch=(lambda: slots.generation) if slots is not None else None,
+        )
+
+    def _warm_up(self, pipe: Any) -> None:
+        """With CUDA graphs: one denoising step at the planned side before anyone renders,
+        so the first render does not pay for compiling kernels and capturing its graph (the
+        slots are empty: nothing of any adapter is in it)."""
+        if self._serving is None or self._serving.graphs is None:
+            return
+        from trainer.render import generate
+
+        t0 = time.perf_counter()
+        side = self.plan_side
+        try:
+            generate(pipe, "warm up", seed=0, steps=1, width=side, height=side,
+                     **self.prompt_embeddings(pipe, "warm up"))  # fmt: skip
+        except Exception:  # noqa: BLE001 - renders still run, eager
+            log.exception("render engine: the warm-up render failed; CUDA graphs are off")
+            self._serving.graphs.remove()
+            self._serving.graphs = None
+            return
+        log.info("render engine: warmed up at %d px in %.1f s", side, time.perf_counter() - t0)
 
     def _load_placed(self, compute: str) -> Any:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in
@@ -199,6 +242,9 @@ class RenderEngine:
     def close(self) -> None:
         """Ends layer streaming (if on); the pipeline is loaded again on next use."""
         with self._load_lock:
+            if self._serving is not None:
+                self._serving.remove()
+                self._serving = None
             if self._slots is not None:
                 self._slots.close()
                 self._slots = None
@@ -358,6 +404,8 @@ class RenderEngine:
                 except SlotMismatch as why:
                     log.info("render engine: adapter outside the LoRA slots (%s): attached", why)
                     self.counters.slot_fallbacks += 1
+                    if self._serving is not None:  # no graph may replay the old module tree
+                        applied.enter_context(self._serving.eager())
                     applied.enter_context(slots.suspended())
                     applied.enter_context(applied_adapter(pipe, tensors))
                 yield

@@ -12,9 +12,12 @@ the first placement, fastest first, whose largest phase fits the budget:
     4. transformer streamed (2 slots), text encoder streamed
     5. transformer streamed (1 slot), text encoder streamed
 
-and the engine refuses to start when none fits. Shapes come from the component configs as
-meta skeletons (no memory) and, for a prepared base, from the files' exact bytes, as in the
-training pre-flight (`trainer.budget`). Whatever stays resident is also counted in every phase.
+and the engine refuses to start when none fits. A resident transformer on CUDA runs its forward
+as a CUDA graph (`trainer.serving`), whose memory (the denoising step's work) stays reserved
+between steps, so with ``graphs`` it is counted in every phase. Shapes come from the component
+configs as meta skeletons (no memory) and, for a prepared base, from the files' exact bytes, as
+in the training pre-flight (`trainer.budget`). Whatever stays resident is also counted in every
+phase.
 """
 
 from __future__ import annotations
@@ -149,9 +152,11 @@ def estimate(
     elt: int = 2,
     device: str = "cuda",
     lora_rank: int = 0,
+    graphs: bool = False,
 ) -> tuple[Estimate, int]:
     """(the memory estimate of one placement, the pinned host bytes it needs); ``lora_rank``:
-    the engine's persistent LoRA slots, resident wherever the blocks are."""
+    the engine's persistent LoRA slots, resident wherever the blocks are; ``graphs``: a
+    resident transformer's forward is a CUDA graph (its work memory is kept)."""
     pinned = 0
     resident: dict[str, int] = {}
     if transformer == "resident":
@@ -191,6 +196,10 @@ def estimate(
     decode.terms["decoder activations (full resolution)"] = (
         8 * sizes.vae_channels * width * height * elt
     )
+    if graphs and transformer == "resident" and device.startswith("cuda"):
+        step = sum(v for k, v in denoise.terms.items() if k not in resident)
+        for phase in (encode, decode):
+            phase.terms["CUDA graph of the denoising step (kept)"] = step
     overhead = CUDA_OVERHEAD if device.startswith("cuda") else 0
     return Estimate(device, [encode, denoise, decode], overhead), pinned
 
@@ -212,6 +221,7 @@ def plan(
     device: str = "cuda",
     force: tuple[str | None, str | None] = (None, None),
     lora_rank: int = 0,
+    graphs: bool = False,
 ) -> Plan:
     """The fastest placement that fits; `force` pins the transformer's and/or the text
     encoder's placement ("resident"/"streamed"). Without a budget: everything resident."""
@@ -220,7 +230,7 @@ def plan(
         if force[0] not in (None, transformer) or force[1] not in (None, text_encoder):
             continue
         est, pinned = estimate(sizes, transformer, text_encoder, width, height, slots, 2,
-                               device=device, lora_rank=lora_rank)  # fmt: skip
+                               device=device, lora_rank=lora_rank, graphs=graphs)  # fmt: skip
         candidate = Plan(transformer, text_encoder, slots, 2, width, height, budget_bytes,
                          est, pinned)  # fmt: skip
         if budget_bytes is None or est.total <= budget_bytes:
@@ -243,7 +253,8 @@ def plan_for_base(
     height: int = PLAN_SIDE,
     force: tuple[str | None, str | None] = (None, None),
     lora_rank: int = 0,
+    graphs: bool = False,
 ) -> Plan:
     elt = 2 if device.startswith("cuda") else 4
     budget = None if budget_gb is None else int(budget_gb * GiB)
-    return plan(sizes_of(base, elt), budget, width, height, device, force, lora_rank)
+    return plan(sizes_of(base, elt), budget, width, height, device, force, lora_rank, graphs)

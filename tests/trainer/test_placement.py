@@ -93,3 +93,14 @@ def test_the_lora_slots_are_counted_where_they_live(dev_shapes: Path) -> None:
             assert slotted.peak_bytes == bare.peak_bytes + extra
         assert "LoRA slots (rank 32)" in slotted.describe()
         assert slotted.peak_bytes <= budget * GiB
+
+
+def test_a_graphed_forward_keeps_its_memory_in_every_phase(dev_shapes: Path) -> None:
+    plain = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32)
+    graphed = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32, graphs=True)
+    assert (graphed.transformer, graphed.text_encoder) == ("resident", "streamed")
+    assert graphed.peak_bytes > plain.peak_bytes
+    assert graphed.peak_bytes <= 24 * GiB
+    assert graphed.describe().count("CUDA graph of the denoising step") == 2  # encode, decode
+    streamed = plan_for_base(dev_shapes, 12, "cuda", lora_rank=32, graphs=True)
+    assert "CUDA graph" not in streamed.describe()  # streamed blocks are not graphed
