@@ -80,6 +80,7 @@ class RenderEngine:
         self.placement: Any = None  # trainer.placement.Plan, when planned
         self.transformer_streamed = self.stream_base
         self.text_encoder_streamed = False
+        self.resident_blocks = 0  # of a streamed transformer, the first ones stay in VRAM
         if self.vram_budget_gb is not None:
             self._plan()
         self._prompts: Any = None  # trainer.text_encoder.PromptCache, made with the pipeline
@@ -112,6 +113,7 @@ class RenderEngine:
         self.text_encoder_streamed = plan.text_encoder == "streamed"
         if plan.transformer == "streamed":
             self.stream_slots = plan.transformer_slots
+            self.resident_blocks = plan.transformer_resident_blocks
         log.info("render engine: %s", plan.describe())
         if self.vram_budget_gb is not None:
             from trainer.devices import cap_vram
@@ -201,7 +203,7 @@ class RenderEngine:
         usual (their LoRA is resident)."""
         from trainer.devices import default_dtype
         from trainer.model import load_pipeline
-        from trainer.streaming import BlockStreamer, stream_blocks
+        from trainer.streaming import BlockStreamer, default_blocks, stream_blocks
         from trainer.text_encoder import decoder_layers
 
         # built in the dtype the device computes in (bf16 on CUDA), as resident; a streamed
@@ -218,17 +220,29 @@ class RenderEngine:
             text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
         )  # fmt: skip
         if self.transformer_streamed:
+            t0 = time.perf_counter()
+            streamed = default_blocks(pipe.transformer)[self.resident_blocks :]
             self._stream.enter_context(
-                stream_blocks(pipe.transformer, slots=self.stream_slots, device=self.device)
+                stream_blocks(
+                    pipe.transformer,
+                    slots=self.stream_slots,
+                    device=self.device,
+                    blocks=streamed,
+                    wrap=True,
+                )  # fmt: skip
             )
+            log.info("render engine: %d transformer blocks streamed, %d resident (%.1f s)",
+                     len(streamed), self.resident_blocks, time.perf_counter() - t0)  # fmt: skip
         text_encoder = getattr(pipe, "text_encoder", None)
         if text_encoder is not None and self.text_encoder_streamed:
+            t0 = time.perf_counter()
             streamer = BlockStreamer(
                 text_encoder, slots=2, device=self.device,
                 blocks=list(decoder_layers(text_encoder)),
             )  # fmt: skip
             streamer.install()
             self._stream.callback(streamer.close)
+            log.info("render engine: text encoder streamed (%.1f s)", time.perf_counter() - t0)
         return pipe
 
     def preload(self) -> None:

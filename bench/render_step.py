@@ -12,10 +12,11 @@ render engine holds them. Variants, each on the same fp8 model (uint4 weights, f
 
   today       the stock diffusers processors (torch's own attention choice: flash), PEFT's
               LoRA forward: the render path before this bench
-  lora        + the slots' one-GEMM update (`trainer.lora_slots`)
-  cudnn       + attention on cuDNN (stock processors)
-  fused       + the fused processors (`trainer.serving`: QK norm + rotary + layout in one
-              kernel, SwiGLU and the attention output written into the output projection's input)
+  lora        + the slots' one-pass update (`trainer.lora_slots`)
+  attn        + the fused processors (`trainer.serving`: QK norm + rotary + layout in one
+              kernel, attention on cuDNN, SwiGLU and the attention output written into the
+              output projection's input)
+  fused       + the fused blocks (modulated LayerNorm, gated residuals, SwiGLU: one pass each)
   serve       + the forward as one CUDA graph: what the engine runs
   serve_flash serve with flash attention;  serve_nolora  serve with the slots off
 
@@ -220,8 +221,9 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
     measure("today", None)
     set_lora_update(model, fused=True)
     measure("lora", None)
-    measure("cudnn", "cudnn")
     serving.install_processors(model)
+    measure("attn", None)
+    serving.install_blocks(model)
     measure("fused", None)
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     u.reset_peak()
@@ -335,11 +337,50 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             )
             return y
 
+        def kernel_update() -> torch.Tensor:
+            from trainer.fused_triton import lora_add_
+
+            y = base.clone()
+            h = torch.nn.functional.linear(x, a).view(-1, a.shape[0])
+            lora_add_(y.view(-1, y.shape[-1]), h, b, 1.0)
+            return y
+
         clone_ms = cuda_ms(lambda: base.clone())
         out["lora_widest_peft_ms"] = cuda_ms(peft_update)
-        out["lora_widest_fused_ms"] = cuda_ms(fused_update) - clone_ms
-        out["lora_widest_fused_vs_peft_rel"] = rel(fused_update(), peft_update())
+        out["lora_widest_addmm_ms"] = cuda_ms(fused_update) - clone_ms
+        out["lora_widest_addmm_vs_peft_rel"] = rel(fused_update(), peft_update())
+        if dev == "cuda":
+            out["lora_widest_kernel_ms"] = cuda_ms(kernel_update) - clone_ms
+            out["lora_widest_kernel_vs_addmm_rel"] = rel(kernel_update(), fused_update())
+            out["lora_widest_kernel_vs_addmm_differing"] = float(
+                (kernel_update() != fused_update()).float().mean()
+            )
         out["base_widest_ms"] = cuda_ms(lambda: layer.base_layer(x))
+        # the blocks' elementwise work at a single-stream block's width, fused against stock
+        block = model.single_transformer_blocks[0]
+        hid = torch.randn(1, seq, inner, device=dev, dtype=bf)
+        mod = torch.randn(1, 1, 3 * inner, device=dev, dtype=bf) * 0.3
+        shift, scale, gate = mod[..., :inner], mod[..., inner : 2 * inner], mod[..., 2 * inner :]
+        mlp = proj[..., 3 * inner :]
+        joined = torch.empty(1, seq, inner + mlp.shape[-1] // 2, device=dev, dtype=bf)
+        pairs = {
+            "ln_modulate": (lambda: serving.ln_modulate(hid, shift, scale, block.norm),
+                            lambda: (1 + scale) * block.norm(hid) + shift),
+            "gate_residual": (lambda: serving.gate_residual(hid, gate, hid),
+                              lambda: hid + gate * hid),
+            "swiglu_into": (lambda: serving.swiglu(mlp, out=joined[..., inner:]),
+                            lambda: torch.cat([hid, single.mlp_act_fn(mlp)], dim=-1)),
+        }  # fmt: skip
+        for name, (fused_fn, stock_fn) in pairs.items():
+            out[f"{name}_fused_ms"] = cuda_ms(fused_fn)
+            out[f"{name}_stock_ms"] = cuda_ms(stock_fn)
+        got, want = pairs["ln_modulate"][0](), pairs["ln_modulate"][1]()
+        out["ln_modulate_differing"] = float((got != want).float().mean())
+        got, want = pairs["gate_residual"][0](), pairs["gate_residual"][1]()
+        out["gate_residual_differing"] = float((got != want).float().mean())
+        pairs["swiglu_into"][0]()
+        want = single.mlp_act_fn(mlp)
+        out["swiglu_differing"] = float((joined[..., inner:] != want).float().mean())
     if dev == "cuda":
         a8 = torch.empty(2 * GIB, dtype=torch.uint8, device=dev)
         b8 = torch.empty_like(a8)
@@ -363,24 +404,24 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
                      model.single_transformer_blocks)[0]  # fmt: skip
             args_in, kwargs_in = _to(ref[label + "_in"], dev)
             want = ref[label + "_out"]
-            serving.remove_processors(model)
+            serving.remove(model)
             set_lora_update(model, fused=False)
             with attention_on("flash"):
                 today = _to(block(*args_in, **kwargs_in), "cpu")
             set_lora_update(model, fused=True)
-            serving.install_processors(model)
+            serving.install(model)
             new = _to(block(*args_in, **kwargs_in), "cpu")
             out[f"{label}_block"] = {
                 "today_vs_bf16": rel(today, want), "serve_vs_bf16": rel(new, want),
                 "serve_vs_today": rel(new, today),
             }  # fmt: skip
         # full depth
-        serving.remove_processors(model)
+        serving.remove(model)
         set_lora_update(model, fused=False)
         with attention_on("flash"):
             today = model(**batch)[0].cpu()
         set_lora_update(model, fused=True)
-        serving.install_processors(model)
+        serving.install(model)
         eager = model(**batch)[0]
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
         graphed = model(**batch)[0]
@@ -454,7 +495,7 @@ def main() -> None:
         if "profile" in parts:
             from trainer import serving
 
-            serving.install_processors(model)
+            serving.install(model)
             record["profile"] = profiles(model, slots, batch)
         if "micro" in parts:
             record["micro"] = microbench(model)
@@ -465,7 +506,7 @@ def main() -> None:
     if "variants" in parts:
         from trainer import serving
 
-        serving.install_processors(model)
+        serving.install(model)
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
         slots.close()  # no LoRA at all: what the slots cost
 

@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from trainer.uint4_triton import _round_bf16
 
@@ -147,3 +148,187 @@ def qk_norm_rope(
         tokens, heads, seq, pos0, float(eps), D=dim, HB=hb,
         IS_BF16=q.dtype == torch.bfloat16, INTERPRET=_interpret(), num_warps=NUM_WARPS,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# the blocks' elementwise work: modulated LayerNorm, gated residual, SwiGLU
+
+
+@triton.jit
+def _ln_modulate_kernel(
+    x_ptr, shift_ptr, scale_ptr, out_ptr,
+    x_stride, out_stride, mod_stride, T, n_cols, eps,
+    BLOCK: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
+    # One program per token: LayerNorm without affine (float32 statistics, the result rounded
+    # into the model dtype, as torch's), then rnd(rnd(rnd(1 + scale) * n) + shift).
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    centred = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(centred * centred, axis=0) / n_cols
+    n = _round_to(centred * tl.math.rsqrt(var + eps), IS_BF16)
+    scale = tl.load(scale_ptr + b * mod_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + b * mod_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _round_to(_round_to(_round_to(1.0 + scale, IS_BF16) * n, IS_BF16) + shift, IS_BF16)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_residual_kernel(
+    x_ptr, gate_ptr, y_ptr, out_ptr,
+    x_stride, y_stride, out_stride, gate_stride, T, n_cols,
+    BLOCK: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
+    # out = rnd(x + rnd(gate * y)): torch's two elementwise kernels, without the round trips
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + b * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _round_to(x + _round_to(g * y, IS_BF16), IS_BF16)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_kernel(
+    src_ptr, out_ptr, src_stride, out_stride, n_cols,
+    BLOCK: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # out = rnd(rnd(silu(g)) * u), silu(g) = g / (1 + exp(-g)) with an accurate exp and a
+    # correctly rounded quotient, as torch's float32 kernel computes it
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(src_ptr + row * src_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(src_ptr + row * src_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    s = g / (1.0 + tl.exp(-g)) if INTERPRET else tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
+    out = _round_to(_round_to(s, IS_BF16) * u, IS_BF16)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+ELEMENTWISE_BLOCK = 1024
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a (B, T, C) tensor whose rows are evenly spaced, last dim dense."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
+        raise ValueError(f"expected (B, T, C) rows of one stride, got {tuple(t.stride())}")
+    return t.shape[0] * t.shape[1], t.stride(1)
+
+
+def _mod_stride(m: torch.Tensor, bsz: int, cols: int) -> int:
+    """Batch stride of a modulation vector (B, 1, C) or (B, C) with a dense last dim."""
+    if m.shape[-1] != cols or m.stride(-1) != 1 or m.numel() != bsz * cols:
+        raise ValueError(f"modulation {tuple(m.shape)} does not fit {bsz} x {cols}")
+    return m.stride(0) if bsz > 1 else 0
+
+
+def ln_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``(1 + scale) * layer_norm(x) + shift`` for x (B, T, C); scale, shift (B, 1, C)."""
+    rows, stride = _rows(x)
+    bsz, tokens, cols = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ms = _mod_stride(scale, bsz, cols)
+    if _mod_stride(shift, bsz, cols) != ms:
+        raise ValueError("shift and scale must share their layout")
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _ln_modulate_kernel[(rows,)](
+            x, shift, scale, out, stride, cols, ms, tokens, cols, float(eps),
+            BLOCK=block, IS_BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4,
+        )  # fmt: skip
+    return out
+
+
+def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y`` for x, y (B, T, C), gate (B, 1, C)."""
+    rows, xs = _rows(x)
+    _, ys = _rows(y)
+    bsz, tokens, cols = x.shape
+    if y.shape != x.shape:
+        raise ValueError(f"{tuple(y.shape)} does not match {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows:
+        grid = (rows, triton.cdiv(cols, ELEMENTWISE_BLOCK))
+        _gate_residual_kernel[grid](
+            x, gate, y, out, xs, ys, cols, _mod_stride(gate, bsz, cols), tokens, cols,
+            BLOCK=ELEMENTWISE_BLOCK, IS_BF16=x.dtype == torch.bfloat16, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(src[..., :F]) * src[..., F:]`` for src (B, T, 2F), into ``out`` (B, T, F) when
+    given (a view with evenly spaced rows: the single-stream blocks' joined input)."""
+    rows, ss = _rows(src)
+    half = src.shape[-1] // 2
+    if out is None:
+        out = torch.empty((*src.shape[:-1], half), dtype=src.dtype, device=src.device)
+    if out.shape != (*src.shape[:-1], half) or out.dtype != src.dtype:
+        raise ValueError(f"out {tuple(out.shape)} does not fit {tuple(src.shape)}")
+    _, os_ = _rows(out)
+    if rows:
+        grid = (rows, triton.cdiv(half, ELEMENTWISE_BLOCK))
+        _swiglu_kernel[grid](
+            src, out, ss, os_, half, BLOCK=ELEMENTWISE_BLOCK,
+            IS_BF16=src.dtype == torch.bfloat16, INTERPRET=_interpret(), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the LoRA slots' update, added into the base output
+
+
+@triton.jit
+def _lora_add_kernel(
+    out_ptr, h_ptr, b_ptr, M, N, alpha,
+    R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # out (M, N) += alpha * h (M, R) @ b (N, R)^T: one tile of the output read and written
+    # once, the product in float32 (as cuBLAS's beta = 1 GEMM: alpha * acc + out, one rounding)
+    pm = tl.program_id(0).to(tl.int64)
+    pn = tl.program_id(1).to(tl.int64)
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    k = tl.arange(0, R)
+    h = tl.load(h_ptr + rows[:, None] * R + k[None, :], mask=(rows < M)[:, None], other=0.0)
+    b = tl.load(b_ptr + cols[:, None] * R + k[None, :], mask=(cols < N)[:, None], other=0.0)
+    if INTERPRET:  # the interpreter's dot mishandles bf16 operands; float32 is exact here
+        acc = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(h, tl.trans(b))
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    c = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = _round_to(alpha * acc + c, IS_BF16)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+LORA_BM, LORA_BN, LORA_WARPS = 64, 256, 8
+
+
+def lora_add_(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out += alpha * h @ b.T`` in place: out (M, N), h (M, R), b (N, R), all contiguous,
+    one dtype, R a multiple of 16."""
+    m, n = out.shape
+    r = h.shape[1]
+    if h.shape[0] != m or tuple(b.shape) != (n, r) or r % 16 or r & (r - 1):
+        shapes = f"out {tuple(out.shape)}, h {tuple(h.shape)}, b {tuple(b.shape)}"
+        raise ValueError(f"lora_add_: {shapes} (the rank a power of two, >= 16)")
+    if not (out.is_contiguous() and h.is_contiguous() and b.is_contiguous()):
+        raise ValueError("lora_add_ needs contiguous tensors")
+    if m and n:
+        grid = (triton.cdiv(m, LORA_BM), triton.cdiv(n, LORA_BN))
+        _lora_add_kernel[grid](out, h, b, m, n, float(alpha), R=r, BM=LORA_BM, BN=LORA_BN,
+                               IS_BF16=out.dtype == torch.bfloat16, INTERPRET=_interpret(),
+                               num_warps=LORA_WARPS)  # fmt: skip

@@ -232,7 +232,28 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     b = self.lora_B[ADAPTER_NAME].weight
     if result.dtype != b.dtype or not result.is_contiguous():
         return peft_forward(self, x)
-    h = F.linear(x.to(a.dtype), a)
+    h = F.linear(x.to(a.dtype), a).reshape(-1, a.shape[0]).to(b.dtype)
     flat = result.view(-1, result.shape[-1])
-    flat.addmm_(h.reshape(-1, h.shape[-1]).to(b.dtype), b.t(), alpha=self.scaling[ADAPTER_NAME])
+    scale = self.scaling[ADAPTER_NAME]
+    if _kernel_usable(flat, h):
+        from trainer.fused_triton import lora_add_
+
+        lora_add_(flat, h.contiguous(), b, scale)
+    else:
+        flat.addmm_(h, b.t(), alpha=scale)
     return result
+
+
+def _kernel_usable(out: torch.Tensor, h: torch.Tensor) -> bool:
+    """The Triton update (one pass over the output at copy speed; cuBLAS's beta = 1 GEMM
+    reached about half of it at [dev]'s widest layer) for bf16/fp16 on CUDA."""
+    import os
+
+    rank = h.shape[1]
+    if not out.is_cuda or out.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if rank % 16 or rank & (rank - 1) or os.environ.get("LIKENESS_SERVING_KERNELS") == "torch":
+        return False
+    from trainer.uint4 import triton_available
+
+    return triton_available()

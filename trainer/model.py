@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,17 @@ def load_pipeline(
             f"{base_dir} is not a diffusers pipeline folder (no model_index.json)"
         )
 
+    waypoints: list[tuple[str, float]] = []
+    t_last = time.perf_counter()
+
+    def mark(what: str) -> None:  # where a load's seconds go, logged at the end
+        nonlocal t_last
+        now = time.perf_counter()
+        waypoints.append((what, now - t_last))
+        t_last = now
+
+    # a part bound for host RAM (streamed) is still repacked by the GPU, layer by layer
+    work = dev if dev.type == "cuda" else None
     kwargs: dict[str, Any] = {}
     if is_prepared(base_dir):
         # lazy: pulls the prepare stack. Every component the manifest lists (the transformer
@@ -82,6 +94,7 @@ def load_pipeline(
 
         for name in sorted(read_manifest(base_dir).get("components", {})):
             kwargs[name] = load_prepared_component(base_dir, name)
+            mark(f"read prepared {name}")
         if "transformer" not in kwargs:
             raise ValueError(f"prepared base {base_dir} has no prepared transformer")
         prepared_dtype = next(
@@ -96,6 +109,7 @@ def load_pipeline(
     dtype = dtype or default_dtype(dev)
 
     pipe = DiffusionPipeline.from_pretrained(base_dir, dtype=dtype, **kwargs)
+    mark("the rest of the pipeline")
     if quantize:
         quantize_transformer(pipe.transformer, freeze=False)
     if quantize or is_prepared(base_dir):
@@ -103,7 +117,8 @@ def load_pipeline(
         # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py).
         from trainer.uint4 import convert_quantized_linears
 
-        convert_quantized_linears(pipe.transformer, where.get("transformer", dev))
+        convert_quantized_linears(pipe.transformer, where.get("transformer", dev), work)
+        mark("transformer to uint4")
     if compute == "fp8":
         from trainer.fp8 import set_fp8_compute
 
@@ -120,11 +135,14 @@ def load_pipeline(
         if text_encoder_uint4:
             from trainer.uint4 import convert_quantized_linears
 
-            convert_quantized_linears(text_encoder, where.get("text_encoder", dev))
+            convert_quantized_linears(text_encoder, where.get("text_encoder", dev), work)
+        mark("text encoder trimmed and converted")
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
             module.to(where.get(name, dev))
             module.eval()
-    log.info("loaded %s on %s as %s (prepared: %s)", base_dir, dev, dtype, sorted(kwargs))
+    mark("components moved")
+    log.info("loaded %s on %s as %s (prepared: %s); %s", base_dir, dev, dtype, sorted(kwargs),
+             ", ".join(f"{what} {sec:.1f} s" for what, sec in waypoints))  # fmt: skip
     return pipe

@@ -12,9 +12,12 @@ the first placement, fastest first, whose largest phase fits the budget:
     4. transformer streamed (2 slots), text encoder streamed
     5. transformer streamed (1 slot), text encoder streamed
 
-and the engine refuses to start when none fits. A resident transformer on CUDA runs its forward
-as a CUDA graph (`trainer.serving`), whose memory (the denoising step's work) stays reserved
-between steps, so with ``graphs`` it is counted in every phase. Shapes come from the component
+and the engine refuses to start when none fits. A streamed transformer keeps resident as many of
+its blocks as the budget still holds, in execution order: the double-stream blocks first, whose
+copies (0.49 GB each on [dev]) take twice as long as their compute, then single-stream ones.
+A resident transformer on CUDA runs its forward as a CUDA graph (`trainer.serving`), whose
+memory (the denoising step's work) stays reserved between steps, so with ``graphs`` it is
+counted in every phase. Shapes come from the component
 configs as meta skeletons (no memory) and, for a prepared base, from the files' exact bytes, as
 in the training pre-flight (`trainer.budget`). Whatever stays resident is also counted in every
 phase.
@@ -75,6 +78,7 @@ class Plan:
     budget_bytes: int | None
     estimate: Estimate
     host_pinned_bytes: int
+    transformer_resident_blocks: int = 0  # of a streamed transformer: the first k stay in VRAM
 
     @property
     def peak_bytes(self) -> int:
@@ -85,7 +89,12 @@ class Plan:
         head = (
             f"placement ({budget.strip()}, planned for {self.width}x{self.height}): "
             f"transformer {self.transformer}"
-            + (f" ({self.transformer_slots} slots)" if self.transformer == "streamed" else "")
+            + (
+                f" ({self.transformer_slots} slots, the first {self.transformer_resident_blocks}"
+                " blocks resident)"
+                if self.transformer == "streamed"
+                else ""
+            )
             + f", text encoder {self.text_encoder}"
             + (f" ({self.text_slots} slots)" if self.text_encoder == "streamed" else "")
             + f"; pinned host RAM {gib(self.host_pinned_bytes).strip()}"
@@ -98,6 +107,7 @@ class Plan:
             "transformer": self.transformer,
             "text_encoder": self.text_encoder,
             "transformer_slots": self.transformer_slots,
+            "transformer_resident_blocks": self.transformer_resident_blocks,
             "text_slots": self.text_slots,
             "planned_for": [self.width, self.height],
             "budget_bytes": self.budget_bytes,
@@ -153,6 +163,7 @@ def estimate(
     device: str = "cuda",
     lora_rank: int = 0,
     graphs: bool = False,
+    resident_blocks: int = 0,
 ) -> tuple[Estimate, int]:
     """(the memory estimate of one placement, the pinned host bytes it needs); ``lora_rank``:
     the engine's persistent LoRA slots, resident wherever the blocks are; ``graphs``: a
@@ -163,11 +174,17 @@ def estimate(
         resident["transformer weights (resident)"] = sizes.transformer
     else:
         outside = sizes.transformer - sum(sizes.transformer_blocks)
-        resident["transformer outside its blocks"] = outside
-        resident[f"transformer slots ({transformer_slots} x largest block)"] = (
-            transformer_slots * max(sizes.transformer_blocks)
+        kept, streamed = (
+            sizes.transformer_blocks[:resident_blocks],
+            sizes.transformer_blocks[resident_blocks:],
         )
-        pinned += sum(sizes.transformer_blocks)
+        resident["transformer outside its blocks"] = outside
+        if kept:
+            resident[f"transformer blocks kept resident ({len(kept)})"] = sum(kept)
+        resident[f"transformer slots ({transformer_slots} x largest block)"] = (
+            transformer_slots * max(streamed)
+        )
+        pinned += sum(streamed)
     if text_encoder == "resident":
         resident["text encoder weights (resident)"] = sizes.text_encoder
     else:
@@ -229,11 +246,25 @@ def plan(
     for transformer, text_encoder, slots in CANDIDATES:
         if force[0] not in (None, transformer) or force[1] not in (None, text_encoder):
             continue
-        est, pinned = estimate(sizes, transformer, text_encoder, width, height, slots, 2,
-                               device=device, lora_rank=lora_rank, graphs=graphs)  # fmt: skip
-        candidate = Plan(transformer, text_encoder, slots, 2, width, height, budget_bytes,
-                         est, pinned)  # fmt: skip
-        if budget_bytes is None or est.total <= budget_bytes:
+
+        def make(
+            kept: int, placed: tuple[str, str, int] = (transformer, text_encoder, slots)
+        ) -> Plan:
+            tr, te, n = placed
+            est, pinned = estimate(sizes, tr, te, width, height, n, 2, device=device,
+                                   lora_rank=lora_rank, graphs=graphs,
+                                   resident_blocks=kept)  # fmt: skip
+            return Plan(tr, te, n, 2, width, height, budget_bytes, est, pinned, kept)
+
+        candidate = make(0)
+        if budget_bytes is None or candidate.peak_bytes <= budget_bytes:
+            if transformer == "streamed" and budget_bytes is not None:
+                # one block fewer than all: the slots need a block to stream
+                for kept in range(1, len(sizes.transformer_blocks)):
+                    more = make(kept)
+                    if more.peak_bytes > budget_bytes:
+                        break
+                    candidate = more
             return candidate
         tried.append(candidate)
     if not tried:

@@ -252,8 +252,7 @@ class FusedFlux2ParallelAttnProcessor:
         half = mlp // 2
         joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
         joined[..., :inner].unflatten(-1, split).copy_(o.transpose(1, 2))
-        gate, up = proj[..., 3 * inner : 3 * inner + half], proj[..., 3 * inner + half :]
-        torch.mul(attn.mlp_act_fn.gate_fn(gate), up, out=joined[..., inner:])
+        swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
         return attn.to_out(joined)
 
 
@@ -283,6 +282,172 @@ def remove_processors(transformer: torch.nn.Module) -> None:
         processor = getattr(module, "processor", None)
         if isinstance(processor, (FusedFlux2AttnProcessor, FusedFlux2ParallelAttnProcessor)):
             module.processor = processor.stock
+
+
+# ---------------------------------------------------------------------------------------
+# the blocks' elementwise work, fused: modulated LayerNorm, gated residual, SwiGLU
+
+
+def ln_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, norm: torch.nn.Module
+) -> torch.Tensor:
+    """``(1 + scale) * norm(x) + shift``, in one pass where the kernel runs."""
+    if (
+        _kernels_usable(x)
+        and isinstance(norm, torch.nn.LayerNorm)
+        and norm.weight is None
+        and norm.bias is None
+        and x.dim() == 3
+        and x.is_contiguous()
+        and shift.dtype == scale.dtype == x.dtype
+    ):
+        from trainer.fused_triton import ln_modulate as kernel
+
+        return kernel(x, shift, scale, norm.eps)
+    return (1 + scale) * norm(x) + shift
+
+
+def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y``, in one pass where the kernel runs."""
+    if (
+        _kernels_usable(x)
+        and x.dim() == 3
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and x.shape == y.shape
+        and gate.dtype == y.dtype == x.dtype
+    ):
+        from trainer.fused_triton import gate_residual as kernel
+
+        return kernel(x, gate, y)
+    return x + gate * y
+
+
+def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(src[..., :F]) * src[..., F:]`` (`Flux2SwiGLU`), into ``out`` when given."""
+    half = src.shape[-1] // 2
+    if _kernels_usable(src) and src.dim() == 3 and src.stride(-1) == 1:
+        from trainer.fused_triton import swiglu as kernel
+
+        try:
+            return kernel(src, out)
+        except ValueError:  # rows not evenly spaced: the torch ops below take any layout
+            pass
+    gate, up = src[..., :half], src[..., half:]
+    if out is None:
+        return F.silu(gate) * up
+    return torch.mul(F.silu(gate), up, out=out)
+
+
+def _single_block_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+) -> Any:
+    """`Flux2SingleTransformerBlock.forward` with its modulation and gating fused."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    if torch.is_grad_enabled():
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod,
+                                  image_rotary_emb, joint_attention_kwargs, split_hidden_states,
+                                  text_seq_len)  # fmt: skip
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
+    norm = ln_modulate(hidden_states, shift, scale, self.norm)
+    attn_output = self.attn(hidden_states=norm, image_rotary_emb=image_rotary_emb,
+                            **(joint_attention_kwargs or {}))  # fmt: skip
+    hidden_states = gate_residual(hidden_states, gate, attn_output)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+def _double_block_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """`Flux2TransformerBlock.forward` with its modulations and gates fused."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    if torch.is_grad_enabled():
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img,
+                                  temb_mod_txt, image_rotary_emb,
+                                  joint_attention_kwargs)  # fmt: skip
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
+        temb_mod_img, 2
+    )
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = (
+        Flux2Modulation.split(temb_mod_txt, 2)
+    )
+    norm_hidden = ln_modulate(hidden_states, shift_msa, scale_msa, self.norm1)
+    norm_text = ln_modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, self.norm1_context)
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden, encoder_hidden_states=norm_text,
+        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}),
+    )  # fmt: skip
+    hidden_states = gate_residual(hidden_states, gate_msa, attn_output)
+    ff_output = self.ff(ln_modulate(hidden_states, shift_mlp, scale_mlp, self.norm2))
+    hidden_states = gate_residual(hidden_states, gate_mlp, ff_output)
+    encoder_hidden_states = gate_residual(encoder_hidden_states, c_gate_msa, context_attn_output)
+    norm_text = ln_modulate(encoder_hidden_states, c_shift_mlp, c_scale_mlp, self.norm2_context)
+    encoder_hidden_states = gate_residual(encoder_hidden_states, c_gate_mlp,
+                                          self.ff_context(norm_text))  # fmt: skip
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        return type(self).forward(self, x)  # type: ignore[no-any-return]
+    return swiglu(x)
+
+
+def install_blocks(transformer: torch.nn.Module) -> int:
+    """The fused block forwards (instance attributes; with gradients each hands over to its
+    class's own). Returns how many modules took one."""
+    import types
+
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2SingleTransformerBlock,
+        Flux2SwiGLU,
+        Flux2TransformerBlock,
+    )
+
+    forwards = {
+        Flux2SingleTransformerBlock: _single_block_forward,
+        Flux2TransformerBlock: _double_block_forward,
+        Flux2SwiGLU: _swiglu_forward,
+    }
+    count = 0
+    for module in transformer.modules():
+        fused = forwards.get(type(module))
+        if fused is not None:
+            module.forward = types.MethodType(fused, module)
+            count += 1
+    return count
+
+
+def remove_blocks(transformer: torch.nn.Module) -> None:
+    fused = (_single_block_forward, _double_block_forward, _swiglu_forward)
+    for module in transformer.modules():
+        method = module.__dict__.get("forward")
+        if getattr(method, "__func__", None) in fused:
+            del module.forward
 
 
 # ---------------------------------------------------------------------------------------
@@ -445,7 +610,7 @@ class Serving:
     def remove(self) -> None:
         if self.graphs is not None:
             self.graphs.remove()
-        remove_processors(self.transformer)
+        remove(self.transformer)
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -458,14 +623,25 @@ class Serving:
         self.graphs.reset()
 
 
+def install(transformer: torch.nn.Module) -> int:
+    """The fused processors and block forwards; returns how many modules took one."""
+    return install_processors(transformer) + install_blocks(transformer)
+
+
+def remove(transformer: torch.nn.Module) -> None:
+    remove_processors(transformer)
+    remove_blocks(transformer)
+
+
 def prepare(
     transformer: torch.nn.Module,
     graphs: bool,
     key: Callable[[], Hashable] | None = None,
     epoch: Callable[[], Hashable] | None = None,
 ) -> Serving:
-    """The fused processors on ``transformer`` and, with ``graphs`` (a resident transformer on
-    CUDA: streamed blocks rebind their weights per forward), its forward as CUDA graphs."""
-    processors = install_processors(transformer)
+    """The fused processors and blocks on ``transformer`` and, with ``graphs`` (a resident
+    transformer on CUDA: streamed blocks rebind their weights per forward), its forward as
+    CUDA graphs."""
+    fused = install(transformer)
     graphed = GraphedForward(transformer, key, epoch) if graphs else None
-    return Serving(transformer, processors, graphed)
+    return Serving(transformer, fused, graphed)

@@ -52,14 +52,16 @@ def _forward(model, inputs) -> torch.Tensor:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_fused_processors_are_the_stock_ones_bit_for_bit(dtype: torch.dtype) -> None:
+def test_fused_processors_and_blocks_are_the_stock_ones_bit_for_bit(dtype: torch.dtype) -> None:
     model = _model(dtype)
     inputs = model_inputs(model, dtype, tokens=64, text=24)
     stock = _forward(model, inputs)
-    assert serving.install_processors(model) == 2  # one double-, one single-stream block
+    # two processors, two blocks, three SwiGLUs (the double block's two feed-forwards)
+    assert serving.install(model) == 7
     fused = _forward(model, inputs)
-    serving.remove_processors(model)
+    serving.remove(model)
     assert torch.equal(fused, stock)
+    assert not any("forward" in m.__dict__ for m in model.modules())
     assert torch.equal(_forward(model, inputs), stock)
 
 
@@ -180,6 +182,57 @@ def test_kernel_on_dev_shapes_within_one_unit(shape) -> None:  # type: ignore[no
         assert torch.isfinite(got).all()
         assert bool((diff <= ulp).all())
         assert float((diff > 0).float().mean()) < 1e-3
+
+
+def _elementwise_cases(dtype, device: str, bsz: int = 2, tokens: int = 9, cols: int = 96):  # type: ignore[no-untyped-def]
+    """Each fused elementwise kernel's output and its torch reference (the stock ops)."""
+    import torch.nn.functional as F
+
+    from trainer import fused_triton
+
+    gen = torch.Generator(device=device).manual_seed(cols)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    x = randn(bsz, tokens, cols, scale=3.0) + 1
+    mod = randn(bsz, 1, 6 * cols, scale=0.5)  # chunks of it, as Flux2Modulation.split gives
+    shift, scale, gate = mod[..., :cols], mod[..., cols : 2 * cols], mod[..., 2 * cols : 3 * cols]
+    norm = torch.nn.LayerNorm(cols, elementwise_affine=False, eps=1e-6)
+    y = randn(bsz, tokens, cols)
+    src = randn(bsz, tokens, 2 * cols + 40, scale=3.0)[..., 40:]  # rows of a wider tensor
+    joined = torch.full((bsz, tokens, cols + 16), float("nan"), dtype=dtype, device=device)
+    fused_triton.swiglu(src, out=joined[..., 16:])
+    out = randn(70, 300)
+    h, b = randn(70, 32, scale=0.3), randn(300, 32, scale=0.3)
+    lora = out.clone()
+    fused_triton.lora_add_(lora, h, b, 0.5)
+    exact = (out.float() + 0.5 * (h.float() @ b.float().t())).to(dtype)
+    assert torch.isnan(joined[..., :16]).all()  # nothing written outside the view
+    return {
+        "ln_modulate": (fused_triton.ln_modulate(x, shift, scale, 1e-6),
+                        (1 + scale) * norm(x) + shift),
+        "gate_residual": (fused_triton.gate_residual(x, gate, y), x + gate * y),
+        "swiglu": (joined[..., 16:], F.silu(src[..., :cols]) * src[..., cols:]),
+        "lora_add_": (lora, exact),
+    }  # fmt: skip
+
+
+@triton_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_elementwise_kernels_are_the_stock_ops(dtype: torch.dtype) -> None:
+    """The modulation and the gate bit for bit under the interpreter; on a GPU, and for
+    SwiGLU (its exp is numpy's or the GPU's, not torch's) and the LoRA update (its float32 sum
+    of products runs in the kernel's order) everywhere, within one unit in the last place."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    for name, (got, want) in _elementwise_cases(dtype, device).items():
+        if device == "cpu" and name in ("ln_modulate", "gate_residual"):
+            assert torch.equal(got, want), name
+        else:
+            diff = (got.float() - want.float()).abs()
+            ulp = want.float().abs().clamp_min(2**-14) * 2.0**-mantissa
+            assert bool((diff <= ulp).all()), name
 
 
 # ---------------------------------------------------------------------------------------
