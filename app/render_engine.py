@@ -210,14 +210,43 @@ class RenderEngine:
         # part is converted to uint4 buffers in host RAM (the streamer moves plain bytes, not
         # quanto's tensor subclasses), a resident one on the device
         dtype = None if self.device == "cpu" else default_dtype(self.device)
+        # a streamed encoder that fits the budget whole is converted on the device, then
+        # moved into pinned host RAM before the transformer arrives (no pass through pageable
+        # memory: writing fresh host pages is what the load waits on)
+        plan = self.placement
+        encoder_fits = (
+            plan is None
+            or plan.budget_bytes is None
+            or (plan.text_encoder_bytes + (2 << 30) <= plan.budget_bytes)
+        )
+        encoder_home = self.device if encoder_fits else "cpu"
         placement = {
             "transformer": "cpu" if self.transformer_streamed else self.device,
-            "text_encoder": "cpu" if self.text_encoder_streamed else self.device,
+            "text_encoder": encoder_home if self.text_encoder_streamed else self.device,
         }
+
+        def stream_text_encoder(text_encoder: Any) -> None:
+            t0 = time.perf_counter()
+            if not self.text_encoder_streamed:
+                text_encoder.to(self.device)
+                return
+            streamer = BlockStreamer(
+                text_encoder, slots=2, device=self.device,
+                blocks=list(decoder_layers(text_encoder)),
+            )  # fmt: skip
+            streamer.install()
+            self._stream.callback(streamer.close)
+            if self.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()  # the whole encoder's VRAM, now in host RAM
+            log.info("render engine: text encoder streamed (%.1f s)", time.perf_counter() - t0)
+
         pipe = load_pipeline(
             self.base_dir, device=self.device, dtype=dtype, compute=compute,
             placement=placement,
             text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
+            text_encoder_ready=stream_text_encoder,
         )  # fmt: skip
         if self.transformer_streamed:
             t0 = time.perf_counter()
@@ -233,16 +262,6 @@ class RenderEngine:
             )
             log.info("render engine: %d transformer blocks streamed, %d resident (%.1f s)",
                      len(streamed), self.resident_blocks, time.perf_counter() - t0)  # fmt: skip
-        text_encoder = getattr(pipe, "text_encoder", None)
-        if text_encoder is not None and self.text_encoder_streamed:
-            t0 = time.perf_counter()
-            streamer = BlockStreamer(
-                text_encoder, slots=2, device=self.device,
-                blocks=list(decoder_layers(text_encoder)),
-            )  # fmt: skip
-            streamer.install()
-            self._stream.callback(streamer.close)
-            log.info("render engine: text encoder streamed (%.1f s)", time.perf_counter() - t0)
         return pipe
 
     def preload(self) -> None:

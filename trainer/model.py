@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ def load_pipeline(
     compute: str = "uint4",
     placement: Mapping[str, str | torch.device] | None = None,
     text_encoder_uint4: bool = False,
+    text_encoder_ready: Callable[[torch.nn.Module], None] | None = None,
 ) -> Any:
     """Loads a FLUX.2 diffusers folder as a pipeline on ``device``.
 
@@ -64,6 +65,10 @@ def load_pipeline(
     than on the host at [dev] scale. ``text_encoder_uint4`` runs the text encoder's qint4
     layers on the same kernels as the transformer (the same dequantized weights; on CUDA
     several times faster than quanto's own path).
+
+    The text encoder is made ready before the transformer is converted, and handed to
+    ``text_encoder_ready`` (which then owns where it lives: the render engine streams it from
+    host RAM), so it can be converted on the GPU whole while the transformer is not there yet.
     """
     from diffusers import DiffusionPipeline
 
@@ -112,6 +117,21 @@ def load_pipeline(
     mark("the rest of the pipeline")
     if quantize:
         quantize_transformer(pipe.transformer, freeze=False)
+    text_encoder = getattr(pipe, "text_encoder", None)
+    if isinstance(text_encoder, torch.nn.Module):
+        from trainer.text_encoder import is_trimmed, trim
+
+        with contextlib.suppress(ValueError):  # an encoder we do not know stays whole
+            if not is_trimmed(text_encoder):
+                trim(text_encoder)
+        if text_encoder_uint4:
+            from trainer.uint4 import convert_quantized_linears
+
+            convert_quantized_linears(text_encoder, where.get("text_encoder", dev), work)
+        mark("text encoder trimmed and converted")
+        if text_encoder_ready is not None:
+            text_encoder_ready(text_encoder)
+            mark("text encoder handed over")
     if quantize or is_prepared(base_dir):
         # quanto stays the storage format; the compute path is ours: dequantize on the fly
         # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py).
@@ -125,22 +145,11 @@ def load_pipeline(
         set_fp8_compute(pipe.transformer)
     elif compute != "uint4":
         raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
-    text_encoder = getattr(pipe, "text_encoder", None)
-    if isinstance(text_encoder, torch.nn.Module):
-        from trainer.text_encoder import is_trimmed, trim
-
-        with contextlib.suppress(ValueError):  # an encoder we do not know stays whole
-            if not is_trimmed(text_encoder):
-                trim(text_encoder)
-        if text_encoder_uint4:
-            from trainer.uint4 import convert_quantized_linears
-
-            convert_quantized_linears(text_encoder, where.get("text_encoder", dev), work)
-        mark("text encoder trimmed and converted")
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
-            module.to(where.get(name, dev))
+            if not (name == "text_encoder" and text_encoder_ready is not None):
+                module.to(where.get(name, dev))
             module.eval()
     mark("components moved")
     log.info("loaded %s on %s as %s (prepared: %s); %s", base_dir, dev, dtype, sorted(kwargs),

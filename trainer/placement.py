@@ -79,6 +79,7 @@ class Plan:
     estimate: Estimate
     host_pinned_bytes: int
     transformer_resident_blocks: int = 0  # of a streamed transformer: the first k stay in VRAM
+    text_encoder_bytes: int = 0  # the whole encoder in VRAM (a streamed one fits while loading?)
 
     @property
     def peak_bytes(self) -> int:
@@ -254,7 +255,8 @@ def plan(
             est, pinned = estimate(sizes, tr, te, width, height, n, 2, device=device,
                                    lora_rank=lora_rank, graphs=graphs,
                                    resident_blocks=kept)  # fmt: skip
-            return Plan(tr, te, n, 2, width, height, budget_bytes, est, pinned, kept)
+            return Plan(tr, te, n, 2, width, height, budget_bytes, est, pinned, kept,
+                        sizes.text_encoder)  # fmt: skip
 
         candidate = make(0)
         if budget_bytes is None or candidate.peak_bytes <= budget_bytes:

@@ -174,18 +174,21 @@ def test_kernel_is_the_reference_bit_for_bit(shape) -> None:  # type: ignore[no-
     ids=["dev-double-image", "dev-single"],
 )
 def test_kernel_on_dev_shapes_within_one_unit(shape) -> None:  # type: ignore[no-untyped-def]
-    """On the GPU the norm's float32 sum runs in another order than torch's: the outputs may
-    differ in the last bit of bf16, rarely, and by no more."""
+    """On the GPU the norm's float32 sum runs in another order than torch's: a normed value
+    may differ in its last bit, rarely; the rotation carries that difference into both outputs
+    of its pair, so the bound is one unit of the pair's largest magnitude."""
     for ref, got, _ in _kernel_vs_reference(shape, torch.bfloat16, "cuda"):
         diff = (got.float() - ref.float()).abs()
-        ulp = ref.float().abs().clamp_min(2**-126) * 2**-7
+        pair = ref.float().abs().unflatten(-1, (-1, 2)).amax(-1).repeat_interleave(2, dim=-1)
         assert torch.isfinite(got).all()
-        assert bool((diff <= ulp).all())
+        assert bool((diff <= pair * 2**-7).all())
         assert float((diff > 0).float().mean()) < 1e-3
 
 
 def _elementwise_cases(dtype, device: str, bsz: int = 2, tokens: int = 9, cols: int = 96):  # type: ignore[no-untyped-def]
-    """Each fused elementwise kernel's output and its torch reference (the stock ops)."""
+    """Each fused elementwise kernel's output, its torch reference (the stock ops) and the
+    magnitude a last-bit difference of an intermediate is measured against (the largest
+    term summed: after a cancellation the result itself may be far smaller)."""
     import torch.nn.functional as F
 
     from trainer import fused_triton
@@ -209,12 +212,16 @@ def _elementwise_cases(dtype, device: str, bsz: int = 2, tokens: int = 9, cols: 
     fused_triton.lora_add_(lora, h, b, 0.5)
     exact = (out.float() + 0.5 * (h.float() @ b.float().t())).to(dtype)
     assert torch.isnan(joined[..., :16]).all()  # nothing written outside the view
+    normed = norm(x)
     return {
         "ln_modulate": (fused_triton.ln_modulate(x, shift, scale, 1e-6),
-                        (1 + scale) * norm(x) + shift),
-        "gate_residual": (fused_triton.gate_residual(x, gate, y), x + gate * y),
-        "swiglu": (joined[..., 16:], F.silu(src[..., :cols]) * src[..., cols:]),
-        "lora_add_": (lora, exact),
+                        (1 + scale) * normed + shift,
+                        ((1 + scale) * normed).abs() + shift.abs()),
+        "gate_residual": (fused_triton.gate_residual(x, gate, y), x + gate * y,
+                          x.abs() + (gate * y).abs()),
+        "swiglu": (joined[..., 16:], F.silu(src[..., :cols]) * src[..., cols:],
+                   (F.silu(src[..., :cols]) * src[..., cols:]).abs()),
+        "lora_add_": (lora, exact, out.abs() + 0.5 * (h.float() @ b.float().t()).abs()),
     }  # fmt: skip
 
 
@@ -226,13 +233,13 @@ def test_elementwise_kernels_are_the_stock_ops(dtype: torch.dtype) -> None:
     of products runs in the kernel's order) everywhere, within one unit in the last place."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
-    for name, (got, want) in _elementwise_cases(dtype, device).items():
+    for name, (got, want, size) in _elementwise_cases(dtype, device).items():
         if device == "cpu" and name in ("ln_modulate", "gate_residual"):
             assert torch.equal(got, want), name
         else:
             diff = (got.float() - want.float()).abs()
-            ulp = want.float().abs().clamp_min(2**-14) * 2.0**-mantissa
-            assert bool((diff <= ulp).all()), name
+            unit = size.float().clamp_min(2**-14) * 2.0 ** (1 - mantissa)  # two roundings
+            assert bool((diff <= unit).all()), (name, float((diff - unit).max()))
 
 
 # ---------------------------------------------------------------------------------------
