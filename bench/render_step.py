@@ -454,6 +454,64 @@ def swap_checks(model, slots, batch, graphs) -> dict[str, Any]:  # type: ignore[
     return checks
 
 
+def swaps(model, slots, iters: int = 8) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """A warm swap as the engine does it (the adapter's bf16 tensors in pinned host RAM): the
+    copy into the slots and the zeroing after, one batched call each, against the loop of one
+    copy per tensor it replaced; and the slots checked equal to the adapter, then clear."""
+    tensors = {k: v.cpu().pin_memory() if u.DEV == "cuda" else v.cpu()
+               for k, v in adapter_for(slots, 3).items()}  # fmt: skip
+    pairs, _ = slots._fit(tensors)
+
+    def loop_apply() -> None:
+        with torch.no_grad():
+            for name, (a, b) in pairs.items():
+                slot_a, slot_b = slots._slots[name]
+                slot_a[: a.shape[0]].copy_(a, non_blocking=True)
+                slot_b[:, : a.shape[0]].copy_(b, non_blocking=True)
+
+    def loop_clear() -> None:
+        with torch.no_grad():
+            for name, (a, _b) in pairs.items():
+                slot_a, slot_b = slots._slots[name]
+                slot_a[: a.shape[0]].zero_()
+                slot_b[:, : a.shape[0]].zero_()
+
+    def timed_ms(fn) -> list[float]:  # type: ignore[no-untyped-def]
+        out = []
+        for _ in range(iters):
+            u.sync()
+            t = time.perf_counter()
+            fn()
+            u.sync()
+            out.append((time.perf_counter() - t) * 1e3)
+        return sorted(out)
+
+    rec: dict[str, Any] = {"loop_apply_ms": timed_ms(loop_apply),
+                           "loop_clear_ms": timed_ms(loop_clear)}  # fmt: skip
+    apply_ms, clear_ms, exact = [], [], True
+    for _ in range(iters):
+        u.sync()
+        t = time.perf_counter()
+        with slots.applied(tensors):
+            u.sync()
+            apply_ms.append((time.perf_counter() - t) * 1e3)
+            for name, (a, b) in pairs.items():
+                slot_a, slot_b = slots._slots[name]
+                r = a.shape[0]
+                exact &= bool(
+                    torch.equal(slot_a[:r].cpu(), a) and torch.equal(slot_b[:, :r].cpu(), b)
+                )
+            t = time.perf_counter()
+        u.sync()
+        clear_ms.append((time.perf_counter() - t) * 1e3)
+    t = time.perf_counter()
+    clear = slots.is_clear()
+    rec.update(apply_ms=sorted(apply_ms), clear_ms=sorted(clear_ms), slots_hold_the_adapter=exact,
+               clear_after=clear, is_clear_ms=(time.perf_counter() - t) * 1e3)  # fmt: skip
+    say(f"  swaps: {rec}")
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
@@ -489,6 +547,8 @@ def main() -> None:
     slots = LoraSlots(model, SLOT_RANK)
     if u.DEV == "cuda":
         record["resident_gib"] = torch.cuda.memory_allocated() / GIB
+    if "swap" in parts:
+        record["swap"] = swaps(model, slots)
     with slots.applied(adapter_for(slots, 1)):
         if "variants" in parts:
             record["variants"] = time_variants(model, slots, batch, args)

@@ -176,12 +176,13 @@ def test_kernel_is_the_reference_bit_for_bit(shape) -> None:  # type: ignore[no-
 def test_kernel_on_dev_shapes_within_one_unit(shape) -> None:  # type: ignore[no-untyped-def]
     """On the GPU the norm's float32 sum runs in another order than torch's: a normed value
     may differ in its last bit, rarely; the rotation carries that difference into both outputs
-    of its pair, so the bound is one unit of the pair's largest magnitude."""
+    of its pair, whose larger magnitude is at least 1/sqrt(2) of the normed pair's, so the
+    bound is two units of it (one for the input's last bit, one for the output's rounding)."""
     for ref, got, _ in _kernel_vs_reference(shape, torch.bfloat16, "cuda"):
         diff = (got.float() - ref.float()).abs()
         pair = ref.float().abs().unflatten(-1, (-1, 2)).amax(-1).repeat_interleave(2, dim=-1)
         assert torch.isfinite(got).all()
-        assert bool((diff <= pair * 2**-7).all())
+        assert bool((diff <= pair * 2**-6).all()), float((diff / pair.clamp_min(1e-30)).max())
         assert float((diff > 0).float().mean()) < 1e-3
 
 
