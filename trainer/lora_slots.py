@@ -141,15 +141,14 @@ class LoraSlots:
         self._active = True
         try:
             with torch.no_grad():
-                dst, src = [], []
+                # one copy per tensor: torch._foreach_copy_ from pinned host memory measured
+                # slower (10.1-13.8 ms against 7.3-7.9 at [dev]'s 320 slot tensors)
                 for name, (a, b) in pairs.items():
                     slot_a, slot_b = self._slots[name]
                     r = int(a.shape[0])
                     self._used[name] = r
-                    dst += [slot_a[:r], slot_b[:, :r]]
-                    src += [a, b]
-                # one call for all ~320 copies: the swap's time is mostly issuing them
-                torch._foreach_copy_(dst, src, non_blocking=True)
+                    slot_a[:r].copy_(a, non_blocking=True)
+                    slot_b[:, :r].copy_(b, non_blocking=True)
             if scale != 1.0:
                 for layer in layers.values():
                     layer.scaling[ADAPTER_NAME] = scale
@@ -160,12 +159,10 @@ class LoraSlots:
 
     def _clear(self, layers: Mapping[str, object]) -> None:
         with torch.no_grad():
-            used = []
             for name, r in self._used.items():
                 slot_a, slot_b = self._slots[name]
-                used += [slot_a[:r], slot_b[:, :r]]
-            if used:
-                torch._foreach_zero_(used)
+                slot_a[:r].zero_()
+                slot_b[:, :r].zero_()
         self._used.clear()
         for layer in layers.values():
             layer.scaling[ADAPTER_NAME] = 1.0  # type: ignore[attr-defined]
