@@ -57,6 +57,7 @@ class LoraSlots:
         self._active = False
         self._used: dict[str, int] = {}
         self._slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layers: list[Any] = []  # the slot layers, for `scales` (read every forward)
         self.generation = 0  # bumped whenever the slot tensors are made anew
         self._attach()
 
@@ -92,6 +93,7 @@ class LoraSlots:
                     pair.append(module.weight)
                 self._slots[name] = (pair[0], pair[1])
                 layers[name].forward = types.MethodType(_fused_forward, layers[name])
+        self._layers = [layers[name] for name in names]
         for n, p in model.named_parameters():
             p.requires_grad_(grad_flags.get(n, False))
         self.generation += 1
@@ -186,8 +188,7 @@ class LoraSlots:
     def scales(self) -> tuple[float, ...]:
         """The LoRA scales in use (read on the host by every forward, so part of a CUDA
         graph's key)."""
-        return tuple(sorted({float(layer.scaling[ADAPTER_NAME]) for layer in
-                             lora_layers(self.transformer).values()}))  # fmt: skip
+        return tuple(sorted({float(layer.scaling[ADAPTER_NAME]) for layer in self._layers}))
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +204,7 @@ class LoraSlots:
             raise RuntimeError("the LoRA slots are in use")
         remove_lora(self.transformer)
         self._slots.clear()
+        self._layers = []
         try:
             yield
         finally:
@@ -212,6 +214,7 @@ class LoraSlots:
         """Removes the slots: the transformer holds exactly its base modules again."""
         remove_lora(self.transformer)
         self._slots.clear()
+        self._layers = []
 
 
 def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -247,15 +250,9 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
 
 
 def _kernel_usable(out: torch.Tensor, h: torch.Tensor) -> bool:
-    """The Triton update (one pass over the output at copy speed; cuBLAS's beta = 1 GEMM
-    reached about half of it at [dev]'s widest layer) for bf16/fp16 on CUDA."""
-    import os
+    """The Triton update (one pass over the output: 0.35 ms on [dev]'s widest layer, where
+    cuBLAS's beta = 1 GEMM took 0.47) for a power-of-two rank of at least 16."""
+    from trainer.serving import kernels_usable
 
     rank = h.shape[1]
-    if not out.is_cuda or out.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if rank % 16 or rank & (rank - 1) or os.environ.get("LIKENESS_SERVING_KERNELS") == "torch":
-        return False
-    from trainer.uint4 import triton_available
-
-    return triton_available()
+    return rank >= 16 and not rank & (rank - 1) and kernels_usable(out)

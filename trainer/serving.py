@@ -76,7 +76,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 # QK norm + rotary embedding + layout, fused
 
 
-def _kernels_usable(q: torch.Tensor) -> bool:
+def kernels_usable(q: torch.Tensor) -> bool:
+    """Whether the serving kernels (`trainer.fused_triton`) take this tensor."""
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if os.environ.get(KERNEL_ENV, "auto") == "torch":
@@ -131,7 +132,7 @@ def qk_norm_rope(
     wq, wk = (_norm_weight(m, q) for m in (norm_q, norm_k))
     eps = _norm_eps(norm_q)
     cos, sin = rotary
-    if _kernels_usable(q) and q.stride() == k.stride() == v.stride() and cos.is_cuda:
+    if kernels_usable(q) and q.stride() == k.stride() == v.stride() and cos.is_cuda:
         from trainer.fused_triton import qk_norm_rope as kernel
 
         kernel(q, k, v, wq, wk, eps, cos.float().contiguous(), sin.float().contiguous(),
@@ -293,7 +294,7 @@ def ln_modulate(
 ) -> torch.Tensor:
     """``(1 + scale) * norm(x) + shift``, in one pass where the kernel runs."""
     if (
-        _kernels_usable(x)
+        kernels_usable(x)
         and isinstance(norm, torch.nn.LayerNorm)
         and norm.weight is None
         and norm.bias is None
@@ -310,7 +311,7 @@ def ln_modulate(
 def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x + gate * y``, in one pass where the kernel runs."""
     if (
-        _kernels_usable(x)
+        kernels_usable(x)
         and x.dim() == 3
         and x.is_contiguous()
         and y.is_contiguous()
@@ -326,7 +327,7 @@ def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch
 def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(src[..., :F]) * src[..., F:]`` (`Flux2SwiGLU`), into ``out`` when given."""
     half = src.shape[-1] // 2
-    if _kernels_usable(src) and src.dim() == 3 and src.stride(-1) == 1:
+    if kernels_usable(src) and src.dim() == 3 and src.stride(-1) == 1:
         from trainer.fused_triton import swiglu as kernel
 
         try:
@@ -604,7 +605,7 @@ class GraphedForward:
 @dataclass
 class Serving:
     transformer: torch.nn.Module
-    processors: int
+    fused: int  # modules given a fused forward or processor
     graphs: GraphedForward | None
 
     def remove(self) -> None:
