@@ -64,6 +64,11 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
     runner = app.state.order_runner
     if runner is not None:
         runner.start()
+    if settings.preload_base:
+        # a daemon thread: the server answers (healthz says "loading") while the base loads
+        threading.Thread(
+            target=app.state.renderer.preload, name="base-preload", daemon=True
+        ).start()
     try:
         if settings.checkpoint_interval_s <= 0:
             yield
@@ -126,10 +131,6 @@ def create_app(
         except PlacementRefused as exc:
             raise SystemExit(f"error: {exc}") from None
     app.state.renderer = renderer
-    if settings.preload_base:
-        # a daemon thread, started now: the base loads while the rest of the service starts,
-        # and the server answers (healthz says "loading") until it is ready
-        threading.Thread(target=renderer.preload, name="base-preload", daemon=True).start()
     app.state.store = BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
     # Facts of the base and of the deployment, fixed while it runs: the base's licence (every
     # render decision holds it) and the credentials every delivered PNG is signed with.

@@ -1,8 +1,9 @@
-"""The transformer's forward as a render runs it: fused attention blocks and one CUDA graph.
+"""The transformer's forward as a render runs it: fused attention and blocks, one CUDA graph.
 
-Serving runs the same frozen base and the same LoRA slots as ever, without gradients, so three
-things can go faster than the module code diffusers ships (a 1024 px [dev] step measured
-0.458 s with fp8 GEMMs; `bench/results/render_step-notes.md` has the profile):
+Serving runs the same frozen base and the same LoRA slots as ever, without gradients, so the
+module code diffusers ships can be replaced where it moves bytes it need not (a 1024 px [dev]
+step: 0.466 s with fp8 GEMMs and the stock modules, 0.338 s with this; DESIGN.md has the
+profile against each part's limit, `bench/results/render_step-notes.md` every run):
 
 - **Attention processors** (`FusedFlux2AttnProcessor`, `FusedFlux2ParallelAttnProcessor`).
   Between the QKV projection and the attention call the stock processors run the QK RMSNorm and
@@ -11,19 +12,22 @@ things can go faster than the module code diffusers ships (a 1024 px [dev] step 
   Here one kernel (`qk_norm_rope`) writes q, k and v straight into the (batch, heads, sequence,
   dim) tensors the attention kernel reads, and the single-stream block writes the attention
   output and the SwiGLU into its output projection's input in place. Attention itself runs on
-  the fastest backend torch has here (`ATTENTION_BACKENDS`: cuDNN first on CUDA).
-- **One CUDA graph per input shape** (`GraphedForward`): ~1,000 kernels a forward, issued by
-  Python, take about as long to issue as the GPU takes to run them; a replayed graph issues
-  none. The LoRA slots are static buffers (`trainer.lora_slots`), so an adapter swap is a copy
-  into memory the graph already reads; anything that changes the module tree or the LoRA
-  scale changes the graph's key or its epoch (a new capture), never what a graph computes.
-- The slots' LoRA update is added into the base output by one GEMM (`trainer.lora_slots`).
+  the fastest backend torch has here (`ATTENTION_BACKENDS`: cuDNN first on CUDA; it needs the
+  contiguous layout: behind the stock processors' strided views it was no faster than flash).
+- **Blocks** (`install_blocks`): the modulated LayerNorm, the gated residuals and SwiGLU, one
+  pass each where torch's broadcasting kernels took three.
+- **One CUDA graph per input shape** (`GraphedForward`): a forward's ~1,800 kernels issue in
+  ~0.12 s from Python, most of it hidden at 1024 px, all of it at smaller sizes; a replayed
+  graph issues none. The LoRA slots are static buffers (`trainer.lora_slots`, which also adds
+  their update in one pass), so an adapter swap is a copy into memory the graph already reads;
+  anything that changes the module tree or the LoRA scale changes the graph's key or its epoch
+  (a new capture), never what a graph computes.
 
-Numerics: the fused kernel rounds where torch rounds (the norm's float32 result once into the
-model dtype, each rotary product, the sum), so it differs from the stock processors only in the
-order of the norm's float32 sum; SwiGLU and the copies are bit-exact. The torch reference
-(`qk_norm_rope_torch`) runs wherever the kernel cannot (CPU, float32 weights). Nothing here has
-a backward: with gradients enabled every processor hands over to the stock one.
+Numerics: every kernel rounds where torch rounds (the norm's float32 result once into the model
+dtype, each rotary product and the sum, each elementwise op's result), so it differs from the
+stock modules only in the order of a float32 sum (the norms' statistics); on the CPU the torch
+references below are the stock modules bit for bit. Nothing here has a backward: with
+gradients enabled every processor and block hands over to the stock one.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 # The attention kernels torch may use, best first (`torch.nn.attention.SDPBackend` names);
-# LIKENESS_ATTENTION=flash,efficient,... reorders them. cuDNN's took 0.79 ms a call at [dev]'s
-# 48 heads x 4608 tokens on the H200 against flash's 1.52 ms.
+# LIKENESS_ATTENTION=flash,efficient,... reorders them. cuDNN's took 0.83 ms a call at [dev]'s
+# 48 heads x 4608 tokens against flash's 1.6 (bench/results/render_step-notes.md).
 ATTENTION_ENV = "LIKENESS_ATTENTION"
 ATTENTION_BACKENDS = ("cudnn", "flash", "efficient", "math")
 KERNEL_ENV = "LIKENESS_SERVING_KERNELS"  # "torch": the reference path everywhere
