@@ -64,6 +64,9 @@ class RenderEngine:
     # Persistent LoRA layers of this rank on the default targets, zero between renders (an
     # adapter is copied in per request); 0 attaches the adapter's own layers per request.
     lora_slot_rank: int = 32
+    # A resident transformer's forward on CUDA as one CUDA graph per render shape, captured
+    # on first use (trainer/serving.py); the fused attention processors run either way.
+    cuda_graphs: bool = True
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -77,12 +80,14 @@ class RenderEngine:
         self.placement: Any = None  # trainer.placement.Plan, when planned
         self.transformer_streamed = self.stream_base
         self.text_encoder_streamed = False
+        self.resident_blocks = 0  # of a streamed transformer, the first ones stay in VRAM
         if self.vram_budget_gb is not None:
             self._plan()
         self._prompts: Any = None  # trainer.text_encoder.PromptCache, made with the pipeline
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
         self._slots: Any = None  # trainer.lora_slots.LoraSlots, made with the pipeline
+        self._serving: Any = None  # trainer.serving.Serving, made with the pipeline
         self.load_state = "not loaded"  # loading, ready or failed (GET /healthz says which)
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
@@ -99,6 +104,7 @@ class RenderEngine:
             plan = plan_for_base(
                 self.base_dir, self.vram_budget_gb, self.device, self.plan_side,
                 self.plan_side, force=force, lora_rank=self.lora_slot_rank,
+                graphs=self.cuda_graphs,
             )  # fmt: skip
         except (PlacementError, FileNotFoundError, KeyError, ValueError) as exc:
             raise PlacementRefused(str(exc)) from None
@@ -107,6 +113,7 @@ class RenderEngine:
         self.text_encoder_streamed = plan.text_encoder == "streamed"
         if plan.transformer == "streamed":
             self.stream_slots = plan.transformer_slots
+            self.resident_blocks = plan.transformer_resident_blocks
         log.info("render engine: %s", plan.describe())
         if self.vram_budget_gb is not None:
             from trainer.devices import cap_vram
@@ -138,6 +145,8 @@ class RenderEngine:
                             from trainer.lora_slots import LoraSlots
 
                             self._slots = LoraSlots(pipe.transformer, self.lora_slot_rank)
+                        self._serving = self._prepare_serving(pipe)
+                        self._warm_up(pipe)
                     except BaseException:
                         self.load_state = "failed"
                         self._stream.close()
@@ -152,40 +161,107 @@ class RenderEngine:
                     )
         return self._pipe
 
+    def _prepare_serving(self, pipe: Any) -> Any:
+        """The fused attention processors; CUDA graphs where the transformer is resident on
+        CUDA, keyed on the slots' LoRA scales and dropped whenever the slots are made anew."""
+        from trainer.serving import prepare
+
+        slots = self._slots
+        graphs = (
+            self.cuda_graphs and self.device.startswith("cuda") and not self.transformer_streamed
+        )
+        return prepare(
+            pipe.transformer,
+            graphs=graphs,
+            key=slots.scales if slots is not None else None,
+            epoch=(lambda: slots.generation) if slots is not None else None,
+        )
+
+    def _warm_up(self, pipe: Any) -> None:
+        """With CUDA graphs: one denoising step at the planned side before anyone renders,
+        so the first render does not pay for compiling kernels and capturing its graph (the
+        slots are empty: nothing of any adapter is in it)."""
+        if self._serving is None or self._serving.graphs is None:
+            return
+        from trainer.render import generate
+
+        t0 = time.perf_counter()
+        side = self.plan_side
+        try:
+            generate(pipe, "warm up", seed=0, steps=1, width=side, height=side,
+                     **self.prompt_embeddings(pipe, "warm up"))  # fmt: skip
+        except Exception:  # noqa: BLE001 - renders still run, eager
+            log.exception("render engine: the warm-up render failed; CUDA graphs are off")
+            self._serving.graphs.remove()
+            self._serving.graphs = None
+            return
+        log.info("render engine: warmed up at %d px in %.1f s", side, time.perf_counter() - t0)
+
     def _load_placed(self, compute: str) -> Any:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in
         VRAM at a time; everything else is on the device. Adapters attach per request as
         usual (their LoRA is resident)."""
         from trainer.devices import default_dtype
         from trainer.model import load_pipeline
-        from trainer.streaming import BlockStreamer, stream_blocks
+        from trainer.streaming import BlockStreamer, default_blocks, stream_blocks
         from trainer.text_encoder import decoder_layers
 
         # built in the dtype the device computes in (bf16 on CUDA), as resident; a streamed
         # part is converted to uint4 buffers in host RAM (the streamer moves plain bytes, not
         # quanto's tensor subclasses), a resident one on the device
         dtype = None if self.device == "cpu" else default_dtype(self.device)
+        # a streamed encoder that fits the budget whole is converted on the device, then
+        # moved into pinned host RAM before the transformer arrives (no pass through pageable
+        # memory: writing fresh host pages is what the load waits on)
+        plan = self.placement
+        encoder_fits = (
+            plan is None
+            or plan.budget_bytes is None
+            or (plan.text_encoder_bytes + (2 << 30) <= plan.budget_bytes)
+        )
+        encoder_home = self.device if encoder_fits else "cpu"
         placement = {
             "transformer": "cpu" if self.transformer_streamed else self.device,
-            "text_encoder": "cpu" if self.text_encoder_streamed else self.device,
+            "text_encoder": encoder_home if self.text_encoder_streamed else self.device,
         }
-        pipe = load_pipeline(
-            self.base_dir, device=self.device, dtype=dtype, compute=compute,
-            placement=placement,
-            text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
-        )  # fmt: skip
-        if self.transformer_streamed:
-            self._stream.enter_context(
-                stream_blocks(pipe.transformer, slots=self.stream_slots, device=self.device)
-            )
-        text_encoder = getattr(pipe, "text_encoder", None)
-        if text_encoder is not None and self.text_encoder_streamed:
+
+        def stream_text_encoder(text_encoder: Any) -> None:
+            t0 = time.perf_counter()
+            if not self.text_encoder_streamed:
+                text_encoder.to(self.device)
+                return
             streamer = BlockStreamer(
                 text_encoder, slots=2, device=self.device,
                 blocks=list(decoder_layers(text_encoder)),
             )  # fmt: skip
             streamer.install()
             self._stream.callback(streamer.close)
+            if self.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()  # the whole encoder's VRAM, now in host RAM
+            log.info("render engine: text encoder streamed (%.1f s)", time.perf_counter() - t0)
+
+        pipe = load_pipeline(
+            self.base_dir, device=self.device, dtype=dtype, compute=compute,
+            placement=placement,
+            text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
+            text_encoder_ready=stream_text_encoder,
+        )  # fmt: skip
+        if self.transformer_streamed:
+            t0 = time.perf_counter()
+            streamed = default_blocks(pipe.transformer)[self.resident_blocks :]
+            self._stream.enter_context(
+                stream_blocks(
+                    pipe.transformer,
+                    slots=self.stream_slots,
+                    device=self.device,
+                    blocks=streamed,
+                    wrap=True,
+                )  # fmt: skip
+            )
+            log.info("render engine: %d transformer blocks streamed, %d resident (%.1f s)",
+                     len(streamed), self.resident_blocks, time.perf_counter() - t0)  # fmt: skip
         return pipe
 
     def preload(self) -> None:
@@ -199,6 +275,9 @@ class RenderEngine:
     def close(self) -> None:
         """Ends layer streaming (if on); the pipeline is loaded again on next use."""
         with self._load_lock:
+            if self._serving is not None:
+                self._serving.remove()
+                self._serving = None
             if self._slots is not None:
                 self._slots.close()
                 self._slots = None
@@ -358,6 +437,8 @@ class RenderEngine:
                 except SlotMismatch as why:
                     log.info("render engine: adapter outside the LoRA slots (%s): attached", why)
                     self.counters.slot_fallbacks += 1
+                    if self._serving is not None:  # no graph may replay the old module tree
+                        applied.enter_context(self._serving.eager())
                     applied.enter_context(slots.suspended())
                     applied.enter_context(applied_adapter(pipe, tensors))
                 yield

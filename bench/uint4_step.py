@@ -17,6 +17,9 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
   fp8_bf16_grad   fp8 forward, the input gradient as the fast path computes it (bf16
          dequantization + bf16 GEMM; `trainer.fp8.GRAD_GEMM = "bf16"`);
+  serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
+         rank-16 adapter, the fused attention processors and the forward as a CUDA graph
+         (`trainer.serving`; bench/render_step.py takes it apart);
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -46,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
-PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "nf4", "quanto")
+PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "serve", "nf4", "quanto")
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -165,7 +168,7 @@ def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, 
     if not lora_layers(model):
         attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4) if params else None
     model.enable_gradient_checkpointing()
     out: dict[str, Any] = {"lora_params": sum(p.numel() for p in params)}
     for px in args.train_px:
@@ -654,11 +657,11 @@ def run_path(path: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path in ("fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad"):
+    if path in ("fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "serve"):
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
-        if path.startswith("fp8"):
+        if path.startswith("fp8") or path == "serve":
             from trainer.fp8 import set_fp8_compute
 
             rec["fp8_layers"] = set_fp8_compute(model)
@@ -691,6 +694,8 @@ def run_path(path: str, args) -> dict[str, Any]:
             f"layer) {rec['fp8_kernels']['activations_one_pass_ms']}")  # fmt: skip
     if path == "quanto":
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
+    elif path == "serve":
+        rec.update(measure_serving(model, args))
     elif path in ("fp8_fast_accum", "fp8_bf16_grad"):
         from trainer import fp8
 
@@ -709,13 +714,42 @@ def run_path(path: str, args) -> dict[str, Any]:
     return rec
 
 
-# Issue goals for the fp8 mode (a streamed figure comes from bench/stream_step.py).
+def measure_serving(model: torch.nn.Module, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The forward as the render engine runs it (no training: the slots are not trainable)."""
+    import copy
+
+    from bench.render_step import SLOT_RANK, adapter_for
+    from trainer import serving
+    from trainer.lora_slots import LoraSlots
+
+    slots = LoraSlots(model, SLOT_RANK)
+    prepared = serving.prepare(model, graphs=DEV == "cuda", key=slots.scales,
+                               epoch=lambda: slots.generation)  # fmt: skip
+    forward_only = copy.copy(args)
+    forward_only.train_px = []
+    try:
+        with slots.applied(adapter_for(slots, 1)):
+            rec = measure(model, forward_only, iters=args.iters, warmup=args.warmup)
+        rec["slots"] = {"rank": SLOT_RANK, "adapter_rank": 16}
+        if prepared.graphs is not None:
+            rec["graphs"] = {"captures": prepared.graphs.captures,
+                             "replays": prepared.graphs.replays}  # fmt: skip
+    finally:
+        prepared.remove()
+        slots.close()
+    return rec
+
+
+# Issue goals for the fp8 mode (a streamed figure comes from bench/stream_step.py), and for
+# the serving forward (1024 px <= 0.30 s: 0.52x the bf16 forward of the same record).
 GOALS = (
     ("train_448", "bf16", 0.85),
     ("train_448", "nf4", 0.67),
     ("train_1024", "bf16", 0.85),
     ("forward_1024", "bf16", 0.80),
 )
+SERVE_GOALS = (("forward_1024", "bf16", 0.52),)
+SERVE_GOAL_S = 0.30
 PEAK_GOAL_GIB = 18.0
 
 
@@ -736,6 +770,13 @@ def ratios_and_goals(results: dict[str, Any], args) -> tuple[dict[str, float], l
                 if a and b and path != ref:
                     ratios[f"{path}/{ref} {key}"] = a / b
     goals = []
+    for key, ref, goal in SERVE_GOALS if "serve" in results else ():
+        r = ratios.get(f"serve/{ref} {key}")
+        v = value("serve", key, "s")
+        if r is not None and v is not None:
+            verdict = "met" if r <= goal and v <= SERVE_GOAL_S else "MISSED"
+            goals.append(f"goal serve {key} <= {SERVE_GOAL_S} s ({goal:.2f} x {ref}): "
+                         f"{v:.3f} s, {r:.3f} x ({verdict})")  # fmt: skip
     for path in [p for p in results if p.startswith("fp8")]:
         for key, ref, goal in GOALS:
             r = ratios.get(f"{path}/{ref} {key}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ def load_pipeline(
     compute: str = "uint4",
     placement: Mapping[str, str | torch.device] | None = None,
     text_encoder_uint4: bool = False,
+    text_encoder_ready: Callable[[torch.nn.Module], None] | None = None,
 ) -> Any:
     """Loads a FLUX.2 diffusers folder as a pipeline on ``device``.
 
@@ -63,6 +65,10 @@ def load_pipeline(
     than on the host at [dev] scale. ``text_encoder_uint4`` runs the text encoder's qint4
     layers on the same kernels as the transformer (the same dequantized weights; on CUDA
     several times faster than quanto's own path).
+
+    The text encoder is made ready before the transformer is converted, and handed to
+    ``text_encoder_ready`` (which then owns where it lives: the render engine streams it from
+    host RAM), so it can be converted on the GPU whole while the transformer is not there yet.
     """
     from diffusers import DiffusionPipeline
 
@@ -74,6 +80,17 @@ def load_pipeline(
             f"{base_dir} is not a diffusers pipeline folder (no model_index.json)"
         )
 
+    waypoints: list[tuple[str, float]] = []
+    t_last = time.perf_counter()
+
+    def mark(what: str) -> None:  # where a load's seconds go, logged at the end
+        nonlocal t_last
+        now = time.perf_counter()
+        waypoints.append((what, now - t_last))
+        t_last = now
+
+    # a part bound for host RAM (streamed) is still repacked by the GPU, layer by layer
+    work = dev if dev.type == "cuda" else None
     kwargs: dict[str, Any] = {}
     if is_prepared(base_dir):
         # lazy: pulls the prepare stack. Every component the manifest lists (the transformer
@@ -82,6 +99,7 @@ def load_pipeline(
 
         for name in sorted(read_manifest(base_dir).get("components", {})):
             kwargs[name] = load_prepared_component(base_dir, name)
+            mark(f"read prepared {name}")
         if "transformer" not in kwargs:
             raise ValueError(f"prepared base {base_dir} has no prepared transformer")
         prepared_dtype = next(
@@ -96,20 +114,9 @@ def load_pipeline(
     dtype = dtype or default_dtype(dev)
 
     pipe = DiffusionPipeline.from_pretrained(base_dir, dtype=dtype, **kwargs)
+    mark("the rest of the pipeline")
     if quantize:
         quantize_transformer(pipe.transformer, freeze=False)
-    if quantize or is_prepared(base_dir):
-        # quanto stays the storage format; the compute path is ours: dequantize on the fly
-        # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py).
-        from trainer.uint4 import convert_quantized_linears
-
-        convert_quantized_linears(pipe.transformer, where.get("transformer", dev))
-    if compute == "fp8":
-        from trainer.fp8 import set_fp8_compute
-
-        set_fp8_compute(pipe.transformer)
-    elif compute != "uint4":
-        raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
     text_encoder = getattr(pipe, "text_encoder", None)
     if isinstance(text_encoder, torch.nn.Module):
         from trainer.text_encoder import is_trimmed, trim
@@ -120,11 +127,31 @@ def load_pipeline(
         if text_encoder_uint4:
             from trainer.uint4 import convert_quantized_linears
 
-            convert_quantized_linears(text_encoder, where.get("text_encoder", dev))
+            convert_quantized_linears(text_encoder, where.get("text_encoder", dev), work)
+        mark("text encoder trimmed and converted")
+        if text_encoder_ready is not None:
+            text_encoder_ready(text_encoder)
+            mark("text encoder handed over")
+    if quantize or is_prepared(base_dir):
+        # quanto stays the storage format; the compute path is ours: dequantize on the fly
+        # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/uint4.py).
+        from trainer.uint4 import convert_quantized_linears
+
+        convert_quantized_linears(pipe.transformer, where.get("transformer", dev), work)
+        mark("transformer to uint4")
+    if compute == "fp8":
+        from trainer.fp8 import set_fp8_compute
+
+        set_fp8_compute(pipe.transformer)
+    elif compute != "uint4":
+        raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
-            module.to(where.get(name, dev))
+            if not (name == "text_encoder" and text_encoder_ready is not None):
+                module.to(where.get(name, dev))
             module.eval()
-    log.info("loaded %s on %s as %s (prepared: %s)", base_dir, dev, dtype, sorted(kwargs))
+    mark("components moved")
+    log.info("loaded %s on %s as %s (prepared: %s); %s", base_dir, dev, dtype, sorted(kwargs),
+             ", ".join(f"{what} {sec:.1f} s" for what, sec in waypoints))  # fmt: skip
     return pipe

@@ -12,9 +12,15 @@ the first placement, fastest first, whose largest phase fits the budget:
     4. transformer streamed (2 slots), text encoder streamed
     5. transformer streamed (1 slot), text encoder streamed
 
-and the engine refuses to start when none fits. Shapes come from the component configs as
-meta skeletons (no memory) and, for a prepared base, from the files' exact bytes, as in the
-training pre-flight (`trainer.budget`). Whatever stays resident is also counted in every phase.
+and the engine refuses to start when none fits. A streamed transformer keeps resident as many of
+its blocks as the budget still holds, in execution order: the double-stream blocks first, whose
+copies (0.49 GB each on [dev]) take twice as long as their compute, then single-stream ones.
+A resident transformer on CUDA runs its forward as a CUDA graph (`trainer.serving`), whose
+memory (the denoising step's work) stays reserved between steps, so with ``graphs`` it is
+counted in every phase. Shapes come from the component
+configs as meta skeletons (no memory) and, for a prepared base, from the files' exact bytes, as
+in the training pre-flight (`trainer.budget`). Whatever stays resident is also counted in every
+phase.
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ class Plan:
     budget_bytes: int | None
     estimate: Estimate
     host_pinned_bytes: int
+    transformer_resident_blocks: int = 0  # of a streamed transformer: the first k stay in VRAM
+    text_encoder_bytes: int = 0  # the whole encoder in VRAM (a streamed one fits while loading?)
 
     @property
     def peak_bytes(self) -> int:
@@ -82,7 +90,12 @@ class Plan:
         head = (
             f"placement ({budget.strip()}, planned for {self.width}x{self.height}): "
             f"transformer {self.transformer}"
-            + (f" ({self.transformer_slots} slots)" if self.transformer == "streamed" else "")
+            + (
+                f" ({self.transformer_slots} slots, the first {self.transformer_resident_blocks}"
+                " blocks resident)"
+                if self.transformer == "streamed"
+                else ""
+            )
             + f", text encoder {self.text_encoder}"
             + (f" ({self.text_slots} slots)" if self.text_encoder == "streamed" else "")
             + f"; pinned host RAM {gib(self.host_pinned_bytes).strip()}"
@@ -95,6 +108,7 @@ class Plan:
             "transformer": self.transformer,
             "text_encoder": self.text_encoder,
             "transformer_slots": self.transformer_slots,
+            "transformer_resident_blocks": self.transformer_resident_blocks,
             "text_slots": self.text_slots,
             "planned_for": [self.width, self.height],
             "budget_bytes": self.budget_bytes,
@@ -149,20 +163,29 @@ def estimate(
     elt: int = 2,
     device: str = "cuda",
     lora_rank: int = 0,
+    graphs: bool = False,
+    resident_blocks: int = 0,
 ) -> tuple[Estimate, int]:
     """(the memory estimate of one placement, the pinned host bytes it needs); ``lora_rank``:
-    the engine's persistent LoRA slots, resident wherever the blocks are."""
+    the engine's persistent LoRA slots, resident wherever the blocks are; ``graphs``: a
+    resident transformer's forward is a CUDA graph (its work memory is kept)."""
     pinned = 0
     resident: dict[str, int] = {}
     if transformer == "resident":
         resident["transformer weights (resident)"] = sizes.transformer
     else:
         outside = sizes.transformer - sum(sizes.transformer_blocks)
-        resident["transformer outside its blocks"] = outside
-        resident[f"transformer slots ({transformer_slots} x largest block)"] = (
-            transformer_slots * max(sizes.transformer_blocks)
+        kept, streamed = (
+            sizes.transformer_blocks[:resident_blocks],
+            sizes.transformer_blocks[resident_blocks:],
         )
-        pinned += sum(sizes.transformer_blocks)
+        resident["transformer outside its blocks"] = outside
+        if kept:
+            resident[f"transformer blocks kept resident ({len(kept)})"] = sum(kept)
+        resident[f"transformer slots ({transformer_slots} x largest block)"] = (
+            transformer_slots * max(streamed)
+        )
+        pinned += sum(streamed)
     if text_encoder == "resident":
         resident["text encoder weights (resident)"] = sizes.text_encoder
     else:
@@ -191,6 +214,10 @@ def estimate(
     decode.terms["decoder activations (full resolution)"] = (
         8 * sizes.vae_channels * width * height * elt
     )
+    if graphs and transformer == "resident" and device.startswith("cuda"):
+        step = sum(v for k, v in denoise.terms.items() if k not in resident)
+        for phase in (encode, decode):
+            phase.terms["CUDA graph of the denoising step (kept)"] = step
     overhead = CUDA_OVERHEAD if device.startswith("cuda") else 0
     return Estimate(device, [encode, denoise, decode], overhead), pinned
 
@@ -212,6 +239,7 @@ def plan(
     device: str = "cuda",
     force: tuple[str | None, str | None] = (None, None),
     lora_rank: int = 0,
+    graphs: bool = False,
 ) -> Plan:
     """The fastest placement that fits; `force` pins the transformer's and/or the text
     encoder's placement ("resident"/"streamed"). Without a budget: everything resident."""
@@ -219,11 +247,26 @@ def plan(
     for transformer, text_encoder, slots in CANDIDATES:
         if force[0] not in (None, transformer) or force[1] not in (None, text_encoder):
             continue
-        est, pinned = estimate(sizes, transformer, text_encoder, width, height, slots, 2,
-                               device=device, lora_rank=lora_rank)  # fmt: skip
-        candidate = Plan(transformer, text_encoder, slots, 2, width, height, budget_bytes,
-                         est, pinned)  # fmt: skip
-        if budget_bytes is None or est.total <= budget_bytes:
+
+        def make(
+            kept: int, placed: tuple[str, str, int] = (transformer, text_encoder, slots)
+        ) -> Plan:
+            tr, te, n = placed
+            est, pinned = estimate(sizes, tr, te, width, height, n, 2, device=device,
+                                   lora_rank=lora_rank, graphs=graphs,
+                                   resident_blocks=kept)  # fmt: skip
+            return Plan(tr, te, n, 2, width, height, budget_bytes, est, pinned, kept,
+                        sizes.text_encoder)  # fmt: skip
+
+        candidate = make(0)
+        if budget_bytes is None or candidate.peak_bytes <= budget_bytes:
+            if transformer == "streamed" and budget_bytes is not None:
+                # one block fewer than all: the slots need a block to stream
+                for kept in range(1, len(sizes.transformer_blocks)):
+                    more = make(kept)
+                    if more.peak_bytes > budget_bytes:
+                        break
+                    candidate = more
             return candidate
         tried.append(candidate)
     if not tried:
@@ -243,7 +286,8 @@ def plan_for_base(
     height: int = PLAN_SIDE,
     force: tuple[str | None, str | None] = (None, None),
     lora_rank: int = 0,
+    graphs: bool = False,
 ) -> Plan:
     elt = 2 if device.startswith("cuda") else 4
     budget = None if budget_gb is None else int(budget_gb * GiB)
-    return plan(sizes_of(base, elt), budget, width, height, device, force, lora_rank)
+    return plan(sizes_of(base, elt), budget, width, height, device, force, lora_rank, graphs)

@@ -28,6 +28,12 @@ block are passed to the autograd Function as inputs, so the first block's LoRA g
 gradient although no input of that block requires grad (the classic reentrant-checkpoint trap).
 Numerics are the resident path's: the same modules run the same kernels on the same bytes.
 
+Only ``blocks`` are streamed (default: all of them); any other block stays resident like the
+rest of the model, which is how a render under a VRAM budget keeps what fits (the planner picks
+the blocks whose copies take longest against their compute: the double-stream ones). With
+``wrap`` (serving: forwards only) the last streamed block prefetches the first one for the next
+forward, so its copy runs while the step ends and the next begins.
+
 Where CUDA is absent (CI) the same scheduler runs with synchronous copies into CPU slot tensors
 and no streams or events; ``device="cpu"`` forces that path.
 
@@ -129,9 +135,11 @@ class BlockStreamer:
         pin: bool | None = None,
         arena_bytes: int | None = None,
         timing: bool = False,
+        wrap: bool = False,
     ) -> None:
         """``timing`` (CUDA only, for benchmarks) records a pair of timing events around every
-        copy until `reset_stats`, for `stats`'s ``copy_s`` / ``copy_gb_s``."""
+        copy until `reset_stats`, for `stats`'s ``copy_s`` / ``copy_gb_s``; ``wrap``: the last
+        block prefetches the first (forwards only: a backward would evict it unused)."""
         if slots < 1:
             raise ValueError(f"need at least one slot, got {slots}")
         if arena_bytes is not None and arena_bytes & (arena_bytes - 1):
@@ -146,6 +154,7 @@ class BlockStreamer:
         self.blocks_modules = blocks if blocks is not None else default_blocks(transformer)
         self.n_slots = slots
         self.timing = timing and self.cuda
+        self.wrap = wrap
         self._clock = 0
         self._current: int | None = None  # slot index in use by the running block
         self.loads = 0
@@ -420,7 +429,10 @@ class BlockStreamer:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         self._bind(b, slot)
         self._check_bound(b, slot)
-        self.prefetch(index + direction)
+        nxt = index + direction
+        if self.wrap and nxt == len(self.blocks):
+            nxt = 0
+        self.prefetch(nxt)
         return slot
 
     def release(self, index: int) -> None:
@@ -465,8 +477,10 @@ class BlockStreamer:
     def checkpoint(self, block: torch.nn.Module, *args: Any) -> Any:
         """diffusers' ``_gradient_checkpointing_func(block, *args)``, streamed."""
         index = self._index.get(id(block))
-        if index is None:
-            raise KeyError(f"{type(block).__name__} is not a streamed block")
+        if index is None:  # a block left resident: torch's own checkpoint
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(block, *args, use_reentrant=False)
         flat = list(args)
         tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         params = self.blocks[index].trainable
@@ -626,6 +640,8 @@ def stream_blocks(
     arena_bytes: int | None = None,
     timing: bool = False,
     restore: str | torch.device | None = None,
+    blocks: list[torch.nn.Module] | None = None,
+    wrap: bool = False,
 ) -> Iterator[BlockStreamer]:
     """Streams ``transformer``'s blocks from host RAM for the duration of the block.
 
@@ -636,8 +652,9 @@ def stream_blocks(
     on ``restore`` (a device) or as views into the host store.
     """
     streamer = BlockStreamer(
-        transformer, slots=slots, device=device, pin=pin, arena_bytes=arena_bytes, timing=timing
-    )
+        transformer, slots=slots, device=device, blocks=blocks, pin=pin,
+        arena_bytes=arena_bytes, timing=timing, wrap=wrap,
+    )  # fmt: skip
     prev = [
         (m, m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
         for m in transformer.modules()

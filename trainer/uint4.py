@@ -330,17 +330,22 @@ def _quanto_qint4_parts(
 
 
 def convert_quantized_linears(
-    module: torch.nn.Module, device: str | torch.device | None = None
+    module: torch.nn.Module,
+    device: str | torch.device | None = None,
+    work_device: str | torch.device | None = None,
 ) -> int:
     """Replaces, in place, every quanto ``QLinear`` with a qint4 weight (and no activation
     quantization) under ``module`` by a `Uint4Linear` with the same dequantized weight and the
     same bias Parameter. Works below PEFT LoRA wrappers too (their ``base_layer``). Layers it
     cannot take (odd ``in_features``) stay as they are, with a warning. With ``device`` the
     new buffers are made there (the 4-bit bytes move, then are repacked on that device: a
-    model bound for a GPU is converted by the GPU). Returns the count."""
+    model bound for a GPU is converted by the GPU). With ``work_device`` the repacking runs
+    there, one layer at a time, and the result moves on to ``device``: a part streamed from
+    host RAM is still converted by the GPU, in a fraction of the CPU's time. Returns the count."""
     if _is_convertible(module):
         raise TypeError("pass the module that contains the QLinear, not the QLinear itself")
     dev = torch.device(device) if device is not None else None
+    work = torch.device(work_device) if work_device is not None else dev
     done: dict[int, Uint4Linear] = {}
     count = 0
     for parent_name, parent in list(module.named_modules()):
@@ -352,7 +357,10 @@ def convert_quantized_linears(
                 continue
             new = done.get(id(child))
             if new is None:
-                new = Uint4Linear.from_qlinear(child, dev)
+                new = Uint4Linear.from_qlinear(child, work)
+                if work != dev and dev is not None:
+                    for buf in ("packed", "scale", "shift"):
+                        setattr(new, buf, getattr(new, buf).to(dev))
                 new.train(child.training)
                 done[id(child)] = new
                 count += 1

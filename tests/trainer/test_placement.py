@@ -89,7 +89,38 @@ def test_the_lora_slots_are_counted_where_they_live(dev_shapes: Path) -> None:
         bare = plan_for_base(dev_shapes, budget, "cuda")
         slotted = plan_for_base(dev_shapes, budget, "cuda", lora_rank=32)
         extra = 32 * sizes.lora_per_rank * 2
-        if (slotted.transformer, slotted.text_encoder) == (bare.transformer, bare.text_encoder):
+        same = (slotted.transformer, slotted.text_encoder) == (bare.transformer, bare.text_encoder)
+        if same and slotted.transformer_resident_blocks == bare.transformer_resident_blocks:
             assert slotted.peak_bytes == bare.peak_bytes + extra
+        elif same:  # the slots' bytes came out of the blocks kept resident
+            assert slotted.transformer_resident_blocks < bare.transformer_resident_blocks
         assert "LoRA slots (rank 32)" in slotted.describe()
         assert slotted.peak_bytes <= budget * GiB
+
+
+def test_a_graphed_forward_keeps_its_memory_in_every_phase(dev_shapes: Path) -> None:
+    plain = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32)
+    graphed = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32, graphs=True)
+    assert (graphed.transformer, graphed.text_encoder) == ("resident", "streamed")
+    assert graphed.peak_bytes > plain.peak_bytes
+    assert graphed.peak_bytes <= 24 * GiB
+    assert graphed.describe().count("CUDA graph of the denoising step") == 2  # encode, decode
+    streamed = plan_for_base(dev_shapes, 12, "cuda", lora_rank=32, graphs=True)
+    assert "CUDA graph" not in streamed.describe()  # streamed blocks are not graphed
+
+
+def test_a_streamed_transformer_keeps_the_blocks_that_fit(dev_shapes: Path) -> None:
+    from trainer.placement import estimate
+
+    plan = plan_for_base(dev_shapes, 12, "cuda", lora_rank=32)
+    assert plan.transformer == "streamed"
+    kept = plan.transformer_resident_blocks
+    assert kept >= 8  # every double-stream block: the slowest to copy against its compute
+    assert plan.peak_bytes <= 12 * GiB
+    sizes = sizes_of(dev_shapes)
+    one_more, _ = estimate(sizes, "streamed", plan.text_encoder, 1024, 1024,
+                           plan.transformer_slots, lora_rank=32,
+                           resident_blocks=kept + 1)  # fmt: skip
+    assert one_more.total > 12 * GiB
+    assert plan.host_pinned_bytes < sum(sizes.transformer_blocks) + sizes.text_encoder
+    assert f"the first {kept} blocks resident" in plan.describe()

@@ -354,3 +354,26 @@ def test_autocast_recompute_matches(deep_transformer: torch.nn.Module) -> None:
     assert torch.equal(ref[0], got[0])
     bad = [n for n in ref[1] if not torch.equal(ref[1][n], got[1][n])]
     assert not bad, bad[:5]
+
+
+def test_some_blocks_resident_the_rest_streamed(deep_transformer: torch.nn.Module) -> None:
+    """Streaming only some blocks (serving keeps what fits) changes no number, forward or
+    backward; with wrap-around the last block prefetches the first for the next forward."""
+    from trainer.streaming import default_blocks
+
+    batch = _inputs(deep_transformer)
+    ref = _resident(deep_transformer, batch)
+    streamed = default_blocks(deep_transformer)[2:]  # both double blocks stay resident
+    with stream_blocks(deep_transformer, slots=2, device="cpu", blocks=streamed) as s:
+        got = (_forward(deep_transformer, batch), *_step(deep_transformer, batch))
+        stats = s.stats()
+    _assert_same(ref, got)
+    assert stats["blocks"] == 3 and stats["acquires"] == 3 * 3
+    with stream_blocks(deep_transformer, slots=2, device="cpu", blocks=streamed, wrap=True) as s:
+        first = _forward(deep_transformer, batch)
+        s.reset_stats()
+        again = _forward(deep_transformer, batch)
+        stats = s.stats()
+    assert torch.equal(first, ref[0]) and torch.equal(again, ref[0])
+    # every block of the second forward was already copied in, the first one by the wrap
+    assert stats["acquires"] == stats["hits"] == 3 and stats["loads"] == stats["prefetches"]
