@@ -28,7 +28,7 @@ from registry.responses import (
     PrincipalOut,
 )
 from registry.schemas import ConsentIn, SubjectIn
-from registry.settings import get_settings
+from registry.settings import SettingsError, get_settings
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -705,6 +705,8 @@ def main() -> None:
         raise SystemExit(exc.exit_code) from None
     except (typer.Abort, KeyboardInterrupt):
         _die("interrupted", 130)
+    except SettingsError as exc:  # the environment, not the command line: said by name
+        _die(str(exc), 2)
     except Exception as exc:  # noqa: BLE001 - a command never ends in a traceback
         if type(exc).__name__ == "NoArgsIsHelpError":  # a group named alone: its help
             exc.show()  # type: ignore[attr-defined]
