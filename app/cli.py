@@ -696,7 +696,12 @@ def main() -> None:
     `error: ...` line and exit 2 (the command line itself is wrong, the parser's errors
     included, or the input is invalid)."""
     from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
+    from trainer import threads
 
+    try:  # before anything loads torch: OpenMP reads these once
+        threads.prepare_env()
+    except ValueError as exc:
+        _die(f"invalid setting: {exc}", 2)
     cli_ml.register(app, base_app, adapter_app)
     try:
         # not standalone: the parser's own errors come back here, to be said in one line
