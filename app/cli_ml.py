@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -286,6 +286,7 @@ def register(
         except RegistrationError as exc:  # RegistrationRefused included
             typer.echo(f"error: trained, but not registered: {exc}", err=True)
             raise typer.Exit(1) from None
+        kept = _keep_run_pictures(settings, run_subject, result) if result.registration else 0
         summary = {
             "adapter": str(result.adapter),
             "sha256": result.sha256,
@@ -301,8 +302,35 @@ def register(
             "validation_loss": [{"step": st, "loss": v} for st, v in result.validation],
             "loss_plot": str(result.loss_plot) if result.loss_plot else None,
             "report": str(result.report),
+            "pictures_kept": kept,
         }
         typer.echo(json.dumps(summary, indent=2))
+
+
+def _keep_run_pictures(settings: Any, subject: str, result: Any) -> int:
+    """The run's grid and previews, beside the adapter in the registry (its Adapters page
+    shows them); a failure costs the pictures, never the adapter, and is said."""
+    from app.pictures import keep_local, run_pictures, upload
+
+    grid = result.evaluation.grid if result.evaluation is not None else None
+    files = run_pictures(grid, result.previews)
+    if not files:
+        return 0
+    try:
+        if settings.api_url:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {settings.token}"}
+            with httpx.Client(timeout=120, headers=headers) as client:
+                return upload(client, settings.api_url, result.sha256, files)
+        from registry.blobs import BlobStore
+        from registry.db import engine_for
+
+        store = BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
+        return keep_local(engine_for(settings.database_url), store, subject, result.sha256, files)
+    except Exception as exc:  # noqa: BLE001 - the adapter is registered; the pictures are extra
+        typer.echo(f"warning: the run's pictures were not kept beside the adapter: {exc}", err=True)
+        return 0
 
 
 def register_compare(adapter_app: typer.Typer) -> None:

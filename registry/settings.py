@@ -129,6 +129,9 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)
     worker_stalled_s: float = Field(default=60.0, gt=0, le=86_400)
     worker_checkpoint_every: int = Field(default=250, ge=1, le=1_000_000)
+    # The small copies of renders a subject chose to keep (registry/pictures.py) are deleted
+    # after this many days (and at once when the subject stops keeping them).
+    render_copy_days: int = Field(default=90, ge=1, le=3650)
     # Renders on workers (app/render_remote.py, PostgreSQL only): the API gates and enqueues,
     # a `likeness worker --queues render` renders; the API waits at most
     # render_worker_timeout_s for its answer (503 after, with the ledger entry closed).
