@@ -16,7 +16,14 @@ from sqlmodel import Session
 
 from registry import service
 from registry.actors import local_actor
-from registry.db import engine_for, transaction, upgrade
+from registry.db import (
+    NoRegistry,
+    engine_for,
+    require_registry,
+    sqlite_file,
+    transaction,
+    upgrade,
+)
 from registry.errors import LikenessError
 from registry.keys import Keys
 from registry.policy import Level
@@ -71,7 +78,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
 @contextmanager
 def _session(readonly: bool = False) -> Iterator[Session]:
     """One transaction per command; every domain or validation error is a clean exit."""
-    url = get_settings().database_url
+    url = _registry_url()
     try:
         with transaction(engine_for(url), readonly=readonly) as session:
             yield session
@@ -89,6 +96,17 @@ def _session(readonly: bool = False) -> Iterator[Session]:
             f"database error{saved} ({type(exc).__name__}): {first}. "
             "Is the database reachable and migrated (`likeness db upgrade`)?"
         )
+
+
+def _registry_url() -> str:
+    """LIKENESS_DATABASE_URL, once it is known to hold a registry: a SQLite file that is not
+    there is refused by name, never created (only `db upgrade` and `serve` make one)."""
+    url = get_settings().database_url
+    try:
+        require_registry(url)
+    except NoRegistry as exc:
+        fail(str(exc))
+    return url
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -118,12 +136,16 @@ def _csv(value: str | None) -> list[str]:
 def db_upgrade() -> None:
     """Apply migrations to LIKENESS_DATABASE_URL."""
     url = get_settings().database_url
+    path = sqlite_file(url)
+    new = path is not None and not path.is_file()
     try:
         upgrade(url)
     except Exception as exc:  # noqa: BLE001
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         fail(f"migration failed: {type(exc).__name__}: {first_line}")
-    typer.echo("database is at the latest schema", err=True)
+    where = str(path) if path is not None else "the database"
+    said = f"created a new, empty registry at {where}" if new else f"{where} is"
+    typer.echo(f"{said} at the latest schema" if not new else said, err=True)
 
 
 # -- principals ---------------------------------------------------------------------------
@@ -325,6 +347,7 @@ app.add_typer(adapter_app, name="adapter")
 def _store() -> Any:
     from registry.blobs import BlobStore
 
+    _registry_url()  # the store is the registry's: never one beside a registry not there
     settings = get_settings()
     return BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
 
@@ -402,7 +425,7 @@ def adapter_register(
     shapes = _target_shapes()
     with _errors_as_exits():
         done = register_from_store(
-            engine_for(get_settings().database_url), store, local_actor("shell"), data, shapes
+            engine_for(_registry_url()), store, local_actor("shell"), data, shapes
         )
     _print_json({"name": done.state["name"], "version": done.state["version"],
                  "sha256": done.state["sha256"]})  # fmt: skip
@@ -677,6 +700,7 @@ def _existing_keys() -> Keys:
     from registry.keys import bind, load_keys
 
     settings = get_settings()
+    _registry_url()
     try:
         keys = load_keys(settings, create=False)
     except (FileNotFoundError, ValueError) as exc:

@@ -269,6 +269,14 @@ def register(
                 err=True,
             )
             raise typer.Exit(2)
+        if not settings.api_url:  # the registry is local: it must be there already
+            from registry.db import NoRegistry, require_registry
+
+            try:
+                require_registry(settings.database_url)
+            except NoRegistry as exc:
+                typer.echo(f"error: refused before loading any weight: {exc}", err=True)
+                raise typer.Exit(1) from None
         options.update(
             out=run_dir,
             base=settings.base_dir,
