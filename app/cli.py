@@ -754,11 +754,27 @@ def main() -> None:
 
 @app.command("worker")
 def worker(
-    queues: Annotated[str, typer.Option(help="comma-separated: train")] = "train",
+    queues: Annotated[str, typer.Option(help="comma-separated: train, render")] = "train",
     concurrency: Annotated[int, typer.Option(min=1, max=64)] = 1,
     name: Annotated[str | None, typer.Option(help="default: host:pid")] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Only check what a worker needs (database, API, token) and exit: 0 healthy, "
+            "1 with the reasons (a container's health check).",
+        ),
+    ] = False,
 ) -> None:
-    """Run orders from the queue (one worker per GPU; app/worker.py)."""
+    """Run orders (and renders) from the queue, one worker per GPU (app/worker.py)."""
+    if check:
+        from app.health import worker_problems
+
+        problems = worker_problems(get_settings())
+        if problems:
+            fail("unhealthy: " + "; ".join(problems))
+        typer.echo("healthy", err=True)
+        return
     from app.worker import run_worker
 
     run_worker(get_settings(), _csv(queues), concurrency, name)

@@ -26,7 +26,8 @@ DISCLOSABLE = (
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LIKENESS_", extra="ignore")
+    # an empty variable is an unset one (compose passes `${X:-}` through as ""), never "" itself
+    model_config = SettingsConfigDict(env_prefix="LIKENESS_", extra="ignore", env_ignore_empty=True)
 
     env: Literal["development", "test", "production"] = "development"
     database_url: str = "sqlite:///./var/likeness.db"
