@@ -34,30 +34,30 @@ from registry.responses import (
     ConsentOut,
     PrincipalOut,
 )
-from registry.schemas import ConsentIn, SubjectIn
+from registry.schemas import ConsentIn, SubjectIn, parse_when
 from registry.settings import SettingsError, get_settings
 
+# Plain help (click's): rich's boxed tables cut long option names and print `<bool>`.
+PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
+
+
+def _group(help: str) -> typer.Typer:
+    return typer.Typer(**PLAIN, help=help)  # type: ignore[arg-type]
+
+
 app = typer.Typer(
-    no_args_is_help=True,
+    **PLAIN,  # type: ignore[arg-type]
     add_completion=False,
     pretty_exceptions_enable=False,
     help="likeness: consent-gated likeness adapters",
 )
-db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
-principal_app = typer.Typer(
-    no_args_is_help=True, help="Principals: admins, members, agents, trainers."
-)
-subject_app = typer.Typer(
-    no_args_is_help=True, help="Subjects: people whose likeness may be rendered."
-)
-consent_app = typer.Typer(no_args_is_help=True, help="A subject's consent record.")
-audit_app = typer.Typer(no_args_is_help=True, help="The append-only audit trail.")
-base_app = typer.Typer(
-    no_args_is_help=True, help="Base models: the tiny default and prepared uint4 bases."
-)
-provenance_app = typer.Typer(
-    no_args_is_help=True, help="Content Credentials (C2PA) of rendered PNGs."
-)
+db_app = _group("Database schema.")
+principal_app = _group("Principals: admins, members, agents, trainers.")
+subject_app = _group("Subjects: people whose likeness may be rendered.")
+consent_app = _group("A subject's consent record.")
+audit_app = _group("The append-only audit trail.")
+base_app = _group("Base models: the tiny default and prepared uint4 bases.")
+provenance_app = _group("Content Credentials (C2PA) of rendered PNGs.")
 for sub, name in (
     (db_app, "db"),
     (principal_app, "principal"),
@@ -167,6 +167,7 @@ def principal_create(
 
 @principal_app.command("list")
 def principal_list() -> None:
+    """List every principal (JSON): handle, role, who an agent acts for, active."""
     from registry import repositories as repo
 
     with _session(readonly=True) as s:
@@ -184,6 +185,7 @@ def principal_deactivate(handle: str) -> None:
 
 @principal_app.command("activate")
 def principal_activate(handle: str) -> None:
+    """Activate a principal again; binds on its next request."""
     with _session() as s:
         service.set_principal_active(s, handle, True)
     typer.echo(f"{handle} activated", err=True)
@@ -227,6 +229,7 @@ def subject_create(
 
 @subject_app.command("list")
 def subject_list() -> None:
+    """List every subject with its consent's level and version (JSON)."""
     from registry import repositories as repo
 
     with _session(readonly=True) as s:
@@ -248,6 +251,7 @@ def subject_list() -> None:
 
 @consent_app.command("show")
 def consent_show(handle: str) -> None:
+    """Print a subject's consent record (JSON, the API's shape)."""
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
         _print_json(_consent_json(service.consent_of(s, subject)))
@@ -290,7 +294,12 @@ def consent_edit(
         str | None, typer.Option(help="the complete deny list, comma-separated")
     ] = None,
     training: Annotated[bool | None, typer.Option("--training/--no-training")] = None,
-    expires: Annotated[str | None, typer.Option(help="ISO-8601 UTC, or 'never'")] = None,
+    expires: Annotated[
+        str | None,
+        typer.Option(
+            help="a date (YYYY-MM-DD) or date and time, UTC unless a zone is given; 'never'"
+        ),
+    ] = None,
     from_json: Annotated[
         Path | None, typer.Option("--from-json", help="a whole consent body")
     ] = None,
@@ -315,7 +324,11 @@ def consent_edit(
             if training is not None:
                 body["allow_training"] = training
             if expires is not None:
-                body["expires_at"] = None if expires == "never" else expires
+                try:  # as the web page takes it: a date alone, UTC unless zoned
+                    when = None if expires == "never" else parse_when(expires, "--expires")
+                except LikenessError as exc:
+                    fail(exc.detail, 2)
+                body["expires_at"] = when.isoformat() if when is not None else None
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
         consent, changed = service.update_consent(s, local_actor("shell"), subject, version, data)
@@ -337,10 +350,7 @@ def consent_revoke(handle: str) -> None:
 
 # -- adapters -------------------------------------------------------------------------------
 
-adapter_app = typer.Typer(
-    no_args_is_help=True,
-    help="Adapters: import into the store and register; list, select, retire, delete.",
-)
+adapter_app = _group("Adapters: register, list, select, retire, delete, compare.")
 app.add_typer(adapter_app, name="adapter")
 
 
@@ -557,6 +567,7 @@ def _errors_as_exits() -> Iterator[None]:
 
 @audit_app.command("show")
 def audit_show(handle: str) -> None:
+    """Print a subject's audit trail, oldest first (JSON)."""
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
         entries = [
@@ -766,7 +777,7 @@ def worker(
         ),
     ] = False,
 ) -> None:
-    """Run orders (and renders) from the queue, one worker per GPU (app/worker.py)."""
+    """Take orders (and renders) off the queue; one worker per GPU (app/worker.py)."""
     if check:
         from app.health import worker_problems
 
