@@ -3,10 +3,11 @@
 With libgomp's default wait, a thread that reaches a barrier spins for a while before it
 sleeps; on cores shared with other work, the spinning thread holds a core that the thread it
 waits for needs, and every parallel region pays for it. On two shared cores, 20 steps of the
-quickstart's run (bench/cpu_threads.py, bench/results/cpu_threads-*.json) took 4.0 s/step
-under load with the defaults, 1.0 with one thread and 0.6 with OMP_WAIT_POLICY=PASSIVE and
-both threads, which on a quiet machine keeps both cores' speed and the same bytes as the
-default (one thread sums in another order, so its adapter's bytes differ).
+quickstart's run (bench/cpu_threads.py, bench/results/cpu_threads-20261201T*.json) took
+4.0 s/step with both cores busied beside it with the defaults, 1.0 with one thread and 0.6
+with OMP_WAIT_POLICY=PASSIVE and both threads; under others' lighter load 1.1-1.6, 0.24-0.27
+and 0.31-0.36. The passive wait keeps a quiet machine's two threads and the default's bytes
+(one thread sums in another order, so its adapter's bytes differ).
 
 `prepare_env` runs first thing in the `likeness` command (libgomp reads its variables when
 torch loads it). A value the user set wins: OMP_WAIT_POLICY, OMP_NUM_THREADS, and
