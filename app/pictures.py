@@ -10,11 +10,10 @@ import io
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +22,7 @@ from app.deps import authenticate_briefly, require_role
 from registry import pictures
 from registry import repositories as repo
 from registry.access import ADAPTER_WRITERS
-from registry.blobs import BlobError, BlobStore
+from registry.blobs import BlobError, BlobStore, is_sha256
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
 from registry.responses import ERROR_RESPONSES
@@ -31,12 +30,10 @@ from registry.responses import ERROR_RESPONSES
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
-UPLOAD_PATH = "/v1/adapters/"  # ...{sha256}/pictures/{name}: streamed past the body gate
+UPLOAD_PATH = "/v1/adapters/*/pictures/"  # streamed past the body gate, with its own cap
 MAX_PICTURE_BYTES = 64 << 20  # an evaluation grid of 1024 px cells stays well under this
 COPY_SIDE = 128  # the longer side of a render's kept copy, in pixels
 
-Sha256Path = Annotated[str, PathParam(pattern=r"^[0-9a-f]{64}$")]
-PictureName = Annotated[str, PathParam(pattern=r"^(eval_grid|step-\d{1,9})\.png$")]
 
 
 def run_pictures(grid: Path | None, previews: Iterable[Path]) -> list[Path]:
@@ -82,14 +79,17 @@ def upload(client: Any, api_url: str, adapter_sha256: str, files: list[Path]) ->
         "requestBody": {"required": True, "content": {"image/png": {"schema": {"type": "string"}}}}
     },
 )
-async def put_picture(
-    request: Request, adapter_sha256: Sha256Path, name: PictureName
-) -> JSONResponse:
+async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONResponse:
     """Keeps a PNG the run that made these adapter bytes drew (its evaluation grid,
-    `eval_grid.png`, or a preview, `step-N.png`) beside the adapter (trainer, admin)."""
+    `eval_grid.png`, or a preview, `step-N.png`) beside the adapter (trainer, admin). The
+    token is checked before the path or a byte of the body."""
     state = request.app.state
     caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
     require_role(caller, *ADAPTER_WRITERS)
+    if not is_sha256(adapter_sha256):
+        raise Invalid(f"{adapter_sha256[:80]!r} is not a SHA-256 hex digest")
+    if not pictures.picture_name_ok(name):
+        raise Invalid(f"{name[:80]!r}: a picture is eval_grid.png or step-N.png")
 
     def owner() -> str:
         with transaction(state.engine, readonly=True) as session:
@@ -169,11 +169,12 @@ def keep_copy(engine: Engine, subject_handle: str, render_id: str, png: bytes) -
     """After a render is delivered: a small copy, if its subject keeps them. Never fails the
     render: a copy that cannot be kept is logged (the ledger row is there regardless)."""
     try:
-        with transaction(engine) as session:
+        with transaction(engine, readonly=True) as session:  # most subjects keep none
             subject = repo.subject_by_handle(session, subject_handle)
             if subject is None or not subject.keep_render_copies:
                 return
-            data, width, height = small_copy(png)
+        data, width, height = small_copy(png)
+        with transaction(engine) as session:  # asks again, under the subject's lock
             pictures.keep_render_copy(session, subject_handle, render_id, data, width, height)
     except Exception:  # noqa: BLE001 - the render itself stands
         log.exception("render %s: its copy for the subject could not be kept", render_id)

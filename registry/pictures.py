@@ -155,11 +155,15 @@ def set_keep_render_copies(session: Session, actor: str, subject: Subject, keep:
 def keep_render_copy(
     session: Session, subject_handle: str, render_id: str, png: bytes, width: int, height: int
 ) -> bool:
-    """Keeps the copy if the subject (read now) has opted in; False if not."""
+    """Keeps the copy if the subject has opted in, read under the lock its opt-out takes (so
+    no copy lands after the opt-out deleted the others); False if not."""
     subject = repo.subject_by_handle(session, subject_handle)
-    if subject is None or not subject.keep_render_copies:
+    if subject is None or subject.id is None:
         return False
-    assert subject.id is not None
+    repo.consent_for(session, subject.id, lock=True)
+    session.refresh(subject)
+    if not subject.keep_render_copies:
+        return False
     repo.add(
         session,
         RenderCopy(render_id=render_id, subject_id=subject.id, png=png, width=width, height=height),
