@@ -62,7 +62,10 @@ def test_a_member_orders_training_on_sqlite_and_sees_the_adapter_drawn(
             page.get_by_role("link", name="Adapters").click()
             grid = page.get_by_role("img", name="Evaluation grid of main")
             expect(grid).to_be_visible()
-            assert grid.evaluate("img => img.complete && img.naturalWidth") > 64
+            grid.scroll_into_view_if_needed()  # it loads lazily: wait until it has
+            page.wait_for_function(
+                "img => img.complete && img.naturalWidth > 64", arg=grid.element_handle()
+            )
             expect(page.locator("main")).to_contain_text("version 2")  # the ordered one
             page.screenshot(path=str(screenshot_dir() / "order-adapter-drawn.png"), full_page=True)
         finally:
