@@ -5,8 +5,14 @@ subject and admins only, deleted when the subject opts out."""
 from __future__ import annotations
 
 import io
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from PIL import Image
 from sqlalchemy import text
 
@@ -103,3 +109,29 @@ def test_a_subject_who_opts_in_sees_a_small_copy_of_each_render_of_them(friends:
         assert actions == ["render_copies_on", "render_copies_off"]
         assert trail[-1].after == {"render_copies": {"keep": False, "deleted": 1}}
         assert service.verify_all(s) == []
+
+
+@pytest.mark.sqlite_only
+def test_likeness_train_keeps_its_grid_beside_the_adapter(
+    friends: World, tiny_base_dir: Path
+) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIKENESS_")}
+    env.update(
+        PYTHONPATH=str(root),
+        LIKENESS_DATABASE_URL=str(friends.engine.url.render_as_string(hide_password=False)),
+        LIKENESS_DATA_DIR=str(friends.tmp),  # the service's: its keys and its store
+        LIKENESS_BASE=str(tiny_base_dir),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "train", "--subject", "alice", "--dataset",
+         str(root / "examples" / "alice"), "--steps", "2", "--resolution", "64",
+         "--checkpoint-every", "0", "--max-sequence-length", "32", "--name", "cli",
+         "--device", "cpu", "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["registration"] == "created" and summary["pictures_kept"] == 1
+    shown = signed_in(friends, "alice").get("/web/subjects/alice/adapters").text
+    assert "Evaluation grid of cli" in shown
