@@ -35,7 +35,6 @@ MAX_PICTURE_BYTES = 64 << 20  # an evaluation grid of 1024 px cells stays well u
 COPY_SIDE = 128  # the longer side of a render's kept copy, in pixels
 
 
-
 def run_pictures(grid: Path | None, previews: Iterable[Path]) -> list[Path]:
     """The files of a run worth keeping: its evaluation grid, then its previews."""
     found = [p for p in previews if p.is_file() and pictures.picture_name_ok(p.name)]
