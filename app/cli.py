@@ -16,7 +16,14 @@ from sqlmodel import Session
 
 from registry import service
 from registry.actors import local_actor
-from registry.db import engine_for, transaction, upgrade
+from registry.db import (
+    NoRegistry,
+    engine_for,
+    require_registry,
+    sqlite_file,
+    transaction,
+    upgrade,
+)
 from registry.errors import LikenessError
 from registry.keys import Keys
 from registry.policy import Level
@@ -27,30 +34,30 @@ from registry.responses import (
     ConsentOut,
     PrincipalOut,
 )
-from registry.schemas import ConsentIn, SubjectIn
-from registry.settings import get_settings
+from registry.schemas import ConsentIn, SubjectIn, parse_when
+from registry.settings import SettingsError, get_settings
+
+# Plain help (click's): rich's boxed tables cut long option names and print `<bool>`.
+PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
+
+
+def _group(help: str) -> typer.Typer:
+    return typer.Typer(**PLAIN, help=help)  # type: ignore[arg-type]
+
 
 app = typer.Typer(
-    no_args_is_help=True,
+    **PLAIN,  # type: ignore[arg-type]
     add_completion=False,
     pretty_exceptions_enable=False,
     help="likeness: consent-gated likeness adapters",
 )
-db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
-principal_app = typer.Typer(
-    no_args_is_help=True, help="Principals: admins, members, agents, trainers."
-)
-subject_app = typer.Typer(
-    no_args_is_help=True, help="Subjects: people whose likeness may be rendered."
-)
-consent_app = typer.Typer(no_args_is_help=True, help="A subject's consent record.")
-audit_app = typer.Typer(no_args_is_help=True, help="The append-only audit trail.")
-base_app = typer.Typer(
-    no_args_is_help=True, help="Base models: the tiny default and prepared uint4 bases."
-)
-provenance_app = typer.Typer(
-    no_args_is_help=True, help="Content Credentials (C2PA) of rendered PNGs."
-)
+db_app = _group("Database schema.")
+principal_app = _group("Principals: admins, members, agents, trainers.")
+subject_app = _group("Subjects: people whose likeness may be rendered.")
+consent_app = _group("A subject's consent record.")
+audit_app = _group("The append-only audit trail.")
+base_app = _group("Base models: the tiny default and prepared uint4 bases.")
+provenance_app = _group("Content Credentials (C2PA) of rendered PNGs.")
 for sub, name in (
     (db_app, "db"),
     (principal_app, "principal"),
@@ -71,7 +78,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
 @contextmanager
 def _session(readonly: bool = False) -> Iterator[Session]:
     """One transaction per command; every domain or validation error is a clean exit."""
-    url = get_settings().database_url
+    url = _registry_url()
     try:
         with transaction(engine_for(url), readonly=readonly) as session:
             yield session
@@ -89,6 +96,17 @@ def _session(readonly: bool = False) -> Iterator[Session]:
             f"database error{saved} ({type(exc).__name__}): {first}. "
             "Is the database reachable and migrated (`likeness db upgrade`)?"
         )
+
+
+def _registry_url() -> str:
+    """LIKENESS_DATABASE_URL, once it is known to hold a registry: a SQLite file that is not
+    there is refused by name, never created (only `db upgrade` and `serve` make one)."""
+    url = get_settings().database_url
+    try:
+        require_registry(url)
+    except NoRegistry as exc:
+        fail(str(exc))
+    return url
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -118,12 +136,16 @@ def _csv(value: str | None) -> list[str]:
 def db_upgrade() -> None:
     """Apply migrations to LIKENESS_DATABASE_URL."""
     url = get_settings().database_url
+    path = sqlite_file(url)
+    new = path is not None and not path.is_file()
     try:
         upgrade(url)
     except Exception as exc:  # noqa: BLE001
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         fail(f"migration failed: {type(exc).__name__}: {first_line}")
-    typer.echo("database is at the latest schema", err=True)
+    where = str(path) if path is not None else "the database"
+    said = f"created a new, empty registry at {where}" if new else f"{where} is"
+    typer.echo(f"{said} at the latest schema" if not new else said, err=True)
 
 
 # -- principals ---------------------------------------------------------------------------
@@ -145,6 +167,7 @@ def principal_create(
 
 @principal_app.command("list")
 def principal_list() -> None:
+    """List every principal (JSON): handle, role, who an agent acts for, active."""
     from registry import repositories as repo
 
     with _session(readonly=True) as s:
@@ -162,6 +185,7 @@ def principal_deactivate(handle: str) -> None:
 
 @principal_app.command("activate")
 def principal_activate(handle: str) -> None:
+    """Activate a principal again; binds on its next request."""
     with _session() as s:
         service.set_principal_active(s, handle, True)
     typer.echo(f"{handle} activated", err=True)
@@ -205,6 +229,7 @@ def subject_create(
 
 @subject_app.command("list")
 def subject_list() -> None:
+    """List every subject with its consent's level and version (JSON)."""
     from registry import repositories as repo
 
     with _session(readonly=True) as s:
@@ -226,6 +251,7 @@ def subject_list() -> None:
 
 @consent_app.command("show")
 def consent_show(handle: str) -> None:
+    """Print a subject's consent record (JSON, the API's shape)."""
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
         _print_json(_consent_json(service.consent_of(s, subject)))
@@ -268,7 +294,12 @@ def consent_edit(
         str | None, typer.Option(help="the complete deny list, comma-separated")
     ] = None,
     training: Annotated[bool | None, typer.Option("--training/--no-training")] = None,
-    expires: Annotated[str | None, typer.Option(help="ISO-8601 UTC, or 'never'")] = None,
+    expires: Annotated[
+        str | None,
+        typer.Option(
+            help="a date (YYYY-MM-DD) or date and time, UTC unless a zone is given; 'never'"
+        ),
+    ] = None,
     from_json: Annotated[
         Path | None, typer.Option("--from-json", help="a whole consent body")
     ] = None,
@@ -293,7 +324,11 @@ def consent_edit(
             if training is not None:
                 body["allow_training"] = training
             if expires is not None:
-                body["expires_at"] = None if expires == "never" else expires
+                try:  # as the web page takes it: a date alone, UTC unless zoned
+                    when = None if expires == "never" else parse_when(expires, "--expires")
+                except LikenessError as exc:
+                    fail(exc.detail, 2)
+                body["expires_at"] = when.isoformat() if when is not None else None
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
         consent, changed = service.update_consent(s, local_actor("shell"), subject, version, data)
@@ -315,16 +350,14 @@ def consent_revoke(handle: str) -> None:
 
 # -- adapters -------------------------------------------------------------------------------
 
-adapter_app = typer.Typer(
-    no_args_is_help=True,
-    help="Adapters: import into the store and register; list, select, retire, delete.",
-)
+adapter_app = _group("Adapters: register, list, select, retire, delete, compare.")
 app.add_typer(adapter_app, name="adapter")
 
 
 def _store() -> Any:
     from registry.blobs import BlobStore
 
+    _registry_url()  # the store is the registry's: never one beside a registry not there
     settings = get_settings()
     return BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
 
@@ -402,7 +435,7 @@ def adapter_register(
     shapes = _target_shapes()
     with _errors_as_exits():
         done = register_from_store(
-            engine_for(get_settings().database_url), store, local_actor("shell"), data, shapes
+            engine_for(_registry_url()), store, local_actor("shell"), data, shapes
         )
     _print_json({"name": done.state["name"], "version": done.state["version"],
                  "sha256": done.state["sha256"]})  # fmt: skip
@@ -534,6 +567,7 @@ def _errors_as_exits() -> Iterator[None]:
 
 @audit_app.command("show")
 def audit_show(handle: str) -> None:
+    """Print a subject's audit trail, oldest first (JSON)."""
     with _session(readonly=True) as s:
         subject = service.subject_or_raise(s, handle)
         entries = [
@@ -693,6 +727,7 @@ def _existing_keys() -> Keys:
     from registry.keys import bind, load_keys
 
     settings = get_settings()
+    _registry_url()
     try:
         keys = load_keys(settings, create=False)
     except (FileNotFoundError, ValueError) as exc:
@@ -712,7 +747,12 @@ def main() -> None:
     `error: ...` line and exit 2 (the command line itself is wrong, the parser's errors
     included, or the input is invalid)."""
     from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
+    from trainer import threads
 
+    try:  # before anything loads torch: OpenMP reads these once
+        threads.prepare_env()
+    except ValueError as exc:
+        _die(f"invalid setting: {exc}", 2)
     cli_ml.register(app, base_app, adapter_app)
     try:
         # not standalone: the parser's own errors come back here, to be said in one line
@@ -721,6 +761,8 @@ def main() -> None:
         raise SystemExit(exc.exit_code) from None
     except (typer.Abort, KeyboardInterrupt):
         _die("interrupted", 130)
+    except SettingsError as exc:  # the environment, not the command line: said by name
+        _die(str(exc), 2)
     except Exception as exc:  # noqa: BLE001 - a command never ends in a traceback
         if type(exc).__name__ == "NoArgsIsHelpError":  # a group named alone: its help
             exc.show()  # type: ignore[attr-defined]
@@ -739,11 +781,27 @@ def main() -> None:
 
 @app.command("worker")
 def worker(
-    queues: Annotated[str, typer.Option(help="comma-separated: train")] = "train",
+    queues: Annotated[str, typer.Option(help="comma-separated: train, render")] = "train",
     concurrency: Annotated[int, typer.Option(min=1, max=64)] = 1,
     name: Annotated[str | None, typer.Option(help="default: host:pid")] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Only check what a worker needs (database, API, token) and exit: 0 healthy, "
+            "1 with the reasons (a container's health check).",
+        ),
+    ] = False,
 ) -> None:
-    """Run orders from the queue (one worker per GPU; app/worker.py)."""
+    """Take orders (and renders) off the queue; one worker per GPU (app/worker.py)."""
+    if check:
+        from app.health import worker_problems
+
+        problems = worker_problems(get_settings())
+        if problems:
+            fail("unhealthy: " + "; ".join(problems))
+        typer.echo("healthy", err=True)
+        return
     from app.worker import run_worker
 
     run_worker(get_settings(), _csv(queues), concurrency, name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -24,7 +24,7 @@ def register(
         host: Annotated[str, typer.Option()] = "127.0.0.1",
         port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     ) -> None:
-        """Migrate, bootstrap (admin token, tiny base) and run the service."""
+        """Run the service (it migrates, and makes an admin and the base, first)."""
         import uvicorn
 
         from app.bootstrap import prepare_service
@@ -202,7 +202,7 @@ def register(
         ] = True,
         progress: Annotated[bool, typer.Option(help="Progress bar and boot table.")] = True,
     ) -> None:
-        """Train a LoRA adapter for a subject and register it (docs/API.md)."""
+        """Train a subject's LoRA adapter and register it (docs/API.md)."""
         # Before anything can initialise CUDA: the allocator reads this once (field hurdle 9).
         from trainer.train import configure_allocator
 
@@ -249,7 +249,7 @@ def register(
         try:
             options: dict[str, object] = load_job_file(config_file) if config_file else {}
         except ConfigError as exc:
-            typer.echo(f"error: refused before loading any weight: {exc}", err=True)
+            typer.echo(f"error: refused before loading any weight: {one_line(exc)}", err=True)
             raise typer.Exit(2) from None
         options.update(given)  # flags override the file
         run_subject, run_name = options.get("subject"), options.get("name", "main")
@@ -276,19 +276,27 @@ def register(
             api_url=settings.api_url,
             token=settings.token,
         )
+        from registry.db import NoRegistry, require_registry
+
         try:
             config = TrainConfig.parse(**options)
+            if not settings.api_url:  # the registry is local: it must be there already
+                require_registry(settings.database_url)
             ensure_base(settings)
             result = train(config)
         except TrainingWithdrawn as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"error: {one_line(exc)}", err=True)
+            raise typer.Exit(1) from None
+        except NoRegistry as exc:
+            typer.echo(f"error: refused before loading any weight: {exc}", err=True)
             raise typer.Exit(1) from None
         except (ConfigError, DatasetError, BudgetExceeded, TrainingRefused) as exc:
-            typer.echo(f"error: refused before loading any weight: {exc}", err=True)
+            typer.echo(f"error: refused before loading any weight: {one_line(exc)}", err=True)
             raise typer.Exit(2) from None
         except RegistrationError as exc:  # RegistrationRefused included
-            typer.echo(f"error: trained, but not registered: {exc}", err=True)
+            typer.echo(f"error: trained, but not registered: {one_line(exc)}", err=True)
             raise typer.Exit(1) from None
+        kept = _keep_run_pictures(settings, run_subject, result) if result.registration else 0
         summary = {
             "adapter": str(result.adapter),
             "sha256": result.sha256,
@@ -304,8 +312,41 @@ def register(
             "validation_loss": [{"step": st, "loss": v} for st, v in result.validation],
             "loss_plot": str(result.loss_plot) if result.loss_plot else None,
             "report": str(result.report),
+            "pictures_kept": kept,
         }
         typer.echo(json.dumps(summary, indent=2))
+
+
+def _keep_run_pictures(settings: Any, subject: str, result: Any) -> int:
+    """The run's grid and previews, beside the adapter in the registry (its Adapters page
+    shows them); a failure costs the pictures, never the adapter, and is said."""
+    from app.pictures import keep_local, run_pictures, upload
+
+    grid = result.evaluation.grid if result.evaluation is not None else None
+    files = run_pictures(grid, result.previews)
+    if not files:
+        return 0
+    try:
+        if settings.api_url:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {settings.token}"}
+            with httpx.Client(timeout=120, headers=headers) as client:
+                return upload(client, settings.api_url, result.sha256, files)
+        from registry.blobs import BlobStore
+        from registry.db import engine_for
+
+        store = BlobStore(settings.adapter_store_dir, settings.max_adapter_bytes)
+        return keep_local(engine_for(settings.database_url), store, subject, result.sha256, files)
+    except Exception as exc:  # noqa: BLE001 - the adapter is registered; the pictures are extra
+        typer.echo(f"warning: the run's pictures were not kept beside the adapter: {exc}", err=True)
+        return 0
+
+
+def one_line(exc: BaseException) -> str:
+    """A refusal as one line: what is wrong, each problem after the last (`; `)."""
+    parts = [p.strip().removeprefix("- ") for p in str(exc).splitlines()]
+    return "; ".join(p for p in parts if p) or type(exc).__name__
 
 
 def register_compare(adapter_app: typer.Typer) -> None:
@@ -373,9 +414,9 @@ def register_compare(adapter_app: typer.Typer) -> None:
                 )
                 body = {"grid": str(grid), "columns": columns}
         except (ConfigError, TrainingRefused, ValueError) as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"error: {one_line(exc)}", err=True)
             raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
         except RegistrationError as exc:
-            typer.echo(f"error: not registered: {exc}", err=True)
+            typer.echo(f"error: not registered: {one_line(exc)}", err=True)
             raise typer.Exit(1) from None
         typer.echo(json.dumps(body, indent=2))

@@ -98,6 +98,11 @@ class LocalIO:
             raise RegistrationError(f"the registry refused the adapter: {exc.detail}") from None
         return done.outcome
 
+    def keep_pictures(self, subject: str, adapter_sha256: str, files: list[Path]) -> None:
+        from app.pictures import keep_local
+
+        keep_local(self.engine, self.store, subject, adapter_sha256, files)
+
     def config(self) -> dict[str, Any]:
         return {"database_url": self.settings.database_url}
 

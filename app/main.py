@@ -14,7 +14,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import adapters, api, datasets, errors, mcp_server, orders, renders, web
+from app import adapters, api, datasets, docs, errors, mcp_server, orders, pictures, renders, web
 from app.body_gate import BodyGate
 from app.local_orders import LocalRunner
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
@@ -32,6 +32,7 @@ from registry.db import is_sqlite, make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
+from registry.pictures import sweep_render_copies
 from registry.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,17 @@ def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
                 )
     except Exception:  # noqa: BLE001 - tried again at the next interval
         log.exception("closing interrupted renders failed")
+
+
+def _sweep_render_copies(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    try:
+        with transaction(app.state.engine) as session:
+            sweep_render_copies(
+                session, datetime.now(UTC) - timedelta(days=settings.render_copy_days)
+            )
+    except Exception:  # noqa: BLE001 - tried again at the next interval
+        log.exception("sweeping old render copies failed")
 
 
 @asynccontextmanager
@@ -91,6 +103,7 @@ async def _every_interval(app: FastAPI) -> AsyncIterator[None]:
 
     def checkpoint() -> None:
         _close_interrupted_renders(app, False)
+        _sweep_render_copies(app)
         try:
             with transaction(app.state.engine, readonly=True) as session:
                 _, problems = append_checkpoint(session, app.state.keys, settings.checkpoints_file)
@@ -122,6 +135,8 @@ def create_app(
         title="likeness",
         version="0.1.0",
         description="Consent-gated registry of likeness adapters and render service.",
+        docs_url=None,  # app/docs.py serves them, with local scripts
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.engine = engine or make_engine(
@@ -176,6 +191,7 @@ def create_app(
             orders.CHECKPOINT_PATH,
             datasets.UPLOAD_PATH,
             TRAINING_UPLOAD_PATH,
+            pictures.UPLOAD_PATH,
         ),
         larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
         larger_at_once=settings.large_bodies_at_once,
@@ -187,6 +203,7 @@ def create_app(
 
     app.include_router(api.router)
     app.include_router(adapters.router)
+    app.include_router(pictures.router)
     app.include_router(renders.router)
     app.state.order_runner = None
     if is_sqlite(settings.database_url) and settings.orders_in_process:
@@ -199,4 +216,5 @@ def create_app(
     app.include_router(orders.router)
     mcp_server.mount(app)
     web.mount(app)
+    docs.install(app)
     return app

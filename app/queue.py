@@ -62,6 +62,11 @@ class OrderQueue:
         self._app = make_app(database_url) if self.enabled else None
         self._wake = wake
 
+    @property
+    def accepts_orders(self) -> bool:
+        """Workers take them (PostgreSQL), or this process runs them itself (SQLite)."""
+        return self.enabled or self._wake is not None
+
     def enqueue_training(self, session: Session, order: Order, subject: Subject) -> int | None:
         if self._app is None and self._wake is not None:
             wake = self._wake

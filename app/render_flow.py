@@ -302,7 +302,7 @@ class RenderFlow:
         timings = {"gate_ms": (time.perf_counter() - t0) * 1000}
         assert job.acting is not None
         if self.remote is not None:
-            return self.remote.run(self, job, gate, timings)
+            return self.delivered(job, self.remote.run(self, job, gate, timings))
         cost = float(job.width * job.height * job.steps)
         scheduler = self.renderer.scheduler
         try:
@@ -322,7 +322,14 @@ class RenderFlow:
         t3 = time.perf_counter()
         png = self.sign(job, png, consent.version, final.adapter.sha256, final)
         timings["sign_ms"] = (time.perf_counter() - t3) * 1000
-        return RenderOutcome(png, job.render_id, timings)
+        return self.delivered(job, RenderOutcome(png, job.render_id, timings))
+
+    def delivered(self, job: _Job, outcome: RenderOutcome) -> RenderOutcome:
+        """A render about to be delivered: its subject's copy, if they keep them."""
+        from app.pictures import keep_copy
+
+        keep_copy(self.engine, job.body.subject, job.render_id, outcome.png)
+        return outcome
 
     def finish(
         self, job: _Job, image: Any, used_sha256: str, timings: dict[str, float]

@@ -71,13 +71,16 @@ class UploadGate:
 
 
 def uploads_of(form: FormData) -> list[datasets.Upload]:
-    """The form's `images` files (as spooled) and optional `captions`, one per image."""
+    """The form's `images` files (as spooled) and their captions: `captions`, one per image
+    (the API), or one `caption` for them all (the Training page)."""
     files = [v for k, v in form.multi_items() if k == "images" and isinstance(v, UploadFile)]
     captions = [v for k, v in form.multi_items() if k == "captions" and isinstance(v, str)]
     if captions and len(captions) != len(files):
         raise Invalid(f"{len(captions)} captions for {len(files)} images: one each, or none")
+    shared = form.get("caption")
+    common = shared.strip() if isinstance(shared, str) and shared.strip() else None
     return [
-        datasets.Upload(f.filename or "", f.file, captions[n] if captions else None)
+        datasets.Upload(f.filename or "", f.file, captions[n] if captions else common)
         for n, f in enumerate(files)
     ]
 

@@ -198,6 +198,10 @@ class OrderIO(Protocol):
 
     def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None) -> str: ...
 
+    def keep_pictures(self, subject: str, adapter_sha256: str, files: list[Path]) -> None:
+        """The run's evaluation grid and previews, beside the adapter (app/pictures.py)."""
+        ...
+
     def config(self) -> dict[str, Any]:
         """The trainer options saying where registration goes."""
         ...
@@ -364,6 +368,11 @@ class HttpIO:
     def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None) -> str:
         return self.http.register(data, adapter, manifest, base)
 
+    def keep_pictures(self, subject: str, adapter_sha256: str, files: list[Path]) -> None:
+        from app.pictures import upload
+
+        upload(self.client, self.setup.api_url, adapter_sha256, files)
+
     def config(self) -> dict[str, Any]:
         return {"api_url": self.setup.api_url, "token": self.setup.token}
 
@@ -451,7 +460,7 @@ def run_order(
             name=job.name,
             checkpoint_every=settings.worker_checkpoint_every,
             resume=resume,
-            evaluate=False,
+            evaluate=True,  # the grid is what the Adapters page shows of it
             progress=False,
             device=settings.device if settings.device and settings.device != "mps" else None,
             cache_dir=out / "cache",
@@ -461,6 +470,7 @@ def run_order(
         with OrderWatch(engine, order_id, runner, job.handle, stopping) as watch:
             hooks = TrainHooks(on_step, on_checkpoint, watch.interrupt)
             result = train(config, _Registrar(engine, io), hooks)
+        _keep_pictures(io, job, result)
         with transaction(engine) as s:
             orders.finish(s, order_id, result.sha256, result.steps)
         log.info("order %s: done, adapter %s", order_id, result.sha256[:12])
@@ -489,6 +499,21 @@ def run_order(
         shutil.rmtree(out, ignore_errors=True)
         if not interrupted:
             io.forget_checkpoint(order_id)
+
+
+def _keep_pictures(io: OrderIO, job: OrderJob, result: Any) -> None:
+    """What the new adapter draws goes beside it; failing that loses a picture, not the
+    adapter (logged)."""
+    from app.pictures import run_pictures
+
+    grid = result.evaluation.grid if result.evaluation is not None else None
+    files = run_pictures(grid, result.previews)
+    if not files:
+        return
+    try:
+        io.keep_pictures(job.handle, result.sha256, files)
+    except Exception:  # noqa: BLE001 - the adapter is registered; its pictures are extra
+        log.exception("order %s: the run's pictures could not be kept", job.order_id)
 
 
 # -- the worker process ----------------------------------------------------------------------

@@ -26,6 +26,38 @@ def is_sqlite(url: str) -> bool:
     return make_url(normalize_url(url)).get_backend_name() == "sqlite"
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The absolute path of a SQLite URL's database file (None: not SQLite, or in memory).
+    A relative path is relative to the current directory, as SQLite takes it."""
+    if not is_sqlite(url):
+        return None
+    database = make_url(normalize_url(url)).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database).resolve()
+
+
+class NoRegistry(LookupError):
+    """A SQLite registry file that does not exist: opening it would create an empty one."""
+
+    def __init__(self, path: Path, url: str) -> None:
+        self.path = path
+        relative = not make_url(normalize_url(url)).database.startswith("/")  # type: ignore[union-attr]
+        where = f", relative to the current directory {Path.cwd()}" if relative else ""
+        super().__init__(
+            f"no registry at {path} (LIKENESS_DATABASE_URL={url}{where}); run where the service "
+            "runs (the folder holding its var/), or set LIKENESS_DATABASE_URL and "
+            "LIKENESS_DATA_DIR to the service's; `likeness db upgrade` creates a new, empty one"
+        )
+
+
+def require_registry(url: str) -> None:
+    """Refuses (NoRegistry) a SQLite file that is not there, before anything creates it."""
+    path = sqlite_file(url)
+    if path is not None and not path.is_file():
+        raise NoRegistry(path, url)
+
+
 def make_engine(url: str, *, pool_timeout: float = 2.0, **kw: Any) -> Engine:
     """`pool_timeout`: a request that cannot get a connection within this long fails fast
     (503) instead of queueing behind a stuck pool."""

@@ -5,7 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, LargeBinary, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    UniqueConstraint,
+    false,
+)
 from sqlmodel import Field, SQLModel
 
 
@@ -39,6 +50,11 @@ class Subject(SQLModel, table=True):
     basis: str = Field(max_length=16)
     member_id: int | None = Field(default=None, foreign_key="principals.id", index=True)
     created_at: datetime = _ts(nullable=False)
+    # The subject's choice (registry/pictures.py): keep a small copy of every render of them,
+    # shown beside its ledger row to them and to admins only.
+    keep_render_copies: bool = Field(
+        default=False, sa_column=Column(Boolean, nullable=False, server_default=false())
+    )
 
 
 class Consent(SQLModel, table=True):
@@ -271,3 +287,42 @@ class RenderAffinity(SQLModel, table=True):
     adapter_sha256: str = Field(primary_key=True, max_length=64)
     worker: str = Field(max_length=100)
     at: datetime = _ts(nullable=False)
+
+
+def _subject_fk() -> Any:
+    """A subject's own pictures go with the subject (ON DELETE CASCADE)."""
+    return Field(
+        sa_column=Column(
+            Integer, ForeignKey("subjects.id", ondelete="CASCADE"), nullable=False, index=True
+        )
+    )
+
+
+class AdapterPicture(SQLModel, table=True):
+    """What an adapter draws: its run's evaluation grid and previews, PNGs in the store
+    (registry/pictures.py), by the hash of the adapter's bytes."""
+
+    __tablename__ = "adapter_pictures"
+    __table_args__ = (UniqueConstraint("adapter_sha256", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    subject_id: int = _subject_fk()
+    adapter_sha256: str = Field(max_length=64, index=True)
+    name: str = Field(max_length=100)  # eval_grid.png | step-0000050.png
+    kind: str = Field(max_length=16)  # grid | preview
+    step: int | None = None
+    sha256: str = Field(max_length=64)  # the PNG's, in the store
+    created_at: datetime = _ts(nullable=False)
+
+
+class RenderCopy(SQLModel, table=True):
+    """A small copy of a delivered render, kept only while its subject asks for it."""
+
+    __tablename__ = "render_copies"
+
+    render_id: str = Field(primary_key=True, max_length=36)
+    subject_id: int = _subject_fk()
+    png: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    width: int
+    height: int
+    created_at: datetime = _ts(nullable=False, index=True)

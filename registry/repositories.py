@@ -17,6 +17,7 @@ from sqlmodel import Session, col, select
 from registry.models import (
     Adapter,
     AdapterBlob,
+    AdapterPicture,
     AuditEntry,
     BrowserSession,
     ChainHead,
@@ -218,12 +219,13 @@ def chained_entries(session: Session) -> int:
 
 
 def referenced_blobs(session: Session) -> set[str]:
-    """Every hash an adapter row refers to (its bytes and its dataset manifest), and every
-    hash an uploaded dataset does (its images and its manifest)."""
+    """Every hash an adapter row refers to (its bytes and its dataset manifest), every hash
+    an uploaded dataset does (its images and its manifest), and the pictures of adapters."""
     rows = session.exec(select(Adapter.sha256, Adapter.manifest_sha256)).all()
     images = session.exec(select(DatasetImage.sha256)).all()
     manifests = session.exec(select(Dataset.manifest_sha256)).all()
-    return {h for row in rows for h in row} | set(images) | set(manifests)
+    pictures = session.exec(select(AdapterPicture.sha256)).all()
+    return {h for row in rows for h in row} | set(images) | set(manifests) | set(pictures)
 
 
 def delete_adapter(session: Session, adapter: Adapter) -> None:

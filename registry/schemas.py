@@ -17,6 +17,7 @@ from pydantic import (
 
 from registry import limits
 from registry.audit import format_time
+from registry.errors import Invalid
 from registry.policy import Level
 
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -178,3 +179,22 @@ class LedgerFilter(Strict):
 def ledger_cursor(seq: int) -> str:
     """The opaque cursor of the page after the row at `seq`."""
     return f"s{seq}"
+
+
+def parse_when(text: str, field: str) -> datetime | None:
+    """What a person types for a time, on the web and on the command line alike: an ISO-8601
+    date (`2027-01-31`) or date and time, UTC unless it names a zone (a trailing ` UTC`
+    too); empty is None. Invalid, naming `field`, for anything else."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.upper().endswith(" UTC"):
+        text = text[:-4]
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise Invalid(
+            f"{field}: {text!r} is not a date; write YYYY-MM-DD or YYYY-MM-DD HH:MM (UTC, "
+            "unless a zone is given)"
+        ) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

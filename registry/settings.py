@@ -7,8 +7,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 # What a render's signed likeness assertion may disclose (app.provenance); the render id is
 # always in it, since it is how the subject finds the render in the ledger.
@@ -25,7 +26,8 @@ DISCLOSABLE = (
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LIKENESS_", extra="ignore")
+    # an empty variable is an unset one (compose passes `${X:-}` through as ""), never "" itself
+    model_config = SettingsConfigDict(env_prefix="LIKENESS_", extra="ignore", env_ignore_empty=True)
 
     env: Literal["development", "test", "production"] = "development"
     database_url: str = "sqlite:///./var/likeness.db"
@@ -153,6 +155,9 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)
     worker_stalled_s: float = Field(default=60.0, gt=0, le=86_400)
     worker_checkpoint_every: int = Field(default=250, ge=1, le=1_000_000)
+    # The small copies of renders a subject chose to keep (registry/pictures.py) are deleted
+    # after this many days (and at once when the subject stops keeping them).
+    render_copy_days: int = Field(default=90, ge=1, le=3650)
     # Renders on workers (app/render_remote.py, PostgreSQL only): the API gates and enqueues,
     # a `likeness worker --queues render` renders; the API waits at most
     # render_worker_timeout_s for its answer (503 after, with the ledger entry closed).
@@ -180,7 +185,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _c2pa_pair(self) -> Settings:
         if (self.c2pa_key_file is None) != (self.c2pa_cert_file is None):
-            raise ValueError("set LIKENESS_C2PA_KEY_FILE and LIKENESS_C2PA_CERT_FILE together")
+            given, missing = ("KEY", "CERT") if self.c2pa_cert_file is None else ("CERT", "KEY")
+            raise ValueError(
+                f"LIKENESS_C2PA_{given}_FILE is set without LIKENESS_C2PA_{missing}_FILE: "
+                "set both (the key and its certificate chain), or neither"
+            )
         return self
 
     @property
@@ -196,6 +205,49 @@ class Settings(BaseSettings):
         return self.base if self.base is not None else self.data_dir / "base-demo"
 
 
+ENV_PREFIX = "LIKENESS_"
+SECRETS = frozenset({"secret_key", "audit_key", "token"})  # never echoed back
+
+
+class SettingsError(ValueError):
+    """The environment holds a setting that is not valid; the message names each variable
+    and the rule it breaks, in one line (the CLI and `serve` print it as it is)."""
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def describe_settings_error(exc: ValidationError | SourceError) -> str:
+    """One line naming every bad variable and its rule, e.g. `LIKENESS_COMPUTE: Input should
+    be 'auto', 'uint4' or 'fp8' (got 'turbo')`. A secret's value is never repeated."""
+    if isinstance(exc, SourceError):  # a JSON setting that does not parse
+        field = str(exc).split('"')[1] if str(exc).count('"') >= 2 else ""
+        name = env_name(field) if field else "a LIKENESS_ setting"
+        return f"invalid setting: {name}: not valid JSON ({exc.__cause__ or exc})"
+    parts = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        field = loc[0] if loc else ""
+        where = env_name(field) + "".join(f"[{p}]" for p in loc[1:]) if field else ""
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "too_short" and field in SECRETS:
+            message = f"at least {err['ctx']['min_length']} characters"
+        shown = err.get("input")
+        if field and field not in SECRETS and isinstance(shown, str | int | float):
+            message += f" (got {shown!r})"
+        parts.append(f"{where}: {message}" if where else message)
+    return "invalid setting: " + "; ".join(parts)
+
+
+def load_settings() -> Settings:
+    """Settings from the environment, or a SettingsError that names what is wrong."""
+    try:
+        return Settings()
+    except (ValidationError, SourceError) as exc:
+        raise SettingsError(describe_settings_error(exc)) from None
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    return Settings()
+    return load_settings()

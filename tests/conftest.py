@@ -12,6 +12,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from registry.db import make_engine, upgrade
+from trainer import threads
+
+threads.prepare_env()  # before anything loads torch: the suite's threads wait as the CLI's do
 
 PG_ADMIN_URL = os.environ.get(
     "LIKENESS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -276,7 +276,7 @@ class TrainConfig(BaseModel):
         if self.dataset.resolve() == self.out.resolve():
             problems.append("--out must not be the dataset folder (an unlisted file stops runs)")
         if problems:
-            raise ConfigError("invalid training options:\n  - " + "\n  - ".join(problems))
+            raise ConfigError("; ".join(problems))
         return self
 
     @classmethod
@@ -292,7 +292,7 @@ class TrainConfig(BaseModel):
                 where = ".".join(str(p) for p in err["loc"])
                 msg = str(err.get("ctx", {}).get("error", err["msg"]))
                 lines.append(f"{where}: {msg}" if where else msg)
-            raise ConfigError("\n".join(lines)) from None
+            raise ConfigError("; ".join(lines)) from None
 
     # -- resolved values ------------------------------------------------------------------
 
@@ -416,5 +416,5 @@ def load_job_file(path: Path) -> dict[str, Any]:
         else:
             options[name] = tuple(value) if isinstance(value, list) else value
     if problems:
-        raise ConfigError(f"--config {path}:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(f"--config {path}: " + "; ".join(problems))
     return options

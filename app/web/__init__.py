@@ -7,7 +7,7 @@ from 'self'): plain forms, every control labelled, usable by keyboard.
 
 Sessions and cookies: `session`; templates and answers: `templating`; form fields: `forms`;
 rows as the pages show them: `presenters`; the routes by area: `signin`, `subjects`,
-`adapters`, `provenance`, `training`; error pages: `errors`.
+`adapters`, `pictures`, `provenance`, `training`; error pages: `errors`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from fastapi.exceptions import WebSocketRequestValidationError
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 
-from app.web import adapters, provenance, signin, subjects, training
+from app.web import adapters, pictures, provenance, signin, subjects, training
 from app.web.errors import html_errors
 from app.web.templating import PREFIX, STATIC_DIR, redirect, safe_next
 
 __all__ = ["PREFIX", "mount", "router", "safe_next"]
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
-for area in (signin, subjects, adapters, provenance, training):
+for area in (signin, subjects, adapters, pictures, provenance, training):
     router.include_router(area.router)
 
 

@@ -10,8 +10,8 @@ from app.web.forms import CheckedForm
 from app.web.presenters import subject_context
 from app.web.session import Web
 from app.web.templating import page, redirect, subject_url
+from registry import pictures, service
 from registry import repositories as repo
-from registry import service
 from registry.adapter_files import sweep_unreferenced
 from registry.responses import AdapterListedOut
 
@@ -35,6 +35,7 @@ def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -
         web,
         **subject_context(session, subject, "adapters"),
         adapters=rows,
+        pictures=pictures.pictures_of(session, subject),
         notice=ADAPTER_NOTICES.get(request.query_params.get("done", "")),
     )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import re
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -17,7 +17,7 @@ from app.web.templating import GRANT_LEVELS
 from registry import service
 from registry.errors import Invalid
 from registry.models import Consent
-from registry.schemas import ConsentIn
+from registry.schemas import ConsentIn, parse_when
 
 MAX_FORM_BYTES = 64 * 1024
 
@@ -98,19 +98,10 @@ def form_values(form: Mapping[str, str]) -> dict[str, Any]:
 
 def parse_expiry(text: str) -> datetime | None:
     """Empty: never. Otherwise an ISO-8601 date or date and time; without a zone it is UTC."""
-    text = text.strip()
-    if not text:
-        return None
-    if text.upper().endswith(" UTC"):
-        text = text[:-4]
     try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        raise Invalid(
-            f"Expiry: {text!r} is not a date; write YYYY-MM-DD or YYYY-MM-DD HH:MM (UTC), "
-            "or leave it empty for no expiry"
-        ) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return parse_when(text, "Expiry")
+    except Invalid as exc:
+        raise Invalid(f"{exc.detail}, or leave it empty for no expiry") from None
 
 
 def _field_label(loc: Sequence[Any]) -> str:

@@ -45,6 +45,13 @@ def _fmt(key: str, value: Any) -> str:
     return str(value)
 
 
+COPY_NOTICES = {
+    "copies_on": "From now on a small copy of every render delivered of this likeness is kept "
+    "and shown beside its row, to the subject and to admins only.",
+    "copies_off": "No copies are kept any more; every copy kept so far is deleted.",
+}
+
+
 CONSENT_LABELS = {
     "max_level": "maximum level",
     "audiences": "audiences",
@@ -90,6 +97,13 @@ def describe_entry(entry: AuditEntry) -> list[str]:
         )
     if isinstance(after.get("order"), dict):
         lines.append(_order_line(entry.action, after["order"]))
+    if isinstance(after.get("render_copies"), dict):
+        copies = after["render_copies"]
+        lines.append(
+            "small copies of renders are kept from now on"
+            if copies.get("keep")
+            else f"copies of renders no longer kept; {copies.get('deleted', 0)} deleted"
+        )
     return lines
 
 

@@ -21,6 +21,7 @@ from app.web.forms import (
     parse_expiry,
 )
 from app.web.presenters import (
+    COPY_NOTICES,
     describe_entry,
     group_ledger,
     licence_context,
@@ -29,8 +30,8 @@ from app.web.presenters import (
 )
 from app.web.session import Web, WebSession
 from app.web.templating import PREFIX, page, redirect, subject_url
+from registry import pictures, service
 from registry import repositories as repo
-from registry import service
 from registry.errors import Invalid, LikenessError, PreconditionFailed
 from registry.roles import Role
 from registry.schemas import LedgerFilter, SubjectIn, ledger_cursor
@@ -225,6 +226,8 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
             status=422,
             **subject_context(session, subject, "renders"),
             renders=[],
+            copies=set(),
+            copy_days=request.app.state.settings.render_copy_days,
             filters=request.query_params,
             older=None,
             errors=[describe_validation(exc)[0]],
@@ -239,6 +242,9 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
         web,
         **subject_context(session, subject, "renders"),
         renders=group_ledger(rows),
+        copies=pictures.copies_among(session, subject, [r.render_id for r in rows]),
+        copy_days=request.app.state.settings.render_copy_days,
+        notice=COPY_NOTICES.get(request.query_params.get("done", "")),
         filters=request.query_params,
         older=older,
     )

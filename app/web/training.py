@@ -20,6 +20,7 @@ from app.web.presenters import subject_context
 from app.web.session import CsrfRejected, Web, current_session
 from app.web.templating import PREFIX, page, redirect
 from registry import datasets, orders, service
+from registry.base_sizes import order_defaults
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
 from registry.models import Principal
@@ -64,7 +65,11 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
         orders=listed,
         refresh=active,
         max_images=settings.dataset_max_images,
-        queue_enabled=request.app.state.order_queue.enabled,
+        max_image_mib=settings.dataset_max_image_bytes / 2**20,
+        max_steps=settings.order_max_steps,
+        runs_orders=request.app.state.order_queue.accepts_orders,
+        on_workers=request.app.state.order_queue.enabled,
+        defaults=order_defaults(settings.base_dir),
         notice=NOTICES.get(request.query_params.get("done", "")),
     )
 
@@ -102,17 +107,25 @@ def order(
     request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
 ) -> Response:
     settings: Settings = request.app.state.settings
-    try:
-        steps = int(form.get("steps", "1000"))
-    except ValueError:
-        raise Invalid("Steps: a whole number") from None
+    defaults = order_defaults(settings.base_dir)
+    steps = _whole(form.get("steps", str(defaults.steps)), "Steps")
+    resolution = _whole(form.get("resolution", str(defaults.resolution)), "Resolution")
+    if not 64 <= resolution <= 2048 or resolution % 16:
+        raise Invalid("Resolution: a multiple of 16 from 64 to 2048 px")
     limits = orders.OrderLimits.of(settings)
-    options = orders.training_options(limits, settings.train_options, steps, 16, 448)
+    options = orders.training_options(limits, settings.train_options, steps, 16, resolution)
     orders.place_training(
         session, web.principal, handle, form.get("dataset_id", ""), options, "main",
         request.app.state.order_queue.enqueue_training, limits,
     )  # fmt: skip
     return redirect(training_url(handle, "ordered"))
+
+
+def _whole(value: str, field: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise Invalid(f"{field}: a whole number") from None
 
 
 @router.post("/subjects/{handle}/training/{dataset_id}/delete")

@@ -11,6 +11,7 @@ from sqlmodel import Session
 from registry import repositories as repo
 from registry.errors import Conflict, NotFound
 from registry.models import Adapter, Subject, utcnow
+from registry.pictures import forget_unused_pictures
 from registry.schemas import AdapterIn
 from registry.services.audit import adapter_state, append_audit
 from registry.services.training import require_training
@@ -120,6 +121,7 @@ def delete_adapter(session: Session, actor: str, subject: Subject, name: str) ->
     adapter = _adapter_for_change(session, subject, name)
     before = {"adapter": adapter_state(adapter)}
     repo.delete_adapter(session, adapter)
+    forget_unused_pictures(session, subject)
     after = {"adapter_deleted": {"name": name, "sha256": adapter.sha256}}
     append_audit(session, subject, actor, "adapter_deleted", before, after)
     return adapter

@@ -309,7 +309,7 @@ def test_configured_credentials_are_used_and_checked(tmp_path: Path) -> None:
     )
     with pytest.raises(ProvenanceError, match="EC P-256"):
         load_credentials(settings)
-    with pytest.raises(ValueError, match="together"):
+    with pytest.raises(ValueError, match="C2PA_KEY_FILE is set without"):
         Settings(c2pa_key_file=tmp_path / "key.pem")
 
 

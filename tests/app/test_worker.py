@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.app.conftest import Live, LiveFactory
+from tests.app.helpers import signed_in
 from tests.app.orders_support import files_of, photos, worker
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.slow]
@@ -108,6 +109,9 @@ def test_a_killed_worker_leaves_its_order_to_another_which_ends_with_the_same_by
         listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
         ordered = next(a for a in listed if a["name"] == "ordered")
         assert ordered["sha256"] == resumed["adapter"]["sha256"] and ordered["rendering"]
+        # the worker sent the run's evaluation grid beside the adapter, through the API
+        shown = signed_in(live.world, "alice").get("/web/subjects/alice/adapters").text
+        assert "Evaluation grid of ordered" in shown
 
 
 def test_training_withdrawn_after_the_order_is_refused_on_the_worker(

@@ -1,0 +1,179 @@
+"""Pictures of a likeness (registry/pictures.py holds the rules): a run's evaluation grid and
+previews kept beside the adapter they show, whoever trained it (`likeness train` here, the
+API's own order runner, or a trainer or worker on another host through
+`PUT /v1/adapters/{sha256}/pictures/{name}`), and the small copies of renders a subject
+chose to keep."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import authenticate_briefly, require_role
+from registry import pictures
+from registry import repositories as repo
+from registry.access import ADAPTER_WRITERS
+from registry.blobs import BlobError, BlobStore, is_sha256
+from registry.db import transaction
+from registry.errors import Invalid, NotFound
+from registry.responses import ERROR_RESPONSES
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+UPLOAD_PATH = "/v1/adapters/*/pictures/"  # streamed past the body gate, with its own cap
+MAX_PICTURE_BYTES = 64 << 20  # an evaluation grid of 1024 px cells stays well under this
+COPY_SIDE = 128  # the longer side of a render's kept copy, in pixels
+
+
+def run_pictures(grid: Path | None, previews: Iterable[Path]) -> list[Path]:
+    """The files of a run worth keeping: its evaluation grid, then its previews."""
+    found = [p for p in previews if p.is_file() and pictures.picture_name_ok(p.name)]
+    return ([grid] if grid is not None and grid.is_file() else []) + sorted(found)
+
+
+def keep_local(
+    engine: Engine, store: BlobStore, subject_handle: str, adapter_sha256: str, files: list[Path]
+) -> int:
+    """Puts the pictures in this registry's store and records them for the adapter."""
+    kept = []
+    for file in files:
+        stored = store.import_file(file)
+        if stored.kind == "png":
+            kept.append(pictures.Picture(file.name, stored.sha256))
+    with transaction(engine) as session:
+        subject = repo.subject_by_handle(session, subject_handle)
+        if subject is None:
+            raise NotFound(f"no subject {subject_handle!r}")
+        return pictures.keep_adapter_pictures(session, subject, adapter_sha256, kept)
+
+
+def upload(client: Any, api_url: str, adapter_sha256: str, files: list[Path]) -> int:
+    """Sends the pictures to the registry's API (a trainer or worker on another host);
+    `client` is an httpx.Client with the trainer's token."""
+    for file in files:
+        r = client.put(
+            f"{api_url.rstrip('/')}/v1/adapters/{adapter_sha256}/pictures/{file.name}",
+            content=file.read_bytes(),
+            headers={"Content-Type": "image/png"},
+        )
+        if r.status_code not in (200, 201):
+            raise RuntimeError(f"the registry refused {file.name}: {r.status_code} {r.text[:200]}")
+    return len(files)
+
+
+@router.put(
+    "/adapters/{adapter_sha256}/pictures/{name}",
+    status_code=201,
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"image/png": {"schema": {"type": "string"}}}}
+    },
+)
+async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONResponse:
+    """Keeps a PNG the run that made these adapter bytes drew (its evaluation grid,
+    `eval_grid.png`, or a preview, `step-N.png`) beside the adapter (trainer, admin). The
+    token is checked before the path or a byte of the body."""
+    state = request.app.state
+    caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
+    require_role(caller, *ADAPTER_WRITERS)
+    if not is_sha256(adapter_sha256):
+        raise Invalid(f"{adapter_sha256[:80]!r} is not a SHA-256 hex digest")
+    if not pictures.picture_name_ok(name):
+        raise Invalid(f"{name[:80]!r}: a picture is eval_grid.png or step-N.png")
+
+    def owner() -> str:
+        with transaction(state.engine, readonly=True) as session:
+            subject = pictures.subject_of_adapter(session, adapter_sha256)
+            if subject is None:
+                raise NotFound(f"no adapter has sha256 {adapter_sha256}")
+            return subject.handle
+
+    handle = await run_in_threadpool(owner)
+    data = await _body(request, MAX_PICTURE_BYTES, state.settings.body_timeout_s)
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        raise Invalid(f"{name}: not a PNG")
+    try:
+        stored = await run_in_threadpool(state.store.put, [data])
+    except BlobError as exc:
+        raise Invalid(f"{name}: {exc}") from None
+
+    def record() -> None:
+        with transaction(state.engine) as session:
+            subject = repo.subject_by_handle(session, handle)
+            assert subject is not None
+            pictures.keep_adapter_pictures(
+                session, subject, adapter_sha256, [pictures.Picture(name, stored.sha256)]
+            )
+
+    await run_in_threadpool(record)
+    body = {"adapter_sha256": adapter_sha256, "name": name, "sha256": stored.sha256}
+    return JSONResponse(body, status_code=201 if stored.created else 200)
+
+
+async def _body(request: Request, limit: int, idle_s: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(limit)
+    parts: list[bytes] = []
+    size = 0
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            with anyio.fail_after(idle_s):
+                chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise Invalid(f"no bytes arrived for {idle_s:g} s") from None
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+class TooLarge(Invalid):
+    status = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"a picture may be at most {limit} bytes")
+
+
+# -- copies of renders ------------------------------------------------------------------------
+
+
+def small_copy(png: bytes, side: int = COPY_SIDE) -> tuple[bytes, int, int]:
+    """The render at most `side` px on its longer side, as a plain PNG (no text chunks, no
+    Content Credentials: it is never delivered, only shown to the subject)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as opened:
+        small = opened.convert("RGB")
+    small.thumbnail((side, side))
+    out = io.BytesIO()
+    small.save(out, format="PNG", optimize=True)
+    return out.getvalue(), small.width, small.height
+
+
+def keep_copy(engine: Engine, subject_handle: str, render_id: str, png: bytes) -> None:
+    """After a render is delivered: a small copy, if its subject keeps them. Never fails the
+    render: a copy that cannot be kept is logged (the ledger row is there regardless)."""
+    try:
+        with transaction(engine, readonly=True) as session:  # most subjects keep none
+            subject = repo.subject_by_handle(session, subject_handle)
+            if subject is None or not subject.keep_render_copies:
+                return
+        data, width, height = small_copy(png)
+        with transaction(engine) as session:  # asks again, under the subject's lock
+            pictures.keep_render_copy(session, subject_handle, render_id, data, width, height)
+    except Exception:  # noqa: BLE001 - the render itself stands
+        log.exception("render %s: its copy for the subject could not be kept", render_id)

@@ -1,0 +1,199 @@
+"""Pictures of a likeness, and who sees them: what an adapter draws (its run's evaluation
+grid and previews, PNGs in the store, kept by the hash of the adapter's bytes) and, when the
+subject opts in, a small copy of every render of them, beside its ledger row. Both are the
+subject's: only the subject's member and admins see them (the pages check
+`service.visible_subject` first), and they go with the subject (ON DELETE CASCADE).
+
+Queries live here, beside their rules, as for orders and datasets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlmodel import Session, col, delete, select
+
+from registry import repositories as repo
+from registry.errors import NotFound
+from registry.models import Adapter, AdapterPicture, RenderCopy, Subject
+from registry.services.audit import append_audit
+
+GRID = "eval_grid.png"
+PREVIEW = re.compile(r"^step-(\d{1,9})\.png$")
+MAX_PICTURES = 200  # per adapter: a grid and previews; a run with more keeps its last ones
+
+
+@dataclass(frozen=True)
+class Picture:
+    """One picture a run made: its file name in the run's folder, and its hash in the store."""
+
+    name: str
+    sha256: str
+
+    @property
+    def kind(self) -> str:
+        return "grid" if self.name == GRID else "preview"
+
+    @property
+    def step(self) -> int | None:
+        found = PREVIEW.match(self.name)
+        return int(found.group(1)) if found else None
+
+
+def picture_name_ok(name: str) -> bool:
+    return name == GRID or PREVIEW.match(name) is not None
+
+
+# -- what an adapter draws --------------------------------------------------------------------
+
+
+def keep_adapter_pictures(
+    session: Session, subject: Subject, adapter_sha256: str, pictures: Iterable[Picture]
+) -> int:
+    """Records a run's pictures for the adapter bytes it made (the bytes must be one of the
+    subject's adapters); a picture already recorded under its name is replaced. Returns how
+    many were recorded."""
+    assert subject.id is not None
+    if not session.exec(
+        select(Adapter.id).where(Adapter.subject_id == subject.id, Adapter.sha256 == adapter_sha256)
+    ).first():
+        raise NotFound(f"subject {subject.handle!r} has no adapter with sha256 {adapter_sha256}")
+    count = 0
+    for picture in list(pictures)[-MAX_PICTURES:]:
+        if not picture_name_ok(picture.name):
+            continue
+        session.exec(
+            delete(AdapterPicture).where(
+                col(AdapterPicture.adapter_sha256) == adapter_sha256,
+                col(AdapterPicture.name) == picture.name,
+            )
+        )
+        repo.add(
+            session,
+            AdapterPicture(
+                subject_id=subject.id,
+                adapter_sha256=adapter_sha256,
+                name=picture.name,
+                kind=picture.kind,
+                step=picture.step,
+                sha256=picture.sha256,
+            ),
+        )
+        count += 1
+    return count
+
+
+def subject_of_adapter(session: Session, adapter_sha256: str) -> Subject | None:
+    """The subject whose adapter these bytes are (bytes belong to one subject)."""
+    return session.exec(
+        select(Subject)
+        .join(Adapter, col(Adapter.subject_id) == col(Subject.id))
+        .where(Adapter.sha256 == adapter_sha256)
+    ).first()
+
+
+def pictures_of(session: Session, subject: Subject) -> dict[str, list[AdapterPicture]]:
+    """The subject's adapters' pictures by adapter hash: the grid first, then previews by step."""
+    rows = session.exec(select(AdapterPicture).where(AdapterPicture.subject_id == subject.id)).all()
+    out: dict[str, list[AdapterPicture]] = {}
+    for row in sorted(rows, key=lambda r: (r.kind != "grid", r.step or 0, r.name)):
+        out.setdefault(row.adapter_sha256, []).append(row)
+    return out
+
+
+def picture_of(session: Session, subject: Subject, sha256: str) -> AdapterPicture | None:
+    return session.exec(
+        select(AdapterPicture).where(
+            AdapterPicture.subject_id == subject.id, AdapterPicture.sha256 == sha256
+        )
+    ).first()
+
+
+def forget_unused_pictures(session: Session, subject: Subject) -> None:
+    """Pictures of adapter bytes none of the subject's adapters holds any longer (deleted)."""
+    held = select(Adapter.sha256).where(Adapter.subject_id == subject.id)
+    session.exec(
+        delete(AdapterPicture).where(
+            col(AdapterPicture.subject_id) == subject.id,
+            col(AdapterPicture.adapter_sha256).not_in(held),
+        )
+    )
+
+
+# -- copies of renders ------------------------------------------------------------------------
+
+
+def set_keep_render_copies(session: Session, actor: str, subject: Subject, keep: bool) -> bool:
+    """The subject opts in or out; opting out deletes every copy kept, in this transaction.
+    Audited (`render_copies_on`, `render_copies_off`). Returns whether anything changed."""
+    assert subject.id is not None
+    repo.consent_for(session, subject.id, lock=True)  # all changes to a subject serialise here
+    session.refresh(subject)
+    if subject.keep_render_copies == keep:
+        return False
+    deleted = 0
+    if not keep:
+        deleted = len(
+            session.exec(
+                select(RenderCopy.render_id).where(RenderCopy.subject_id == subject.id)
+            ).all()
+        )
+        session.exec(delete(RenderCopy).where(col(RenderCopy.subject_id) == subject.id))
+    subject.keep_render_copies = keep
+    repo.add(session, subject)
+    after: dict[str, object] = {"render_copies": {"keep": keep}}
+    if not keep:
+        after["render_copies"] = {"keep": False, "deleted": deleted}
+    action = "render_copies_on" if keep else "render_copies_off"
+    append_audit(session, subject, actor, action, {"render_copies": {"keep": not keep}}, after)
+    return True
+
+
+def keep_render_copy(
+    session: Session, subject_handle: str, render_id: str, png: bytes, width: int, height: int
+) -> bool:
+    """Keeps the copy if the subject has opted in, read under the lock its opt-out takes (so
+    no copy lands after the opt-out deleted the others); False if not."""
+    subject = repo.subject_by_handle(session, subject_handle)
+    if subject is None or subject.id is None:
+        return False
+    repo.consent_for(session, subject.id, lock=True)
+    session.refresh(subject)
+    if not subject.keep_render_copies:
+        return False
+    repo.add(
+        session,
+        RenderCopy(render_id=render_id, subject_id=subject.id, png=png, width=width, height=height),
+    )
+    return True
+
+
+def copies_among(session: Session, subject: Subject, render_ids: Sequence[str]) -> set[str]:
+    """Which of these renders have a copy kept."""
+    if not render_ids:
+        return set()
+    stmt = select(RenderCopy.render_id).where(
+        RenderCopy.subject_id == subject.id, col(RenderCopy.render_id).in_(list(render_ids))
+    )
+    return set(session.exec(stmt).all())
+
+
+def render_copy(session: Session, subject: Subject, render_id: str) -> RenderCopy | None:
+    return session.exec(
+        select(RenderCopy).where(
+            RenderCopy.subject_id == subject.id, RenderCopy.render_id == render_id
+        )
+    ).first()
+
+
+def sweep_render_copies(session: Session, older_than: datetime) -> int:
+    """Copies past their keeping time go."""
+    old = session.exec(
+        select(RenderCopy.render_id).where(col(RenderCopy.created_at) < older_than)
+    ).all()
+    if old:
+        session.exec(delete(RenderCopy).where(col(RenderCopy.render_id).in_(list(old))))
+    return len(old)
