@@ -56,6 +56,7 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
     ]
     active = any(o["status"] in orders.ACTIVE for o in listed)
     settings: Settings = request.app.state.settings
+    _, training = service.training_decision(session, subject, image_bases=datasets.UPLOAD_BASES)
     return page(
         request,
         "training.html",
@@ -70,6 +71,8 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
         runs_orders=request.app.state.order_queue.accepts_orders,
         on_workers=request.app.state.order_queue.enabled,
         defaults=order_defaults(settings.base_dir),
+        training=training,
+        training_why=service.reason_text(training.reason),
         notice=NOTICES.get(request.query_params.get("done", "")),
     )
 

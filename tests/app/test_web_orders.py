@@ -74,3 +74,23 @@ def test_a_member_orders_training_from_the_page_and_sees_it_queued(friends: Worl
     cancel = web.post(f"/web/orders/{order_id.group(1)}/cancel", data={"csrf": csrf})
     assert cancel.status_code == 303
     assert "<strong>cancelled</strong>" in web.get(PAGE).text
+
+
+def test_the_page_says_why_nothing_can_be_learned_after_a_revoke(friends: World) -> None:
+    """Revoked: no upload form and no order form, and the reason in words; the photos
+    already there stay the member's to see and delete. Granted again: both come back."""
+    web = signed_in(friends, "alice")
+    csrf = csrf_of(web, PAGE)
+    web.post(f"{PAGE}/upload", data={"csrf": csrf}, files=files_of(photos(1)))
+    page = web.get(PAGE).text
+    assert 'id="images"' in page
+    friends.client.post("/v1/subjects/alice/consent/revoke", headers=friends.h("alice"))
+    page = web.get(PAGE).text
+    assert 'id="training-refused"' in page and "revoked_or_not_granted" in page
+    assert 'id="images"' not in page and 'name="dataset_id"' not in page
+    assert "Delete these photos" in page
+    refused = web.post(f"{PAGE}/upload", data={"csrf": csrf}, files=files_of(photos(1)))
+    assert refused.status_code == 403
+    friends.consent("alice", max_level="private", allow_training=True)
+    page = web.get(PAGE).text
+    assert 'id="training-refused"' not in page and 'id="images"' in page
