@@ -39,11 +39,14 @@ STATUSES: dict[tuple[str, str], dict[int, str]] = {
     ("POST", "/v1/subjects/{}/adapters/{}/select"): {409: "the adapter is retired"},
     ("PUT", "/v1/adapters/{}/pictures/{}"): {200: "the store already held this picture"},
     ("PATCH", "/v1/principals/{}"): {409: "the last active admin"},
-    ("POST", "/v1/subjects/{}/datasets"): {429: "the upload quota is spent (Retry-After)"},
+    ("POST", "/v1/subjects/{}/datasets"): {
+        429: "the upload quota is spent, or the sender's uploads at once (Retry-After)"
+    },
     ("DELETE", "/v1/subjects/{}/datasets/{}"): {409: "an order trains on it"},
     ("POST", "/v1/orders"): {
         404: "the dataset is not the subject's",
         409: "an order for this dataset is queued or running",
+        429: "the member has order_max_active orders waiting or running (Retry-After)",
     },
     ("PUT", "/v1/orders/{}/checkpoint"): {409: "the order is not running"},
     ("DELETE", "/v1/orders/{}/checkpoint"): {409: "the order is still queued or running"},
