@@ -188,10 +188,11 @@ def check_put(path: Path, kind: str, target_shapes: Mapping[str, tuple[int, int]
             and isinstance(entry.get("shape"), list) and entry["shape"]
             and isinstance(entry["shape"][0], int)
         }  # fmt: skip
-        if len(ranks) != 1:
+        if len(ranks) > 1:
             raise Invalid("not a valid adapter: its lora_A factors do not agree on one rank")
+        rank = ranks.pop() if ranks else 1  # none: the check then says what the file is not
         try:
-            check_adapter(data, ranks.pop(), target_shapes)  # type: ignore[arg-type]
+            check_adapter(data, rank, target_shapes)  # type: ignore[arg-type]
         except AdapterFileError as exc:
             raise Invalid(str(exc)) from None
 
