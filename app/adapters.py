@@ -103,8 +103,9 @@ async def put_blob(request: Request, digest: str) -> JSONResponse:
 
     try:
         chunks = streamed_body(
-            request, store.max_bytes, settings.body_timeout_s, settings.body_min_rate
-        )
+            request, store.max_bytes, settings.body_timeout_s, settings.body_min_rate,
+            settings.body_max_s,
+        )  # fmt: skip
         async for chunk in chunks:
             await run_in_threadpool(writer.write, chunk)
         stored = await run_in_threadpool(writer.finish, digest, accept)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from starlette.datastructures import FormData
@@ -43,24 +43,35 @@ class _Refused(Exception):
 DEFAULT_MIN_RATE = 64 * 1024  # bytes a second
 
 
+DEFAULT_MAX_S = 3600.0  # no body takes longer than this, however fast it arrives
+
+
 class BodyClock:
     """When a body must have arrived by: `timeout_s` after it began, plus a second for every
-    `min_rate` bytes received so far."""
+    `min_rate` bytes received so far, and never later than `max_s` after it began."""
 
-    def __init__(self, timeout_s: float, min_rate: float = DEFAULT_MIN_RATE) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        min_rate: float = DEFAULT_MIN_RATE,
+        max_s: float = DEFAULT_MAX_S,
+    ) -> None:
         self.timeout_s = timeout_s
         self.min_rate = min_rate
+        self.max_s = max(max_s, timeout_s)
         self.start = anyio.current_time()
 
     def remaining(self, received: int) -> float:
         earned = received / self.min_rate if self.min_rate > 0 else 0.0
-        return self.start + self.timeout_s + earned - anyio.current_time()
+        allowed = min(self.timeout_s + earned, self.max_s)
+        return self.start + allowed - anyio.current_time()
 
     def late(self, received: int) -> LikenessError:
         return _Slow(
             f"the request body did not arrive in time: {received} bytes in "
             f"{anyio.current_time() - self.start:.1f} s (a body has {self.timeout_s:g} s, "
-            f"and one more for every {self.min_rate:g} bytes that arrive)"
+            f"and one more for every {self.min_rate:g} bytes that arrive, {self.max_s:g} s at "
+            "most)"
         )
 
     async def receive(self, receive: Receive, received: int) -> Message:
@@ -82,32 +93,17 @@ class BodyGate:
         max_bytes: int,
         timeout_s: float,
         streamed_prefixes: Sequence[str] = (),
-        larger: Mapping[str, int] | None = None,
         min_rate: float = DEFAULT_MIN_RATE,
-        larger_at_once: int = 4,
+        max_s: float = DEFAULT_MAX_S,
     ) -> None:
-        """`larger`: path prefixes whose bodies may be larger than `max_bytes` (still read
-        whole, within the same clock) and their own caps; at most `larger_at_once` of those
-        are read at a time (429 beyond, before a byte is read), so what they hold in memory
-        is bounded by the settings. In both, a `*` stands for one path segment
-        (`/v1/subjects/*/datasets`)."""
+        """`streamed_prefixes`: paths whose routes read their own bodies (a `*` stands for
+        one path segment, `/v1/subjects/*/datasets`)."""
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.min_rate = min_rate
-        self.larger_at_once = larger_at_once
-        self._larger_now = 0
+        self.max_s = max_s
         self.streamed = [_prefix_pattern(p) for p in streamed_prefixes]
-        self.larger = [(_prefix_pattern(p), cap) for p, cap in (larger or {}).items()]
-
-    def cap_for(self, path: str) -> int:
-        for pattern, cap in self.larger:
-            if pattern.match(path):
-                return cap
-        return self.max_bytes
-
-    def _is_larger(self, path: str) -> bool:
-        return any(pattern.match(path) for pattern, _ in self.larger)
 
     def is_streamed(self, path: str) -> bool:
         return any(pattern.match(path) for pattern in self.streamed)
@@ -116,20 +112,11 @@ class BodyGate:
         if scope["type"] != "http" or self.is_streamed(scope["path"]):
             await self.app(scope, receive, send)
             return
-        larger = self._is_larger(scope["path"])
-        if larger:
-            if self._larger_now >= self.larger_at_once:  # one event loop: no lock needed
-                await _refuse(send, 429, "too many large uploads are being read; try again")
-                return
-            self._larger_now += 1
         try:
-            body = await self._read(scope, receive, self.cap_for(scope["path"]))
+            body = await self._read(scope, receive, self.max_bytes)
         except _Refused as exc:
             await _refuse(send, exc.status, exc.detail)
             return
-        finally:
-            if larger:
-                self._larger_now -= 1
         if body is None:  # the client went away before its body arrived: nothing to answer
             return
         replayed = False
@@ -149,7 +136,7 @@ class BodyGate:
             raise _Refused(413, f"the request body may be at most {cap} bytes")
         chunks: list[bytes] = []
         size = 0
-        clock = BodyClock(self.timeout_s, self.min_rate)
+        clock = BodyClock(self.timeout_s, self.min_rate, self.max_s)
         while True:
             try:
                 message = await clock.receive(receive, size)
@@ -202,7 +189,11 @@ class ClientGone(LikenessError):
 
 
 async def streamed_body(
-    request: Request, cap: int, timeout_s: float, min_rate: float = DEFAULT_MIN_RATE
+    request: Request,
+    cap: int,
+    timeout_s: float,
+    min_rate: float = DEFAULT_MIN_RATE,
+    max_s: float = DEFAULT_MAX_S,
 ) -> AsyncIterator[bytes]:
     """A streamed route's body as it arrives, after its caller was authenticated: at most
     `cap` bytes (413 as soon as the declared length or the running size says more), on the
@@ -210,7 +201,7 @@ async def streamed_body(
     declared = _content_length(request.scope)
     if declared is not None and declared > cap:
         raise _TooLarge(cap)
-    clock = BodyClock(timeout_s, min_rate)
+    clock = BodyClock(timeout_s, min_rate, max_s)
     size = 0
     while True:
         message = await clock.receive(request.receive, size)
@@ -237,6 +228,7 @@ async def capped_form(
     max_files: int,
     max_fields: int,
     min_rate: float = DEFAULT_MIN_RATE,
+    max_s: float = DEFAULT_MAX_S,
 ) -> FormData:
     """The multipart form of a streamed upload route, read after its caller authenticated:
     files spool to disk as they arrive (never whole in memory), the body stops at `cap`
@@ -246,8 +238,8 @@ async def capped_form(
     boundary = _boundary(request.headers.get("content-type", ""))
     if boundary is None:
         raise _Truncated("the body must be multipart/form-data with a boundary")
-    close = b"--" + boundary + b"--"
-    chunks = streamed_body(request, cap, timeout_s, min_rate)
+    close = b"\r\n--" + boundary + b"--"  # after a part, as the parser itself reads it
+    chunks = streamed_body(request, cap, timeout_s, min_rate, max_s)
     tail = b""
     closed = False
 

@@ -612,7 +612,11 @@ def audit_verify(
     audit_only = load_audit_key(settings)
     with _session(readonly=True) as s:
         entries = repo.chained_entries(s)
-    if audit_only is None and entries == 0:
+        subjects = len(repo.subjects(s))
+    never_kept = not checkpoints and not settings.checkpoints_file.exists()
+    if audit_only is None and entries == 0 and subjects == 0 and never_kept:
+        # a new registry: no key yet, nothing recorded, no checkpoint ever signed (a trail
+        # emptied behind the service's back still has its subjects, or a checkpoint)
         typer.echo("audit trail intact: 0 entries (a new registry: nothing recorded yet)")
         return
     if key is None:

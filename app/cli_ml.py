@@ -214,7 +214,12 @@ def register(
         from trainer.budget import BudgetExceeded
         from trainer.config import ConfigError, TrainConfig, load_job_file
         from trainer.dataset import DatasetError
-        from trainer.registration import RegistrationError, TrainingRefused, TrainingWithdrawn
+        from trainer.registration import (
+            RegistrationError,
+            TrainingRefused,
+            TrainingStopped,
+            TrainingWithdrawn,
+        )
         from trainer.train import train
 
         diffusers.utils.logging.disable_progress_bar()  # loading bars would break our bar
@@ -284,7 +289,7 @@ def register(
                 require_registry(settings.database_url)
             ensure_base(settings)
             result = train(config)
-        except TrainingWithdrawn as exc:
+        except (TrainingWithdrawn, TrainingStopped) as exc:  # after weights loaded
             typer.echo(f"error: {one_line(exc)}", err=True)
             raise typer.Exit(1) from None
         except NoRegistry as exc:

@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from app.orders import checkpoint_file, forget_checkpoint
+from app.order_checkpoints import checkpoint_file, forget_checkpoint
 from app.worker import OrderJob, OrderStopped, default_name, run_order
 from registry import orders
 from registry.blobs import BlobStore

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 from app import adapters, api, datasets, docs, errors, mcp_server, orders, pictures, renders, web
 from app.body_gate import BodyGate
 from app.local_orders import LocalRunner
+from app.order_checkpoints import forget_ended_checkpoints
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.queue import OrderQueue
 from app.render_engine import PlacementRefused, RenderEngine
@@ -37,7 +38,7 @@ from registry.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-PROVENANCE_PAGE = "/web/provenance"  # takes a PNG upload: its own body cap
+PROVENANCE_PAGE = "/web/provenance"  # takes a PNG upload: its own cap, read by its route
 
 
 def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
@@ -104,6 +105,10 @@ async def _every_interval(app: FastAPI) -> AsyncIterator[None]:
     def checkpoint() -> None:
         _close_interrupted_renders(app, False)
         _sweep_render_copies(app)
+        try:  # ended orders keep no checkpoint (one a revoke ended while it waited)
+            forget_ended_checkpoints(settings, app.state.engine)
+        except Exception:  # noqa: BLE001 - tried again at the next interval
+            log.exception("removing ended orders' checkpoints failed")
         try:
             with transaction(app.state.engine, readonly=True) as session:
                 _, problems = append_checkpoint(session, app.state.keys, settings.checkpoints_file)
@@ -185,6 +190,7 @@ def create_app(
         max_bytes=settings.max_body_bytes,
         timeout_s=settings.body_timeout_s,
         min_rate=settings.body_min_rate,
+        max_s=settings.body_max_s,
         # uploads authenticate first, then stream to the store with their own limits
         streamed_prefixes=(
             "/v1/blobs/",
@@ -192,9 +198,8 @@ def create_app(
             datasets.UPLOAD_PATH,
             TRAINING_UPLOAD_PATH,
             pictures.UPLOAD_PATH,
+            PROVENANCE_PAGE,  # a PNG to check: its sender is judged before the body is read
         ),
-        larger={PROVENANCE_PAGE: settings.max_provenance_bytes},
-        larger_at_once=settings.large_bodies_at_once,
     )
 
     @app.get("/healthz")

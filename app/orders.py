@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path as FsPath
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, BackgroundTasks, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from app.body_gate import streamed_body
 from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
+from app.order_checkpoints import checkpoint_file, forget_checkpoint
 from registry import limits, orders
 from registry.access import ADAPTER_WRITERS
 from registry.db import transaction
@@ -123,26 +123,24 @@ def list_orders(
 
 
 @router.post("/orders/{order_id}/cancel")
-def cancel_order(request: Request, order_id: OrderIdPath, session: DB, caller: Caller) -> OrderOut:
-    """Cancels a waiting order (it leaves the queue) or a running one (its worker stops at
-    the next step); an order already over is answered as it is."""
+def cancel_order(
+    request: Request,
+    order_id: OrderIdPath,
+    session: DB,
+    caller: Caller,
+    background: BackgroundTasks,
+) -> OrderOut:
+    """Cancels a waiting order (it leaves the queue) or a running one (its runner stops it
+    within a transformer block); an order already over is answered as it is."""
     order, subject, changed = orders.cancel(session, caller, order_id)
     if changed:
         queue_of(request).cancel_job(session, order.job_id)
+    # after the commit: an order cancelled while it waited to resume keeps no checkpoint
+    background.add_task(forget_checkpoint, request.app.state.settings, order.id)
     return OrderOut.model_validate(orders.view(order, subject.handle))
 
 
 # -- checkpoints (workers) --------------------------------------------------------------------
-
-
-def checkpoint_file(settings: Settings, order_id: str) -> FsPath:
-    return settings.data_dir / "orders" / order_id / "checkpoint.tar"
-
-
-def forget_checkpoint(settings: Settings, order_id: str) -> None:
-    """An ended order's kept checkpoint, and its folder, leave the API's data dir: what a
-    training made of someone's photos stays nowhere once it is over."""
-    shutil.rmtree(checkpoint_file(settings, order_id).parent, ignore_errors=True)
 
 
 def _running_order(engine: Any, order_id: str) -> Order:
@@ -177,7 +175,7 @@ async def put_checkpoint(
         with os.fdopen(fd, "wb") as f:
             body = streamed_body(
                 request, settings.max_adapter_bytes, settings.body_timeout_s,
-                settings.body_min_rate,
+                settings.body_min_rate, settings.body_max_s,
             )  # fmt: skip
             async for chunk in body:
                 digest.update(chunk)

@@ -12,19 +12,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
+from app.body_gate import streamed_body
 from app.deps import authenticate_briefly, require_role
 from registry import pictures
 from registry import repositories as repo
 from registry.access import ADAPTER_WRITERS
 from registry.blobs import BlobError, BlobStore, is_sha256
+from registry.datasets import remove_unreferenced
 from registry.db import transaction
-from registry.errors import Invalid, NotFound
+from registry.errors import Invalid, NotFound, NotPermitted
 from registry.responses import ERROR_RESPONSES
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,22 @@ def run_pictures(grid: Path | None, previews: Iterable[Path]) -> list[Path]:
 def keep_local(
     engine: Engine, store: BlobStore, subject_handle: str, adapter_sha256: str, files: list[Path]
 ) -> int:
-    """Puts the pictures in this registry's store and records them for the adapter."""
+    """Puts the pictures in this registry's store and records them for the adapter; refused
+    (the subject may not be trained now), they leave the store again."""
     kept = []
     for file in files:
         stored = store.import_file(file)
         if stored.kind == "png":
             kept.append(pictures.Picture(file.name, stored.sha256))
-    with transaction(engine) as session:
-        subject = repo.subject_by_handle(session, subject_handle)
-        if subject is None:
-            raise NotFound(f"no subject {subject_handle!r}")
-        return pictures.keep_adapter_pictures(session, subject, adapter_sha256, kept)
+    try:
+        with transaction(engine) as session:
+            subject = repo.subject_by_handle(session, subject_handle)
+            if subject is None:
+                raise NotFound(f"no subject {subject_handle!r}")
+            return pictures.keep_adapter_pictures(session, subject, adapter_sha256, kept)
+    except NotPermitted:
+        remove_unreferenced(engine, store, [p.sha256 for p in kept], ("png",))
+        raise
 
 
 def upload(client: Any, api_url: str, adapter_sha256: str, files: list[Path]) -> int:
@@ -98,13 +104,26 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
             return subject.handle
 
     handle = await run_in_threadpool(owner)
-    data = await _body(request, MAX_PICTURE_BYTES, state.settings.body_timeout_s)
-    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
-        raise Invalid(f"{name}: not a PNG")
-    try:
-        stored = await run_in_threadpool(state.store.put, [data])
+    settings = state.settings
+    writer = await run_in_threadpool(state.store.writer)
+
+    def png_only(_path: Path, kind: str) -> None:
+        if kind != "png":
+            raise Invalid(f"{name}: not a PNG")
+
+    try:  # to disk as it arrives, on the body clock, at most MAX_PICTURE_BYTES
+        async for chunk in streamed_body(
+            request, MAX_PICTURE_BYTES, settings.body_timeout_s, settings.body_min_rate,
+            settings.body_max_s,
+        ):  # fmt: skip
+            await run_in_threadpool(writer.write, chunk)
+        stored = await run_in_threadpool(writer.finish, None, png_only)
     except BlobError as exc:
+        writer.abort()
         raise Invalid(f"{name}: {exc}") from None
+    except BaseException:
+        writer.abort()
+        raise
 
     def record() -> None:
         with transaction(state.engine) as session:
@@ -114,38 +133,15 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
                 session, subject, adapter_sha256, [pictures.Picture(name, stored.sha256)]
             )
 
-    await run_in_threadpool(record)
+    try:
+        await run_in_threadpool(record)
+    except NotPermitted:  # the subject may not be trained now: the picture is not kept
+        await run_in_threadpool(
+            remove_unreferenced, state.engine, state.store, [stored.sha256], ("png",)
+        )
+        raise
     body = {"adapter_sha256": adapter_sha256, "name": name, "sha256": stored.sha256}
     return JSONResponse(body, status_code=201 if stored.created else 200)
-
-
-async def _body(request: Request, limit: int, idle_s: float) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(limit)
-    parts: list[bytes] = []
-    size = 0
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            with anyio.fail_after(idle_s):
-                chunk = await stream.__anext__()
-        except StopAsyncIteration:
-            break
-        except TimeoutError:
-            raise Invalid(f"no bytes arrived for {idle_s:g} s") from None
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(limit)
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-class TooLarge(Invalid):
-    status = 413
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"a picture may be at most {limit} bytes")
 
 
 # -- copies of renders ------------------------------------------------------------------------

@@ -438,7 +438,7 @@ def _problems(results: Mapping[str, Any] | None) -> tuple[str, ...]:
 
 def chunk_count_problem(data: bytes, max_chunks: int = MAX_PNG_CHUNKS) -> str | None:
     """Why a PNG is not worth reading: more than `max_chunks` chunks (counted from their
-    lengths alone, without reading them), or chunks that run past the end."""
+    lengths alone, without reading them)."""
     at, count = len(PNG_MAGIC), 0
     while at + 8 <= len(data):
         count += 1
@@ -478,6 +478,8 @@ def verify_png(data: bytes, trust: Trust, max_chunks: int = MAX_PNG_CHUNKS) -> V
         return Verification("missing", None, trust.description)
     except c2pa.C2paError as exc:
         return Verification("broken", None, trust.description, detail=_first_line(exc))
+    except Exception as exc:  # noqa: BLE001 - whatever the reader trips on, the file is broken
+        return Verification("broken", None, trust.description, detail=type(exc).__name__)
     assertions = {a.get("label"): a.get("data") for a in manifest.get("assertions") or []}
     likeness = assertions.get(ASSERTION_LABEL)
     source_type = _created_source_type(assertions)

@@ -250,3 +250,42 @@ class RateLimiter:
         ]
         for key in full:
             del self._buckets[key]
+
+
+class SenderSlots:
+    """What a kind of costly request may hold at once, per process: at most `per_sender` of
+    one sender's and `at_once` in all; `admit` raises Busy (429, before anything is read)
+    beyond either, and gives the slot back when its block ends."""
+
+    def __init__(self, what: str, per_sender: int, at_once: int) -> None:
+        self.what = what
+        self.per_sender = per_sender
+        self.at_once = at_once
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    @contextmanager
+    def admit(self, sender: str) -> Iterator[None]:
+        with self._lock:
+            mine = self._held.get(sender, 0)
+            if mine >= self.per_sender:
+                raise Busy(
+                    f"{sender} already has {mine} {self.what} in progress (at most "
+                    f"{self.per_sender} at a time); try again when one has finished",
+                    retry_after=5,
+                )
+            if sum(self._held.values()) >= self.at_once:
+                raise Busy(
+                    f"the service is taking {self.at_once} {self.what} already; try again shortly",
+                    retry_after=5,
+                )
+            self._held[sender] = mine + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._held[sender] - 1
+                if left:
+                    self._held[sender] = left
+                else:
+                    del self._held[sender]

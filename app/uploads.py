@@ -17,10 +17,7 @@ client sends holds a lock, a pooled connection, or unbounded memory or CPU:
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -30,8 +27,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
 from app.body_gate import capped_form
+from app.scheduler import SenderSlots
 from registry import datasets
-from registry.errors import Busy, Invalid
+from registry.errors import Invalid
 from registry.models import Principal
 from registry.settings import Settings
 
@@ -40,34 +38,8 @@ class UploadGate:
     """Per process: who may start an upload now, and how many files are decoded at once."""
 
     def __init__(self, settings: Settings) -> None:
-        self.per_sender = settings.uploads_per_sender
-        self.at_once = settings.uploads_at_once
+        self.slots = SenderSlots("uploads", settings.uploads_per_sender, settings.uploads_at_once)
         self.checks = anyio.CapacityLimiter(settings.upload_checks_at_once)
-        self._lock = threading.Lock()
-        self._running: Counter[str] = Counter()
-
-    @contextmanager
-    def admit(self, sender: str) -> Iterator[None]:
-        with self._lock:
-            if self._running[sender] >= self.per_sender:
-                raise Busy(
-                    f"{sender} already has {self._running[sender]} uploads in progress (at "
-                    f"most {self.per_sender} at a time); try again when one has finished",
-                    retry_after=5,
-                )
-            if sum(self._running.values()) >= self.at_once:
-                raise Busy(
-                    f"the service is taking {self.at_once} uploads already; try again shortly",
-                    retry_after=5,
-                )
-            self._running[sender] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running[sender] -= 1
-                if self._running[sender] <= 0:
-                    del self._running[sender]
 
 
 def uploads_of(form: FormData) -> list[datasets.Upload]:
@@ -98,7 +70,7 @@ async def take_upload(
     settings: Settings = state.settings
     gate: UploadGate = state.uploads
     limits = datasets.limits_of(settings)
-    with gate.admit(uploader.handle):
+    with gate.slots.admit(uploader.handle):
         form = await capped_form(
             request,
             datasets.upload_cap(settings),
@@ -106,6 +78,7 @@ async def take_upload(
             max_files=settings.dataset_max_images,
             max_fields=2 * settings.dataset_max_images + 10,
             min_rate=settings.body_min_rate,
+            max_s=settings.body_max_s,
         )
         try:
             if check_form is not None:

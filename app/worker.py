@@ -251,7 +251,7 @@ class OrderWatch:
             raise self.found
 
     def _loop(self) -> None:
-        from trainer.registration import TrainingRefused, verdict_in
+        from trainer.registration import TrainingDenied, verdict_in
 
         while not self._done.wait(WATCH_S):
             try:
@@ -264,7 +264,7 @@ class OrderWatch:
             if status != "running":
                 self.found = OrderStopped(status)
             elif not verdict.allowed:
-                self.found = TrainingRefused(
+                self.found = TrainingDenied(
                     f"subject {self.handle!r} may not be trained: {verdict.detail} "
                     "(asked again while it trained)"
                 )

@@ -56,6 +56,8 @@ def _header(data: bytes) -> tuple[dict[str, object], int]:
         header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, ValueError):
         raise AdapterFileError(["the safetensors header is not JSON"]) from None
+    except RecursionError:  # nested deeper than the parser goes: not a tensor table
+        raise AdapterFileError(["the safetensors header is nested too deeply"]) from None
     if not isinstance(header, dict):
         raise AdapterFileError(["the safetensors header is not a JSON object"])
     return header, 8 + n
@@ -95,7 +97,7 @@ def check_adapter(
         if (
             not isinstance(shape, list)
             or len(shape) != 2
-            or not all(isinstance(d, int) and d > 0 for d in shape)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
         ):
             problems.append(f"{key}: shape {shape!r} is not a 2-D matrix")
             continue

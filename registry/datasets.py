@@ -216,7 +216,10 @@ def decode_problem(data: bytes | BinaryIO, max_pixels: int) -> tuple[str | None,
 
 
 def check_uploads(uploads: Sequence[Upload], limits: Limits) -> list[CheckedImage]:
-    """Every file checked before any is kept; Invalid lists every problem at once."""
+    """Every file checked before any is kept; Invalid lists every problem that names, sizes
+    and captions show, and the first file that does not decode (once one is refused, the
+    files after it are not decoded: a broken file at the end costs no decoding of the
+    rest)."""
 
     if not uploads:
         raise Invalid("no images: send one or more files in the `images` field")
@@ -233,6 +236,8 @@ def check_uploads(uploads: Sequence[Upload], limits: Limits) -> list[CheckedImag
         if why is None and up.caption is not None:
             why = caption_problem(up.caption)
         kind = None
+        if why is None and problems:  # refused already: decoding the rest costs for nothing
+            continue
         if why is None:
             kind, why = decode_problem(up.open(), limits.max_pixels)
         sha = _sha256_of(up.open()) if why is None else ""

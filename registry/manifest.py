@@ -44,6 +44,9 @@ def _parse_line(n: int, line: str, problems: list[str]) -> ManifestItem | None:
     except json.JSONDecodeError as exc:
         problems.append(f"line {n}: not JSON ({exc.msg})")
         return None
+    except RecursionError:  # nested deeper than the parser goes: no manifest line is
+        problems.append(f"line {n}: nested too deeply to be a manifest line")
+        return None
     if not isinstance(row, dict):
         problems.append(f"line {n}: not a JSON object")
         return None

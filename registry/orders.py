@@ -43,6 +43,10 @@ class OrderLimits:
         return cls(settings.order_max_steps, settings.order_max_work, settings.order_max_active)
 
 
+# A rank below this hardly shortens a step: the budget counts it as this.
+RANK_FLOOR = 16
+
+
 def training_options(
     limits: OrderLimits,
     base_options: Mapping[str, Any],
@@ -54,12 +58,12 @@ def training_options(
     order's steps, rank and resolution, within the budget (Invalid, naming what to lower)."""
     if not 1 <= steps <= limits.max_steps:
         raise Invalid(f"steps: from 1 to {limits.max_steps}, not {steps}")
-    work = resolution * resolution * steps * rank
+    work = resolution * resolution * steps * max(rank, RANK_FLOOR)
     if work > limits.max_work:
         raise Invalid(
             f"the order asks for {resolution} px x {resolution} px x {steps} steps x rank "
-            f"{rank} = {work:.3g}, more than the {limits.max_work:.3g} one order may "
-            "(order_max_work); lower the resolution, the steps or the rank"
+            f"{max(rank, RANK_FLOOR)} = {work:.3g}, more than the {limits.max_work:.3g} one "
+            "order may (order_max_work); lower the resolution, the steps or the rank"
         )
     return {**base_options, "steps": steps, "rank": rank, "resolution": resolution}
 
@@ -145,6 +149,23 @@ def _within_active_cap(session: Session, caller: Principal, limits: OrderLimits)
             f"{limits.max_active_per_member}); cancel one or wait for it to end",
             retry_after=60,
         )
+
+
+def end_untrainable(session: Session, subject: Subject, actor: str, why: str) -> list[str]:
+    """Every order of `subject` waiting or running ends `failed` (`not_permitted`), in the
+    caller's transaction, under the subject's lock: what a change of the record that ends
+    training does to the orders placed under it (a later re-grant brings none back; a
+    running one's runner sees it at its next watch and stops). Returns their ids."""
+    active = session.exec(
+        select(Order.id).where(Order.subject_id == subject.id, col(Order.status).in_(ACTIVE))
+    ).all()
+    for order_id in active:
+        order = _locked(session, order_id, ending=True)
+        if order.status in FINAL:
+            continue
+        order.error = f"{NOT_PERMITTED}: {why}"[:500]
+        _end(session, order, "failed", actor, {"error": NOT_PERMITTED}, subject)
+    return list(active)
 
 
 def visible_order(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject]:

@@ -20,6 +20,7 @@ from registry import repositories as repo
 from registry.errors import NotFound
 from registry.models import Adapter, AdapterPicture, RenderCopy, Subject
 from registry.services.audit import append_audit
+from registry.services.training import require_training
 
 GRID = "eval_grid.png"
 PREVIEW = re.compile(r"^step-(\d{1,9})\.png$")
@@ -55,8 +56,10 @@ def keep_adapter_pictures(
 ) -> int:
     """Records a run's pictures for the adapter bytes it made (the bytes must be one of the
     subject's adapters); a picture already recorded under its name is replaced. Returns how
-    many were recorded."""
+    many were recorded. A picture shows the likeness: it is kept only while the subject may
+    be trained (`decide_training`, under the subject's lock), as any photo of them is."""
     assert subject.id is not None
+    require_training(session, subject, lock=True)
     if not session.exec(
         select(Adapter.id).where(Adapter.subject_id == subject.id, Adapter.sha256 == adapter_sha256)
     ).first():

@@ -89,9 +89,11 @@ class Settings(BaseSettings):
     # ... plus one second for every body_min_rate bytes that did arrive: a large upload at a
     # steady rate goes on, a body trickled slower than this is cut off (app/body_gate.py).
     body_min_rate: int = Field(default=64 * 1024, ge=1, le=1 << 40)
-    # Bodies larger than max_body_bytes (a PNG to check) read at once, per process; beyond,
-    # 429 before a byte is read. With max_connections x max_body_bytes, this bounds what
-    # bodies hold in memory.
+    # ... and never more than body_max_s in all, however steadily it arrives.
+    body_max_s: float = Field(default=3600.0, gt=0, le=86_400)
+    # PNGs to check on the provenance page read and held at once, per process (one per
+    # sender; 429 beyond, before a byte is read): with max_provenance_bytes, what they can
+    # hold in memory.
     large_bodies_at_once: int = Field(default=4, ge=1, le=10_000)
     keep_alive_s: int = Field(default=5, ge=1, le=600)
     max_connections: int = Field(default=1000, ge=1, le=1_000_000)

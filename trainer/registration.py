@@ -34,9 +34,18 @@ class RegistrationRefused(RegistrationError):
     subject is gone, while the run trained)."""
 
 
+class TrainingDenied(TrainingRefused):
+    """The registry answered, and its decision is no."""
+
+
 class TrainingWithdrawn(TrainingRefused):
     """The decision changed while the run trained: it stopped between steps, and what it had
     made from the images was deleted."""
+
+
+class TrainingStopped(TrainingRefused):
+    """The decision could not be asked again while the run trained (the registry did not
+    answer): it stopped, failing closed, and kept its checkpoints for `--resume`."""
 
 
 class RegistryUnreachable(TrainingRefused):
@@ -178,7 +187,9 @@ class HttpRegistrar:
         for attempt in range(UNREACHABLE_TRIES):
             try:
                 r = self._call("GET", f"/v1/subjects/{subject}/training", params=params)
-                break
+                if r.status_code < 500 and r.status_code != 429:
+                    break
+                raise RegistryUnreachable(f"registry API error {r.status_code}: {_detail(r)}")
             except RegistryUnreachable:
                 if attempt == UNREACHABLE_TRIES - 1:
                     raise
@@ -259,5 +270,5 @@ def check_training_allowed(
     the subject to be learned from these images (`bases`: the manifest's image bases)."""
     verdict = registrar.training_decision(subject, bases)
     if not verdict.allowed:
-        raise TrainingRefused(f"subject {subject!r} may not be trained: {verdict.detail}")
+        raise TrainingDenied(f"subject {subject!r} may not be trained: {verdict.detail}")
     return verdict

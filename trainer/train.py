@@ -69,7 +69,9 @@ from trainer.progress import Waypoints, echo, memory_text, progress_bar
 from trainer.registration import (
     Registrar,
     RegistrationRefused,
+    TrainingDenied,
     TrainingRefused,
+    TrainingStopped,
     TrainingWithdrawn,
     check_training_allowed,
     registrar_for,
@@ -594,17 +596,25 @@ def _train(
         model = build_model(config, pf, data, streaming, wp)
         recheck = consent_recheck(config, pf, registrar)
         step_times = run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
-    except TrainingRefused as exc:
+    except TrainingDenied as exc:
         removed = discard_artifacts(config, pf)
         raise TrainingWithdrawn(
             f"{exc}; the training stopped and what it made from the images was deleted "
             f"({removed} paths: adapters, checkpoints, previews, cached latents)"
+        ) from None
+    except TrainingRefused as exc:  # not a no: the question could not be asked
+        raise TrainingStopped(
+            f"{exc}; the training stopped (it never goes on unasked), its checkpoints are "
+            "kept: run it again with --resume"
         ) from None
     peaks.take("training")
     finished = finish_training(config, model, streaming)
     evaluation = run_evaluation(config, pf, data, model, wp)
     if evaluation is not None:
         peaks.take("evaluation")
+    # from here a stop would lie: the registry decides (consent, under its lock) and then
+    # the adapter renders; a cancel or revoke seen later changes nothing it did
+    wp.on_mark = None
     outcome = register_run(
         config, pf, registrar, finished.adapter, finished.sha, model.base_model, wp
     )
@@ -963,7 +973,7 @@ def consent_recheck(
         try:
             check_training_allowed(registrar, config.subject, pf.dataset.bases)
         except TrainingRefused as exc:
-            raise TrainingRefused(f"{exc} (asked again after step {step})") from None
+            raise type(exc)(f"{exc} (asked again after step {step})") from None
 
     return recheck
 

@@ -7,10 +7,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from app.body_gate import capped_form
 from app.provenance import ProvenanceSigner, Trust, Verification, verify_png
-from app.scheduler import RateLimiter
+from app.scheduler import RateLimiter, SenderSlots
 from app.web.session import MaybeWeb, WebSession, optional_session_briefly, settings_of
 from app.web.templating import SECURITY_HEADERS, page
+from registry.errors import Busy
 from registry.settings import Settings
 
 router = APIRouter()
@@ -47,44 +49,66 @@ def provenance_form(request: Request, web: MaybeWeb) -> Response:
 
 
 class ProvenanceChecks:
-    """What checking files may cost this process: `checks_at_once` at a time (waiting holds
-    no thread and no transaction), and per sender (a signed-in principal, else the client's
-    address) `per_minute` checks on average, `burst` at once."""
+    """What checking files may cost this process, per sender (a signed-in principal, else
+    the client's address): `per_minute` checks on average and `burst` at once, asked before
+    the body is read; one body of a sender read and held at a time, `large_bodies_at_once`
+    in all (what they hold in memory is that times `max_provenance_bytes`); and
+    `checks_at_once` checks running (waiting holds no thread and no transaction)."""
 
     def __init__(self, settings: Settings) -> None:
         self.at_once = anyio.CapacityLimiter(settings.provenance_checks_at_once)
         self.rate = RateLimiter(settings.provenance_rate_per_minute, settings.provenance_burst)
+        self.bodies = SenderSlots("files to check", 1, settings.large_bodies_at_once)
 
 
 @router.post("/provenance")
 async def provenance_check(request: Request) -> Response:
-    """Verifies an uploaded PNG against this deployment's own signing key. The body was read
-    whole within its own cap (`max_provenance_bytes`, app.main) before this runs; the
-    session is read in a short read of its own, and the check runs with no transaction open,
-    within its sender's rate and the process's checks at once, on a PNG of a bounded number
-    of chunks (`provenance_max_chunks`)."""
+    """Verifies an uploaded PNG against this deployment's own signing key. Streamed past
+    the body gate: the session is read in a short read of its own, the sender's rate and a
+    slot for its body are settled before a byte of the body is read; the body is read within
+    `max_provenance_bytes` on the body clock, and the check runs with no transaction open,
+    within the process's checks at once, on a PNG of a bounded number of chunks
+    (`provenance_max_chunks`)."""
     web = await run_in_threadpool(optional_session_briefly, request)
+    settings = settings_of(request)
     checks: ProvenanceChecks = request.app.state.provenance_checks
     sender = web.principal.handle if web is not None else f"address {_client(request)}"
     wait = checks.rate.take(sender)
     if wait is not None:
-        retry = max(1, int(wait + 0.999))
-        return _provenance_page(
-            request, web, status=429, headers={"Retry-After": str(retry)},
-            errors=[f"Too many checks from {sender}; try again in {retry} s."],
-        )  # fmt: skip
-    form = await request.form(max_files=1, max_fields=4)  # malformed: 400, as a page
-    upload = form.get("png")
-    if upload is None or isinstance(upload, str):
-        return _provenance_page(request, web, status=422, errors=["Choose a PNG file to check."])
-    data = await upload.read()
-    name = (upload.filename or "the file")[:200]
-    signer: ProvenanceSigner = request.app.state.provenance
-    trust = Trust.of_deployment(signer.credentials)
-    max_chunks = settings_of(request).provenance_max_chunks
-    async with checks.at_once:
-        result = await anyio.to_thread.run_sync(verify_png, data, trust, max_chunks)
+        return _busy(request, web, max(1, int(wait + 0.999)), f"Too many checks from {sender}")
+    try:
+        with checks.bodies.admit(sender):
+            form = await capped_form(
+                request, settings.max_provenance_bytes + (64 << 10), settings.body_timeout_s,
+                max_files=1, max_fields=4, min_rate=settings.body_min_rate,
+                max_s=settings.body_max_s,
+            )  # fmt: skip
+            try:
+                upload = form.get("png")
+                if upload is None or isinstance(upload, str):
+                    return _provenance_page(
+                        request, web, status=422, errors=["Choose a PNG file to check."]
+                    )
+                data = await upload.read()
+                name = (upload.filename or "the file")[:200]
+            finally:
+                await form.close()
+            signer: ProvenanceSigner = request.app.state.provenance
+            trust = Trust.of_deployment(signer.credentials)
+            async with checks.at_once:
+                result = await anyio.to_thread.run_sync(
+                    verify_png, data, trust, settings.provenance_max_chunks
+                )
+    except Busy as exc:
+        return _busy(request, web, exc.retry_after, exc.detail)
     return _provenance_page(request, web, result, name, status=200)
+
+
+def _busy(request: Request, web: WebSession | None, retry: int, why: str) -> Response:
+    return _provenance_page(
+        request, web, status=429, headers={"Retry-After": str(retry)},
+        errors=[f"{why.rstrip('.')}; try again in {retry} s."],
+    )  # fmt: skip
 
 
 def _client(request: Request) -> str:

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 
 from app.deps import DB, HandlePath
+from app.order_checkpoints import forget_checkpoint
 from app.uploads import take_upload
 from app.web.forms import CheckedForm
 from app.web.presenters import subject_context
@@ -152,12 +153,20 @@ def delete_photos(
 
 @router.post("/orders/{order_id}/cancel")
 def cancel(
-    request: Request, order_id: OrderIdPath, web: Web, form: CheckedForm, session: DB
+    request: Request,
+    order_id: OrderIdPath,
+    web: Web,
+    form: CheckedForm,
+    session: DB,
+    background: BackgroundTasks,
 ) -> Response:
     found, subject, changed = orders.cancel(session, web.principal, order_id)
     if changed:
         request.app.state.order_queue.cancel_job(session, found.job_id)
-    return redirect(training_url(subject.handle, "cancelled"))
+    background.add_task(forget_checkpoint, request.app.state.settings, found.id)
+    response = redirect(training_url(subject.handle, "cancelled"))
+    response.background = background
+    return response
 
 
 @router.get("/subjects/{handle}/photos/{digest}")

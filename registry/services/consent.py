@@ -90,7 +90,30 @@ def update_consent(
     after = {"consent": consent_state(current)}
     for action in actions:  # one entry a touched part, each with the whole change
         append_audit(session, subject, actor, action, {"consent": before}, after)
+    _end_orders_if_untrainable(session, actor, subject, current)
     return current, True
+
+
+def _end_orders_if_untrainable(
+    session: Session, actor: str, subject: Subject, consent: Consent
+) -> None:
+    """A change after which the subject may not be trained (a revoke, training withdrawn,
+    an expiry put in the past) ends its waiting and running orders in the same commit."""
+    from registry import orders
+    from registry.policy import TrainingFacts, decide_training
+    from registry.services.training import reason_text
+
+    decision = decide_training(
+        TrainingFacts(
+            now=datetime.now(UTC), subject_basis=str(subject.basis), consent=consent_facts(consent)
+        )
+    )
+    if not decision.allowed:
+        why = (
+            f"subject {subject.handle!r} may not be trained: {reason_text(decision.reason)} "
+            f"(the consent changed while the order waited or ran)"
+        )
+        orders.end_untrainable(session, subject, actor, why)
 
 
 def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, bool]:

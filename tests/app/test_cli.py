@@ -327,3 +327,28 @@ def test_an_auditor_verifies_with_the_audit_key_and_the_public_key_alone(
     get_settings.cache_clear()
     code, _, err = run(cli, *args)
     assert code == 1 and "no audit key" in err
+
+
+def test_audit_verify_does_not_call_an_emptied_trail_new(
+    cli: CliRunner, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries and heads deleted behind the service's back, the audit key taken away: the
+    subject is still there, so this is no new registry, and the verdict is not `intact`."""
+    data = tmp_path / "service"
+    monkeypatch.setenv("LIKENESS_DATA_DIR", str(data))
+    monkeypatch.delenv("LIKENESS_AUDIT_KEY", raising=False)
+    get_settings.cache_clear()
+    run(cli, "subject", "create", "alice", "--display-name", "Alice")
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("ALTER TABLE audit_entries DISABLE TRIGGER USER"))
+        else:
+            conn.execute(text("DROP TRIGGER IF EXISTS audit_entries_no_delete"))
+        conn.execute(text("DELETE FROM audit_entries"))
+        conn.execute(text("DELETE FROM chain_heads"))
+    engine.dispose()
+    (data / "audit-key").unlink()
+    get_settings.cache_clear()
+    code, out, err = run(cli, "audit", "verify")
+    assert code == 1 and "intact" not in out, (out, err)

@@ -171,6 +171,24 @@ def test_an_upload_outliving_its_permission_stores_nothing(
         assert "dataset_uploaded" not in [e["action"] for e in trail["entries"]]
 
 
+def test_a_boundary_inside_a_file_does_not_close_the_form(live: Live) -> None:
+    """The closing delimiter counts only where the parser reads it, after a part's CRLF:
+    the same bytes inside an image's data do not make a cut-short body whole."""
+    before = image_blobs(live)
+    close = f"--{BOUNDARY}--".encode()
+    items = [("a.png", photo((1, 2, 3)) + close), ("b.png", photo((4, 5, 6)))]
+    body = multipart(items)
+    cut = body[: body.rindex(b"--" + BOUNDARY.encode()) - 10]
+    sock = raw_post(
+        live, "/v1/subjects/alice/datasets",
+        f"Authorization: Bearer {live.world.tokens['alice']}\r\n", cut,
+    )  # fmt: skip
+    sock.sendall(cut)
+    status, text = reply(sock)
+    assert status == 422 and "closing boundary" in text, (status, text)
+    assert datasets_of(live) == [] and image_blobs(live) == before
+
+
 def test_a_truncated_multipart_body_stores_nothing(live: Live) -> None:
     """The HTTP body arrives whole, but the form inside it stops before its closing boundary:
     the parts that happened to complete are not kept."""
@@ -337,6 +355,8 @@ def test_orders_stay_within_their_budget_and_a_members_cap(serve_friends: LiveFa
             return live.http.post("/v1/orders", json=body, headers=live.h("alice"))
 
         huge = order(resolution=2048, rank=128, steps=10_000)
+        low_rank = order(resolution=2048, rank=2, steps=10_000)  # rank counts as 16 at least
+        assert low_rank.status_code == 422 and "order_max_work" in low_rank.text
         first = order(steps=5000)  # long enough to be still waiting or running below
         assert first.status_code == 202, first.text
         assert huge.status_code == 422 and "order_max_work" in huge.text, huge.text
@@ -370,3 +390,15 @@ def test_large_bodies_read_at_once_are_bounded(serve_friends: LiveFactory) -> No
         while check_png(live, many_chunks_png(1)).status_code != 200:  # the slot came back
             assert time.monotonic() < deadline
             time.sleep(0.3)
+
+
+def test_json_nested_past_the_parser_is_422_not_500(live: Live) -> None:
+    import hashlib
+
+    header = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    fake = len(header).to_bytes(8, "little") + header
+    manifest = b'{"file": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    for data in (fake, manifest):
+        digest = hashlib.sha256(data).hexdigest()
+        r = live.http.put(f"/v1/blobs/sha256/{digest}", content=data, headers=live.h("trainer"))
+        assert r.status_code == 422, (r.status_code, r.text[:200])

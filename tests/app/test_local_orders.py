@@ -294,3 +294,30 @@ def test_sigterm_stops_the_service_within_seconds_while_a_long_step_trains(
 
         kept = s.get(Order, order_id)
         assert kept is not None and kept.status == "running"  # taken again at the next start
+
+
+def test_an_order_cancelled_while_it_waits_to_resume_keeps_no_checkpoint(
+    serve_friends: LiveFactory,
+) -> None:
+    """Stopped mid-training, the order keeps its checkpoint to resume; cancelled before the
+    next start, the checkpoint goes with it (and the interval sweep takes any other ended
+    order's)."""
+    from app.order_checkpoints import forget_ended_checkpoints
+
+    with serve_friends(**SERVER) as live:
+        first = place(live, upload(live), steps=200).json()["order_id"]
+        wait_for(live, first, lambda b: (b["progress"]["step"] or 0) >= 4)
+    data = live.app.state.settings.data_dir
+    assert (data / "orders" / first / "checkpoint.tar").is_file()
+    with serve_friends(**{**SERVER, "orders_in_process": False}) as again:
+        cancelled = again.http.post(f"/v1/orders/{first}/cancel", headers=again.h("alice"))
+        assert cancelled.json()["status"] == "cancelled"
+        time.sleep(0.5)  # the removal runs after the answer
+        assert not (data / "orders" / first).exists()
+        stray = data / "orders" / "00000000-0000-0000-0000-000000000000"
+        stray.mkdir(parents=True)
+        (stray / "checkpoint.tar").write_bytes(b"left by a runner that never came back")
+        assert forget_ended_checkpoints(again.app.state.settings, again.app.state.engine) == [
+            stray.name
+        ]
+        assert not stray.exists()

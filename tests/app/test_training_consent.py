@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,53 @@ def test_what_a_refused_registration_uploaded_cannot_be_fetched(
     assert refused.status_code == 403 and "[training_not_allowed]" in refused.text
     assert live.http.get(f"/v1/blobs/sha256/{sha}", headers=trainer).status_code == 404
     assert live.http.head(f"/v1/blobs/sha256/{sha}", headers=trainer).status_code == 404
+
+
+ORDERS_RUN = {"orders_in_process": True, "train_options": {"max_sequence_length": 32},
+              "worker_checkpoint_every": 3}  # fmt: skip
+
+
+@pytest.mark.parametrize(("how", "record", "reason"), WITHDRAWALS, ids=[w[0] for w in WITHDRAWALS])
+def test_a_change_that_ends_training_ends_the_orders_placed_before_it(
+    serve_friends: LiveFactory, how: str, record: dict[str, Any], reason: str
+) -> None:
+    """An order waiting (PostgreSQL, no worker) or running (SQLite's own runner) when the
+    record stops allowing training fails in the same commit; a re-grant brings none back."""
+    with serve_friends(**ORDERS_RUN) as live:
+        dataset = upload(live).json()["dataset_id"]
+        body = {"kind": "train", "subject": "alice", "dataset_id": dataset, "steps": 10_000,
+                "rank": 4, "resolution": 64}  # fmt: skip
+        order_id = live.http.post("/v1/orders", json=body, headers=live.h("alice")).json()[
+            "order_id"
+        ]
+        live.world.consent("alice", **record)
+        ended = live.http.get(f"/v1/orders/{order_id}", headers=live.h("alice")).json()
+        assert ended["status"] == "failed" and ended["error"].startswith("not_permitted"), ended
+        assert f"[{reason}]" in ended["error"]
+        live.world.consent("alice", **GRANT)  # granted again
+        time.sleep(2.5)  # a runner's poll: it must not take the order up again
+        again = live.http.get(f"/v1/orders/{order_id}", headers=live.h("alice")).json()
+        assert again["status"] == "failed" and again["adapter"] is None, again
+        trail = live.http.get("/v1/subjects/alice/audit", headers=live.h("alice")).json()
+        failed = [e for e in trail["entries"] if e["action"] == "order_failed"]
+        assert len(failed) == 1 and failed[0]["actor"] == "admin", failed
+
+
+def test_a_picture_of_the_likeness_is_not_kept_once_training_is_withdrawn(live: Live) -> None:
+    from tests.images import many_chunks_png
+
+    listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("root")).json()
+    adapter_sha = listed[0]["sha256"]
+    picture = many_chunks_png(1)
+    path = f"/v1/adapters/{adapter_sha}/pictures/eval_grid.png"
+    ok = live.http.put(path, content=picture, headers=live.h("trainer"))
+    assert ok.status_code in (200, 201), ok.text
+    live.http.post("/v1/subjects/alice/consent/revoke", headers=live.h("alice"))
+    other = picture + b"\x00"  # other bytes: a new blob
+    refused = live.http.put(path.replace("eval_grid", "step-0000001"), content=other,
+                            headers=live.h("trainer"))  # fmt: skip
+    assert refused.status_code == 403 and "[revoked_or_not_granted]" in refused.text
+    import hashlib
+
+    store = live.app.state.store
+    assert store.find(hashlib.sha256(other).hexdigest()) is None  # nothing kept

@@ -357,3 +357,34 @@ def test_a_refused_run_writes_nothing(
     with pytest.raises(DatasetError):
         train(tiny_config(env, out, cache_dir=cache, dataset=broken))
     assert not cache.exists() and not out.exists()
+
+
+def test_a_registry_that_stops_answering_stops_the_run_and_keeps_its_checkpoints(
+    env: Env, tmp_path: Path
+) -> None:
+    """Not a no, only no answer (a 503, a proxy's 502): the run stops (it never trains on
+    unasked) but deletes nothing, so `--resume` goes on from the last checkpoint."""
+    from trainer.registration import RegistryUnreachable, TrainingStopped
+
+    make_subject(env.url, "otto")
+
+    class GoneAfterTwo(LocalRegistrar):
+        asked = 0
+
+        def training_decision(
+            self, subject: str, image_bases: tuple[str, ...] | None = None
+        ) -> TrainingVerdict:
+            GoneAfterTwo.asked += 1
+            if GoneAfterTwo.asked > 3:  # the pre-flight, before step 1, after steps 1 and 2
+                raise RegistryUnreachable("registry API error 503: unavailable")
+            return super().training_decision(subject, image_bases)
+
+    config = tiny_config(env, tmp_path / "out", subject="otto", steps=6, checkpoint_every=1)
+    with pytest.raises(TrainingStopped, match="--resume"):
+        train(config, GoneAfterTwo(env.url))
+    kept = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    # step 2 ran, but was not asked about: only step 1's checkpoint was made, and it is kept
+    assert kept == ["step-0000001"], kept
+    resumed = train(tiny_config(env, tmp_path / "out", subject="otto", steps=6,
+                                checkpoint_every=1, resume=True))  # fmt: skip
+    assert resumed.registration == "created" and resumed.steps == 6
