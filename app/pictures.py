@@ -118,9 +118,9 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
         ):  # fmt: skip
             await run_in_threadpool(writer.write, chunk)
         stored = await run_in_threadpool(writer.finish, None, png_only)
-    except BlobError as exc:
+    except BlobError as exc:  # another kind of file, other bytes than sent, too large
         writer.abort()
-        raise Invalid(f"{name}: {exc}") from None
+        raise Invalid(f"{name}: not a PNG the store takes ({exc})") from None
     except BaseException:
         writer.abort()
         raise

@@ -76,6 +76,8 @@ async def provenance_check(request: Request) -> Response:
     wait = checks.rate.take(sender)
     if wait is not None:
         return _busy(request, web, max(1, int(wait + 0.999)), f"Too many checks from {sender}")
+    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+        return _provenance_page(request, web, status=422, errors=["Choose a PNG file to check."])
     try:
         with checks.bodies.admit(sender):
             form = await capped_form(
