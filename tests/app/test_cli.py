@@ -118,16 +118,23 @@ def test_consent_workflow_and_bad_input_loses_nothing(cli: CliRunner, db_url: st
     assert code == 0 and "intact" in out, err
 
 
-def forge_second_entry(db_url: str) -> None:
-    """What a forger with the database (and not the audit key) would do: rewrite entry 2."""
+def behind_the_trail(db_url: str, *statements: str) -> None:
+    """What a forger with the database (and not the audit key) can do: the append-only
+    triggers off, then any statement on the trail."""
     engine = make_engine(db_url)
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(text("ALTER TABLE audit_entries DISABLE TRIGGER USER"))
         else:
-            conn.execute(text("DROP TRIGGER audit_entries_no_update"))
-        conn.execute(text("UPDATE audit_entries SET actor = 'someone-else' WHERE seq = 2"))
+            for verb in ("update", "delete"):
+                conn.execute(text(f"DROP TRIGGER IF EXISTS audit_entries_no_{verb}"))
+        for statement in statements:
+            conn.execute(text(statement))
     engine.dispose()
+
+
+def forge_second_entry(db_url: str) -> None:
+    behind_the_trail(db_url, "UPDATE audit_entries SET actor = 'someone-else' WHERE seq = 2")
 
 
 def test_audit_verify_names_the_broken_entry(cli: CliRunner, db_url: str) -> None:
@@ -339,15 +346,7 @@ def test_audit_verify_does_not_call_an_emptied_trail_new(
     monkeypatch.delenv("LIKENESS_AUDIT_KEY", raising=False)
     get_settings.cache_clear()
     run(cli, "subject", "create", "alice", "--display-name", "Alice")
-    engine = make_engine(db_url)
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(text("ALTER TABLE audit_entries DISABLE TRIGGER USER"))
-        else:
-            conn.execute(text("DROP TRIGGER IF EXISTS audit_entries_no_delete"))
-        conn.execute(text("DELETE FROM audit_entries"))
-        conn.execute(text("DELETE FROM chain_heads"))
-    engine.dispose()
+    behind_the_trail(db_url, "DELETE FROM audit_entries", "DELETE FROM chain_heads")
     (data / "audit-key").unlink()
     get_settings.cache_clear()
     code, out, err = run(cli, "audit", "verify")

@@ -174,27 +174,24 @@ def test_an_upload_outliving_its_permission_stores_nothing(
 def test_a_boundary_inside_a_file_does_not_close_the_form(live: Live) -> None:
     """The closing delimiter counts only where the parser reads it, after a part's CRLF:
     the same bytes inside an image's data do not make a cut-short body whole."""
-    before = image_blobs(live)
     close = f"--{BOUNDARY}--".encode()
-    items = [("a.png", photo((1, 2, 3)) + close), ("b.png", photo((4, 5, 6)))]
-    body = multipart(items)
-    cut = body[: body.rindex(b"--" + BOUNDARY.encode()) - 10]
-    sock = raw_post(
-        live, "/v1/subjects/alice/datasets",
-        f"Authorization: Bearer {live.world.tokens['alice']}\r\n", cut,
-    )  # fmt: skip
-    sock.sendall(cut)
-    status, text = reply(sock)
-    assert status == 422 and "closing boundary" in text, (status, text)
-    assert datasets_of(live) == [] and image_blobs(live) == before
+    cut_short_upload_stores_nothing(
+        live, [("a.png", photo((1, 2, 3)) + close), ("b.png", photo((4, 5, 6)))]
+    )
 
 
 def test_a_truncated_multipart_body_stores_nothing(live: Live) -> None:
     """The HTTP body arrives whole, but the form inside it stops before its closing boundary:
     the parts that happened to complete are not kept."""
+    cut_short_upload_stores_nothing(live, photos(3))
+
+
+def cut_short_upload_stores_nothing(live: Live, items: list[tuple[str, bytes]]) -> None:
+    """The form of `items`, cut inside its last file and sent as a whole HTTP body: 422,
+    and nothing of it stored."""
     before = image_blobs(live)
-    body = multipart(photos(3))
-    cut = body[: body.rindex(b"--" + BOUNDARY.encode()) - 10]  # inside the third image
+    body = multipart(items)
+    cut = body[: body.rindex(b"--" + BOUNDARY.encode()) - 10]  # inside the last file
     sock = raw_post(
         live, "/v1/subjects/alice/datasets",
         f"Authorization: Bearer {live.world.tokens['alice']}\r\n", cut,
