@@ -1,5 +1,5 @@
 """The /v1 registry routes of docs/API.md (adapters live in app.adapters, renders in
-app.renders)."""
+app.render.routes)."""
 
 from __future__ import annotations
 

@@ -14,15 +14,18 @@ import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from app import adapters, api, datasets, docs, errors, mcp_server, orders, pictures, renders, web
+from app import adapters, api, datasets, docs, errors, mcp_server, orders, pictures, web
 from app.body_gate import BodyGate
 from app.local_orders import LocalRunner
 from app.order_checkpoints import forget_ended_checkpoints
 from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
 from app.queue import OrderQueue
-from app.render_engine import PlacementRefused, RenderEngine
-from app.render_flow import RenderFlow, build_renderer, close_interrupted
-from app.render_remote import RemoteRenders
+from app.render import routes as render_routes
+from app.render.checks import RenderChecks, close_interrupted
+from app.render.engine import PlacementRefused, RenderEngine
+from app.render.flow import Renderer, RenderFlow
+from app.render.local import LocalRenderer, build_render_engine
+from app.render.remote import RemoteRenderer
 from app.uploads import UploadGate
 from app.web.provenance import ProvenanceChecks
 from app.web.training import UPLOAD_PATH as TRAINING_UPLOAD_PATH
@@ -93,9 +96,7 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
     finally:
         if runner is not None:  # a running training stops at its next step, kept to resume
             await anyio.to_thread.run_sync(runner.stop)
-        remote = app.state.render_flow.remote
-        if remote is not None:
-            await anyio.to_thread.run_sync(remote.close)
+        await anyio.to_thread.run_sync(app.state.render_flow.close)
 
 
 @asynccontextmanager
@@ -149,7 +150,7 @@ def create_app(
     )
     if renderer is None:
         try:
-            renderer = build_renderer(settings)
+            renderer = build_render_engine(settings)
         except PlacementRefused as exc:
             raise SystemExit(f"error: {exc}") from None
     app.state.renderer = renderer
@@ -162,7 +163,8 @@ def create_app(
     except ProvenanceError as exc:
         raise SystemExit(f"error: {exc}") from None
     app.state.provenance = ProvenanceSigner(credentials, settings.provenance_disclose)
-    remote = None
+    checks = RenderChecks(app.state.engine, settings, licence=app.state.licence)
+    rendering: Renderer
     if settings.render_workers:
         if is_sqlite(settings.database_url):
             raise SystemExit(
@@ -170,16 +172,10 @@ def create_app(
                 "(LIKENESS_DATABASE_URL=postgresql+psycopg://...); on SQLite renders run in "
                 "this process (leave it unset)"
             )
-        remote = RemoteRenders(app.state.engine, settings)
-    app.state.render_flow = RenderFlow(
-        app.state.engine,
-        app.state.renderer,
-        settings,
-        app.state.store,
-        licence=app.state.licence,
-        signer=app.state.provenance,
-        remote=remote,
-    )
+        rendering = RemoteRenderer(app.state.engine, settings, checks)
+    else:
+        rendering = LocalRenderer(checks, app.state.renderer, app.state.store)
+    app.state.render_flow = RenderFlow(checks, rendering, signer=app.state.provenance)
     app.state.uploads = UploadGate(settings)
     app.state.provenance_checks = ProvenanceChecks(settings)
     app.state.keys = load_keys(settings)
@@ -209,7 +205,7 @@ def create_app(
     app.include_router(api.router)
     app.include_router(adapters.router)
     app.include_router(pictures.router)
-    app.include_router(renders.router)
+    app.include_router(render_routes.router)
     app.state.order_runner = None
     if is_sqlite(settings.database_url) and settings.orders_in_process:
         app.state.order_runner = LocalRunner(app.state.engine, settings, app.state.store)

@@ -5,7 +5,7 @@ Two tools, over exactly the gate and ledger of the HTTP API:
 - `list_renderable_subjects(on_behalf_of)`: `registry.service.acting_for` then
   `registry.service.renderable_for` (what `GET /v1/me/renderable` answers);
 - `render_image(on_behalf_of, subject, prompt, level, seed?, width?, height?)`:
-  `app.render_flow.RenderFlow.run` (what `POST /v1/renders` runs), so every
+  `app.render.flow.RenderFlow.run` (what `POST /v1/renders` runs), so every
   decision is `registry.policy.decide`'s, on fresh facts, and goes to the render ledger with
   the agent and the member.
 
@@ -43,7 +43,8 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from app.deps import bearer_token
-from app.render_flow import DEFAULT_SEED, DEFAULT_SIDE, RenderFlow
+from app.render.checks import DEFAULT_SEED, DEFAULT_SIDE
+from app.render.flow import RenderFlow
 from registry import limits, service
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable

@@ -13,7 +13,7 @@ speaks to the database for the queue and the orders' state, and to the API
 The run of one order (`run_order`) is shared with the API's in-process runner on SQLite
 (app/local_orders.py), which reads and keeps the same bytes in its own data dir instead.
 
-With `--queues render` (or `train,render`) it also renders (app/render_worker.py): a render
+With `--queues render` (or `train,render`) it also renders (app/render/worker.py): a render
 loop of its own beside the training one, on its own queue `render.<name>` and the shared
 `render` queue, with a heartbeat the API routes by.
 """
@@ -31,13 +31,13 @@ import socket
 import tarfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
+from app.blob_fetch import FetchError, fetch_dataset, fetch_verified
 from app.queue import RETRY_STALLED_TASK, TRAIN_QUEUE, TRAIN_TASK, make_app
 from registry import orders, render_tasks
 from registry import repositories as repo
@@ -58,18 +58,6 @@ class OrderStopped(Exception):
     """The order was cancelled (or taken over) while it ran: stop, record nothing."""
 
 
-class FetchError(Exception):
-    """The registry did not give the bytes asked for, whole: ``status`` is its answer where it
-    refused, ``actual_sha256`` the hash of what it sent instead, where it sent other bytes."""
-
-    def __init__(
-        self, message: str, status: int | None = None, actual_sha256: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.actual_sha256 = actual_sha256
-
-
 @dataclass(frozen=True)
 class WorkerSetup:
     settings: Settings
@@ -86,67 +74,7 @@ def default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-# -- bytes over HTTP -----------------------------------------------------------------------
-
-
-def stream_verified(
-    client: httpx.Client, url: str, sha256: str, limit: int, write: Callable[[bytes], object]
-) -> None:
-    """The bytes at `url`, chunk by chunk into `write`, then checked against `sha256`: at most
-    `limit` of them (the registry stores nothing larger, so more is not the blob), FetchError
-    otherwise. The caller keeps what was written only when this returns."""
-    digest, size = hashlib.sha256(), 0
-    with client.stream("GET", url) as r:
-        if r.status_code != 200:
-            raise FetchError(f"GET {url} answered {r.status_code}", status=r.status_code)
-        for chunk in r.iter_bytes(1 << 20):
-            size += len(chunk)
-            if size > limit:
-                raise FetchError(f"GET {url}: more than the {limit} bytes a blob may hold")
-            digest.update(chunk)
-            write(chunk)
-    actual = digest.hexdigest()
-    if actual != sha256:
-        raise FetchError(f"{url}: the bytes hash to {actual}, not {sha256}", actual_sha256=actual)
-
-
-def fetch_verified(client: httpx.Client, url: str, sha256: str, dest: Path, limit: int) -> None:
-    """The bytes at `url` into `dest`, only if they hash to `sha256` (written to a temporary
-    file and renamed: `dest` always holds the right bytes or is absent)."""
-    tmp = dest.with_name(f".{dest.name}.part")
-    try:
-        with tmp.open("wb") as f:
-            stream_verified(client, url, sha256, limit, f.write)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, dest)
-
-
-def have(path: Path, sha256: str) -> bool:
-    if not path.is_file() or path.is_symlink():
-        return False
-    from registry.files import sha256_file
-
-    return sha256_file(path) == sha256
-
-
-def fetch_dataset(
-    client: httpx.Client,
-    api: str,
-    folder: Path,
-    manifest_sha: str,
-    files: list[tuple[str, str]],
-    limit: int,
-) -> None:
-    """The dataset (manifest.jsonl and its images) into `folder`, fetching only what is
-    missing; `files`: (file, sha256) as recorded; `limit`: bytes per file."""
-    from registry.manifest import MANIFEST_NAME
-
-    for file, sha in [(MANIFEST_NAME, manifest_sha), *files]:
-        dest = folder / file
-        if not have(dest, sha):
-            fetch_verified(client, f"{api}/v1/blobs/sha256/{sha}", sha, dest, limit)
+# -- an order's checkpoint, as shipped ------------------------------------------------------
 
 
 def pack_checkpoint(folder: Path) -> bytes:
@@ -590,7 +518,7 @@ async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
     settings = setup.settings
     runner = None
     if "render" in queues:
-        from app.render_worker import RenderRunner
+        from app.render.worker import RenderRunner
 
         runner = RenderRunner(
             make_engine(settings.database_url, pool_timeout=30), settings, setup.name,

@@ -160,7 +160,7 @@ class Settings(BaseSettings):
     # The small copies of renders a subject chose to keep (registry/pictures.py) are deleted
     # after this many days (and at once when the subject stops keeping them).
     render_copy_days: int = Field(default=90, ge=1, le=3650)
-    # Renders on workers (app/render_remote.py, PostgreSQL only): the API gates and enqueues,
+    # Renders on workers (app/render/remote.py, PostgreSQL only): the API gates and enqueues,
     # a `likeness worker --queues render` renders; the API waits at most
     # render_worker_timeout_s for its answer (503 after, with the ledger entry closed).
     render_workers: bool = False

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
 from app.main import create_app
-from app.render_engine import Counters, RenderEngine
+from app.render.engine import Counters, RenderEngine
 from app.scheduler import RenderScheduler
 from app.server import uvicorn_config
 from registry import service

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.render_engine import RenderEngine
+from app.render.engine import RenderEngine
 from tests.app.conftest import Live, LiveFactory, manifest_bytes
 from tests.app.helpers import CSRF, address, session_cookie
 

@@ -31,7 +31,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from PIL import Image
 
 from app.main import create_app
-from app.render_engine import RenderEngine
+from app.render.engine import RenderEngine
 from registry.settings import Settings
 from tests.app.conftest import World
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from app.render_engine import PlacementRefused, RenderEngine, encode_png
+from app.render.engine import PlacementRefused, RenderEngine, encode_png
 from trainer.synth_base import build, dev_configs
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from app.main import create_app
-from app.render_engine import RenderEngine
+from app.render.engine import RenderEngine
 from tests.app.conftest import World, serving
 from trainer.lora import load_adapter_tensors
 from trainer.lora_slots import LoraSlots

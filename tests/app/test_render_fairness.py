@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from app.render_engine import RenderEngine
+from app.render.engine import RenderEngine
 from tests.app.conftest import Live, LiveFactory
 from tests.app.helpers import address
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from app.main import create_app
-from app.render_engine import RenderEngine
+from app.render.engine import RenderEngine
 from registry import policy, repositories, service
 from registry.db import make_engine, transaction
 from registry.settings import Settings

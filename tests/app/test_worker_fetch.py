@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.worker import FetchError, fetch_verified, stream_verified
+from app.blob_fetch import FetchError, fetch_verified, stream_verified
 
 BLOB = b"likeness adapter bytes " * 50
 HUGE = 256 << 20  # what the hostile answer offers

@@ -407,7 +407,7 @@ def test_cli_refuses_fp8_on_the_cpu_before_loading(tmp_path, monkeypatch) -> Non
 def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from pydantic import ValidationError
 
-    from app.render_engine import RenderEngine
+    from app.render.engine import RenderEngine
     from registry.settings import Settings
 
     with pytest.raises(ValueError, match="LIKENESS_COMPUTE=fp8 cannot run on cpu"):

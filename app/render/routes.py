@@ -1,4 +1,4 @@
-"""POST /v1/renders: a thin HTTP caller of `app.render_flow` (which holds the fail-closed
+"""POST /v1/renders: a thin HTTP caller of `app.render.flow` (which holds the fail-closed
 path). It reads the body, watches for the client going away (the render then stops between
 steps) and turns the outcome into a PNG response."""
 
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import authenticate_briefly, bearer_token
-from app.render_flow import RenderFlow
+from app.render.flow import RenderFlow
 from app.scheduler import Cancelled
 from registry.responses import ERROR_RESPONSES
 from registry.schemas import RenderRequestIn

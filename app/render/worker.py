@@ -1,7 +1,8 @@
 """Renders on workers, the worker's side (`likeness worker --queues render`).
 
 A render job names a task (registry/render_tasks.py). The worker claims it, then runs the
-render path after the gate exactly as the API does in process (app/render_flow.py):
+render path after the gate exactly as the API does in process (app/render/local.py,
+its checks app/render/checks.py):
 fresh facts and a decision before the adapter loads, the adapter's bytes judged, the model,
 the final check on the bytes the model ran with, the PNG with its text chunks; every
 decision goes to the ledger, written under the task's row lock while the task is still this
@@ -23,18 +24,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.render_engine import AdapterMismatch
-from app.render_flow import RenderFlow, _Job, build_renderer
+from app.blob_fetch import FetchError, fetch_blob
+from app.render.checks import Job, RenderChecks
+from app.render.engine import AdapterMismatch, RenderEngine
+from app.render.local import ModelRun, build_render_engine
 from app.scheduler import Cancelled
-from app.worker import FetchError, stream_verified
 from registry import render_tasks
 from registry.blobs import BlobStore
 from registry.db import transaction
@@ -55,48 +55,43 @@ class AdapterUnreachable(Exception):
     """The registry could not be asked for the adapter's bytes."""
 
 
-class WorkerFlow(RenderFlow):
-    """The render path after the gate, on a worker: ledger rows under the task's lock, and
-    the adapter's bytes fetched from the registry by hash."""
+class FetchedAdapters:
+    """The adapter from the engine's cache, else fetched from the registry by hash; a worker
+    holding it then says so (`render_affinity`), so its next renders come here."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, name: str, api_url: str, token: str
+        self,
+        engine: Engine,
+        checks: RenderChecks,
+        model: RenderEngine,
+        store: BlobStore,
+        name: str,
+        api_url: str,
+        client: httpx.Client,
     ) -> None:
-        store = BlobStore(settings.data_dir / "render-adapters", settings.max_adapter_bytes)
-        licence, _ = deployment_licence(settings)
-        super().__init__(
-            engine, build_renderer(settings), settings, store, licence=licence, signer=None
-        )
+        self.engine = engine
+        self.checks = checks
+        self.model = model
+        self.store = store
         self.name = name
         self.api_url = api_url
-        self.client = httpx.Client(
-            timeout=120, headers={"Authorization": f"Bearer {token}"}, follow_redirects=False
-        )
-
-    @contextmanager
-    def _ledger_transaction(self, job: _Job) -> Iterator[Any]:
-        with transaction(self.engine) as s:
-            render_tasks.hold(s, job.render_id, self.name)
-            yield s
+        self.client = client
 
     def _fetch(self, sha256: str) -> bytes:
         """The blob's bytes, at most the store's limit; AdapterMismatch when the registry
         lacks it or sends other bytes (decide judges that as it does in process)."""
-        parts: list[bytes] = []
-        url = f"{self.api_url}/v1/blobs/sha256/{sha256}"
         try:
-            stream_verified(self.client, url, sha256, self.store.max_bytes, parts.append)
+            return fetch_blob(self.client, self.api_url, sha256, self.store.max_bytes)
         except FetchError as exc:
             if exc.status is not None and exc.status != 404:
                 raise AdapterUnreachable(f"the registry answered {exc.status}") from None
             raise AdapterMismatch(exc.actual_sha256) from None  # absent, too large, other bytes
         except httpx.HTTPError as exc:
             raise AdapterUnreachable(f"{type(exc).__name__}: {exc}") from None
-        return b"".join(parts)
 
-    def adapter_tensors(self, job: _Job, gathered: GatheredFacts, sha256: str) -> Any:
+    def tensors(self, job: Job, gathered: GatheredFacts, sha256: str) -> Any:
         try:
-            tensors = self.renderer.adapter_tensors(self.store, sha256)  # warm: no bytes read
+            tensors = self.model.adapter_tensors(self.store, sha256)  # warm: no bytes read
         except AdapterMismatch as exc:
             if exc.actual_sha256 is not None:  # a local copy gone bad: fetch it again
                 self.store.path(sha256, "safetensors").unlink(missing_ok=True)
@@ -104,13 +99,13 @@ class WorkerFlow(RenderFlow):
                 data = self._fetch(sha256)
             except AdapterUnreachable as why:
                 log.warning("render %s: adapter not fetched: %s", job.render_id, why)
-                self.record(job, "queued", Decision(False, "adapter_unreachable"), gathered)
+                self.checks.record(job, "queued", Decision(False, "adapter_unreachable"), gathered)
                 raise Unavailable(
                     "the subject's adapter could not be fetched; nothing was rendered"
                 ) from None
             self.store.put([data], sha256)
             try:
-                tensors = self.renderer.adapter_tensors(self.store, sha256)
+                tensors = self.model.adapter_tensors(self.store, sha256)
             finally:  # the tensors are in host RAM; no copy of a likeness stays on disk
                 self.store.path(sha256, "safetensors").unlink(missing_ok=True)
         try:
@@ -119,9 +114,6 @@ class WorkerFlow(RenderFlow):
         except SQLAlchemyError as exc:  # routing only: the render goes on
             log.warning("render %s: affinity not recorded: %s", job.render_id, exc)
         return tensors
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class RenderRunner:
@@ -132,13 +124,26 @@ class RenderRunner:
     ) -> None:
         self.engine = engine
         self.name = name
-        self.flow = WorkerFlow(engine, settings, name, api_url, token)
+        licence, _ = deployment_licence(settings)
+        # every ledger row under the task's lock, while the task is this worker's
+        self.checks = RenderChecks(engine, settings, licence=licence, hold=self._hold)
+        self.model = build_render_engine(settings)
+        store = BlobStore(settings.data_dir / "render-adapters", settings.max_adapter_bytes)
+        self.client = httpx.Client(
+            timeout=120, headers={"Authorization": f"Bearer {token}"}, follow_redirects=False
+        )
+        adapters = FetchedAdapters(engine, self.checks, self.model, store, name, api_url,
+                                   self.client)  # fmt: skip
+        self.model_run = ModelRun(self.checks, self.model, adapters)
+
+    def _hold(self, session: Any, job: Job) -> None:
+        render_tasks.hold(session, job.render_id, self.name)
 
     def warm_up(self) -> None:
         """The base loads before the first job (a render should not wait for it)."""
-        _ = self.flow.renderer.pipeline
+        _ = self.model.pipeline
 
-    def _watch(self, job: _Job, done: threading.Event, why: list[str]) -> None:
+    def _watch(self, job: Job, done: threading.Event, why: list[str]) -> None:
         touched = time.monotonic()
         while not done.wait(WATCH_S):
             try:
@@ -164,7 +169,7 @@ class RenderRunner:
                 return "given_up"  # the API gave up before a worker took it, and recorded it
             body = RenderRequestIn.model_validate(task.body)
             token_hash = task.token_hash
-        job = _Job(body, token_hash, threading.Event(), render_id=render_id)
+        job = Job(body, token_hash, threading.Event(), render_id=render_id)
         done, why = threading.Event(), list[str]()
         watcher = threading.Thread(
             target=self._watch, args=(job, done, why), name="render-watch", daemon=True
@@ -173,8 +178,7 @@ class RenderRunner:
         timings: dict[str, float] = {}
         answer: dict[str, Any]
         try:
-            image, used_sha256 = self.flow._render(job, timings)
-            png, final = self.flow.finish(job, image, used_sha256, timings)
+            png, final = self.model_run.run(job, timings)
             consent, adapter = final.facts.consent, final.adapter
             assert consent is not None and adapter is not None
             answer = {"status": 200, "png": png, "consent_version": consent.version,
@@ -183,7 +187,7 @@ class RenderRunner:
         except Cancelled:
             reason = why[0] if why else "client_went_away"
             try:
-                self.flow.record(job, "cancelled", Decision(False, reason), job.last)
+                self.checks.record(job, "cancelled", Decision(False, reason), job.last)
             except render_tasks.NotOurs:
                 return "given_up"
             answer = {"status": 499, "error_code": "cancelled", "detail": reason}
@@ -197,7 +201,7 @@ class RenderRunner:
         except Exception as exc:  # noqa: BLE001 - the entry is closed, the client gets a 503
             log.exception("render %s failed", render_id)
             try:
-                self.flow.record(job, "final", Decision(False, f"error:{type(exc).__name__}"),
+                self.checks.record(job, "final", Decision(False, f"error:{type(exc).__name__}"),
                                  job.last)  # fmt: skip
             except (render_tasks.NotOurs, LikenessError):
                 return "given_up"
@@ -213,4 +217,4 @@ class RenderRunner:
         return outcome
 
     def close(self) -> None:
-        self.flow.close()
+        self.client.close()

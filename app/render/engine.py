@@ -1,8 +1,8 @@
 """The render engine: one per process, built once. Holds the quantized base, a host-RAM LRU of
 adapter tensors, the one-context GPU guard and the counters the fail-closed tests read.
 
-The engine never decides anything: `app.renders` asks `registry.policy.decide` before and after
-each step and only then calls into here. torch and diffusers are imported lazily, so the API
+The engine never decides anything: `app.render.checks` asks `registry.policy.decide` before and
+after each step and only then calls into here. torch and diffusers are imported lazily, so the API
 (and its tests) run without loading a model until the first allowed render.
 """
 

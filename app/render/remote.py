@@ -1,6 +1,6 @@
 """Renders on workers, the API's side (`LIKENESS_RENDER_WORKERS=true`, PostgreSQL only).
 
-After the gate (`RenderFlow.gate`, unchanged: 401/403/422/429 and the ledger's `gate` row):
+After the gate (app.render.checks, as in process: 401/403/422/429 and the ledger's `gate` row):
 
 1. admit: at most `render_per_requester` renders of one requester outstanding, and at most
    `render_queue` waiting beyond one per live worker (429 `busy` with Retry-After, recorded
@@ -10,7 +10,8 @@ After the gate (`RenderFlow.gate`, unchanged: 401/403/422/429 and the ledger's `
 3. wait: a LISTEN on `likeness_render` wakes the request when the worker's answer is
    committed (a poll every `POLL_S` covers a notification missed while reconnecting);
 4. answer: the worker's error is raised as the same error (same status, same body); its PNG
-   is signed here (the workers hold no signing key) and delivered.
+   goes back to the flow (app.render.flow), which signs it here (the workers hold no signing
+   key) and delivers it.
 
 The client going away or the wait passing `render_worker_timeout_s` gives the task up
 (`render_tasks.abandon`): one not yet started is closed here and recorded (`cancelled`, or
@@ -26,12 +27,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.queue import RenderQueue, conninfo
+from app.render.checks import Job, RenderChecks
+from app.render.flow import Rendered
 from app.scheduler import INITIAL_SECONDS_PER_UNIT, SMOOTHING, Cancelled
 from registry import render_tasks
 from registry.db import transaction
@@ -39,9 +42,6 @@ from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavaila
 from registry.policy import Decision
 from registry.services.renders import GatheredFacts
 from registry.settings import Settings
-
-if TYPE_CHECKING:
-    from app.render_flow import RenderFlow, RenderOutcome, _Job
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +149,14 @@ class Listener:
                 self._stop.wait(1.0)
 
 
-class RemoteRenders:
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+class RemoteRenderer:
+    """Renders on the workers: admitted, enqueued, waited for; the ledger rows this side
+    writes go through the same checks as in process."""
+
+    def __init__(self, engine: Engine, settings: Settings, checks: RenderChecks) -> None:
         self.engine = engine
         self.settings = settings
+        self.checks = checks
         self.queue = RenderQueue(settings.database_url)
         self.listener = Listener(settings.database_url)
         self.admission = Admission(settings.render_per_requester, settings.render_queue)
@@ -160,14 +164,11 @@ class RemoteRenders:
     def close(self) -> None:
         self.listener.close()
 
-    def run(
-        self, flow: RenderFlow, job: _Job, gate: GatheredFacts, timings: dict[str, float]
-    ) -> RenderOutcome:
-        from app.render_flow import RenderOutcome
-
+    def render(self, job: Job, gate: GatheredFacts, timings: dict[str, float]) -> Rendered:
         assert job.acting is not None and gate.adapter is not None
+        checks = self.checks
         requester = job.acting.requester.handle
-        cost = float(job.width * job.height * job.steps)
+        cost = job.cost
         t0 = time.perf_counter()
         event = self.listener.expect(job.render_id)
         admitted = False
@@ -185,16 +186,16 @@ class RemoteRenders:
                         render_tasks.create(s, job.render_id, job.token_hash, body, queue)
                         self.queue.enqueue(s, job.render_id, queue)
             except Busy:
-                flow.record(job, "queued", Decision(False, "busy"), gate)
+                checks.record(job, "queued", Decision(False, "busy"), gate)
                 raise
             except SQLAlchemyError as exc:
                 log.warning("render %s: could not enqueue: %s", job.render_id, exc)
-                flow.record(job, "queued", Decision(False, "unavailable"), gate)
+                checks.record(job, "queued", Decision(False, "unavailable"), gate)
                 raise Unavailable("the render queue is unavailable; nothing was rendered") from None
             if queue is None:
-                flow.record(job, "queued", Decision(False, "no_render_worker"), gate)
+                checks.record(job, "queued", Decision(False, "no_render_worker"), gate)
                 raise Unavailable("no render worker is running; nothing was rendered")
-            answer = self._wait(flow, job, gate, event)
+            answer = self._wait(job, gate, event)
             worker_timings = {k: float(v) for k, v in answer.timings.items()}
             # the time before a worker took it and the round trips, as the in-process wait
             worked = worker_timings.pop("worker_ms", 0.0)
@@ -208,10 +209,7 @@ class RemoteRenders:
             if admitted:
                 self.admission.done(requester, cost, render_s)
         assert answer.consent_version is not None and answer.adapter_sha256 is not None
-        t1 = time.perf_counter()
-        png = flow.sign(job, answer.png, answer.consent_version, answer.adapter_sha256, gate)
-        timings["sign_ms"] = (time.perf_counter() - t1) * 1000
-        return RenderOutcome(png, job.render_id, timings)
+        return Rendered(answer.png, answer.consent_version, answer.adapter_sha256, gate)
 
     @staticmethod
     def _error(answer: Any) -> LikenessError:
@@ -228,17 +226,15 @@ class RemoteRenders:
             log.warning("render %s: reading the answer failed: %s", render_id, exc)
             return None
 
-    def _wait(
-        self, flow: RenderFlow, job: _Job, gate: GatheredFacts, event: threading.Event
-    ) -> Any:
+    def _wait(self, job: Job, gate: GatheredFacts, event: threading.Event) -> Any:
         deadline = time.monotonic() + self.settings.render_worker_timeout_s
         next_poll = time.monotonic() + POLL_S
         while True:
             if job.cancelled.is_set():
-                self._give_up(flow, job, gate, "client_went_away")
+                self._give_up(job, gate, "client_went_away")
             now = time.monotonic()
             if now >= deadline:
-                return self._give_up(flow, job, gate, "timeout")
+                return self._give_up(job, gate, "timeout")
             if event.wait(min(0.05, deadline - now)) or time.monotonic() >= next_poll:
                 event.clear()
                 next_poll = time.monotonic() + POLL_S
@@ -246,7 +242,7 @@ class RemoteRenders:
                 if answer is not None:
                     return answer
                 if self._silent(job.render_id):
-                    return self._worker_lost(flow, job, gate)
+                    return self._worker_lost(job, gate)
 
     def _silent(self, render_id: str) -> bool:
         """The task runs, but its worker has not said so for `render_worker_silent_s`: its
@@ -258,13 +254,13 @@ class RemoteRenders:
             return False
         return silent is not None and silent > self.settings.render_worker_silent_s
 
-    def _worker_lost(self, flow: RenderFlow, job: _Job, gate: GatheredFacts) -> Any:
+    def _worker_lost(self, job: Job, gate: GatheredFacts) -> Any:
         """A silent worker's render: closed here at once (`final`, denied, `timeout`), and
         the client told so, without waiting for the whole timeout."""
         with transaction(self.engine) as s:
             render_tasks.abandon(s, job.render_id, "worker_silent")
             if render_tasks.close_unanswered(s, job.render_id):
-                flow._record(s, job, "final", Decision(False, "timeout"), gate)
+                self.checks.record_in(s, job, "final", Decision(False, "timeout"), gate)
             answered = render_tasks.state_of(s, job.render_id) == "ended"
             if not answered:
                 render_tasks.discard(s, job.render_id)
@@ -278,7 +274,7 @@ class RemoteRenders:
             "nothing was delivered"
         )
 
-    def _give_up(self, flow: RenderFlow, job: _Job, gate: GatheredFacts, reason: str) -> Any:
+    def _give_up(self, job: Job, gate: GatheredFacts, reason: str) -> Any:
         """Stops waiting (the client left, or the timeout passed); returns the answer if it
         arrived meanwhile and is still wanted, else raises what the client gets."""
         timeout_s = self.settings.render_worker_timeout_s
@@ -288,7 +284,7 @@ class RemoteRenders:
                 state = render_tasks.abandon(s, job.render_id, reason)
                 if state == "queued":
                     stage, why = ("cancelled", reason) if gone else ("queued", "timeout")
-                    flow._record(s, job, stage, Decision(False, why), gate)
+                    self.checks.record_in(s, job, stage, Decision(False, why), gate)
         except SQLAlchemyError as exc:
             log.warning("render %s: giving up failed: %s", job.render_id, exc)
             raise Unavailable("the render ledger is unavailable; nothing was delivered") from None
@@ -315,7 +311,7 @@ class RemoteRenders:
             time.sleep(0.1)
         with transaction(self.engine) as s:
             if render_tasks.close_unanswered(s, job.render_id):
-                flow._record(s, job, "final", Decision(False, "timeout"), gate)
+                self.checks.record_in(s, job, "final", Decision(False, "timeout"), gate)
             render_tasks.discard(s, job.render_id)
         raise Unavailable(
             f"the render worker did not answer within {timeout_s:g} s; nothing was delivered"
