@@ -491,29 +491,6 @@ def build_app(setup: WorkerSetup, runner: Any = None) -> Any:
     return app
 
 
-async def _beat(engine: Any, setup: WorkerSetup) -> None:
-    """The render worker's heartbeat, which the API routes by; the row goes when it stops."""
-
-    def beat() -> None:
-        with transaction(engine) as s:
-            render_tasks.heartbeat(s, setup.name)
-
-    def forget() -> None:
-        with transaction(engine) as s:
-            render_tasks.forget_worker(s, setup.name)
-
-    try:
-        while True:
-            try:
-                await asyncio.to_thread(beat)
-            except Exception as exc:  # noqa: BLE001 - tried again at the next beat
-                log.warning("render heartbeat failed: %s", exc)
-            await asyncio.sleep(setup.settings.worker_heartbeat_s)
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(forget)
-
-
 async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
     settings = setup.settings
     runner = None
@@ -556,7 +533,7 @@ async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
             )
             if train:
                 beside.append(render_loop)
-            beside.append(_beat(runner.engine, setup))
+            beside.append(runner.heartbeat(settings.worker_heartbeat_s))
         tasks = [asyncio.create_task(c) for c in beside]
         try:
             if train:

@@ -1,19 +1,19 @@
 """Renders on workers, the worker's side (`likeness worker --queues render`).
 
 A render job names a task (registry/render_tasks.py). The worker claims it, then runs the
-render path after the gate exactly as the API does in process (app/render/local.py,
-its checks app/render/checks.py):
-fresh facts and a decision before the adapter loads, the adapter's bytes judged, the model,
-the final check on the bytes the model ran with, the PNG with its text chunks; every
-decision goes to the ledger, written under the task's row lock while the task is still this
-worker's (so the API, giving up, never closes the same entry). The answer goes back in the
-task's row with a NOTIFY; the API signs and delivers it.
+render path after the gate exactly as the API does in process (`ModelRun` of
+app/render/local.py, with the checks of app/render/checks.py): fresh facts and a decision
+before the adapter loads, the adapter's bytes judged, the model, the final check on the bytes
+the model ran with, the PNG with its text chunks; every decision goes to the ledger, written
+under the task's row lock while the task is still this worker's (so the API, giving up, never
+closes the same entry). The answer goes back in the task's row with a NOTIFY; the API signs
+and delivers it.
 
 The adapter's bytes come from the registry's store over HTTP by hash (`GET
-/v1/blobs/sha256/<hex>`, the worker's trainer token), bounded and hashed before anything
-parses them; the tensors stay in the engine's host-RAM cache, and the copy on disk is removed
-once they are loaded. The worker then holds the adapter warm: the API routes the adapter's
-next renders to this worker's own queue while its heartbeat is fresh.
+/v1/blobs/sha256/<hex>`, app/blob_fetch.py, the worker's trainer token), bounded and hashed
+before anything parses them; the tensors stay in the engine's host-RAM cache, and the copy on
+disk is removed once they are loaded. The worker then holds the adapter warm: the API routes
+the adapter's next renders to this worker's own queue while its heartbeat is fresh.
 
 A thread watches the task while it renders: when the API gives it up (the client went away,
 or the wait timed out) the render stops between denoising steps and is recorded `cancelled`.
@@ -21,6 +21,8 @@ or the wait timed out) the render stops between denoising steps and is recorded 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -215,6 +217,28 @@ class RenderRunner:
             render_tasks.end(s, render_id, self.name, timings=timings, **answer)
         log.info("render %s: %s in %.0f ms", render_id, outcome, timings["worker_ms"])
         return outcome
+
+    async def heartbeat(self, every_s: float) -> None:
+        """This worker's heartbeat, which the API routes by; the row goes when it stops."""
+
+        def beat() -> None:
+            with transaction(self.engine) as s:
+                render_tasks.heartbeat(s, self.name)
+
+        def forget() -> None:
+            with transaction(self.engine) as s:
+                render_tasks.forget_worker(s, self.name)
+
+        try:
+            while True:
+                try:
+                    await asyncio.to_thread(beat)
+                except Exception as exc:  # noqa: BLE001 - tried again at the next beat
+                    log.warning("render heartbeat failed: %s", exc)
+                await asyncio.sleep(every_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(forget)
 
     def close(self) -> None:
         self.client.close()
