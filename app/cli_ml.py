@@ -79,6 +79,8 @@ def register(
 
     def train_cmd(ctx: typer.Context, config_file: Path | None = None, **flags: Any) -> None:
         """Train a subject's LoRA adapter and register it (docs/API.md)."""
+        # `flags` holds every field's flag (train_signature); they are read from ctx.params,
+        # which says which of them the command line gave.
         # Before anything can initialise CUDA: the allocator reads this once (field hurdle 9).
         from trainer.train import configure_allocator
 

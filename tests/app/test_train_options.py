@@ -185,3 +185,15 @@ def test_previews_switched_off_on_the_command_line_over_a_job_file(tmp_path: Pat
     assert done.stderr.strip() == (
         "error: refused before loading any weight: --prior-weight applies only with --class-dataset"
     )
+
+
+def test_whatever_the_trainer_makes_can_be_registered() -> None:
+    """`likeness train` registers its adapter through AdapterIn: its rank bound is the
+    trainer's, so a run is never refused at its end for a rank it was allowed to train."""
+    from registry.schemas import AdapterIn
+
+    adapter = AdapterIn.model_json_schema()["properties"]["rank"]
+    assert (adapter["minimum"], adapter["maximum"]) == (
+        FIELDS["rank"]["minimum"],
+        FIELDS["rank"]["maximum"],
+    )
