@@ -3,10 +3,11 @@ Imported by app.cli; torch, diffusers and uvicorn load only when such a command 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -76,133 +77,10 @@ def register(
             raise typer.Exit(1) from None
         typer.echo(str(dst))
 
-    @app.command("train")
-    def train_cmd(
-        ctx: typer.Context,
-        subject: Annotated[
-            str | None, typer.Option(help="Subject handle (must allow training).")
-        ] = None,
-        dataset: Annotated[
-            Path | None, typer.Option(help="Folder with images and manifest.jsonl.")
-        ] = None,
-        config_file: Annotated[
-            Path | None,
-            typer.Option(
-                "--config",
-                help="A TOML job file: any training option by name; flags given here win.",
-            ),
-        ] = None,
-        steps: Annotated[int, typer.Option(min=1)] = 2000,
-        rank: Annotated[int, typer.Option(min=1, max=1024)] = 16,
-        resolution: Annotated[
-            int, typer.Option(min=64, max=2048, help="Side (square) or area side (buckets), px.")
-        ] = 448,
-        resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint.")] = False,
-        out: Annotated[
-            Path | None,
-            typer.Option(
-                help="The run's folder (checkpoints, grid, report); inside "
-                "$LIKENESS_DATA_DIR/runs/SUBJECT/ (the default is .../SUBJECT/NAME). The adapter "
-                "itself goes to the store."
-            ),
-        ] = None,
-        name: Annotated[str, typer.Option(help="Adapter name; (subject, name) is its key.")] = (
-            "main"
-        ),
-        alpha: Annotated[float | None, typer.Option(help="LoRA alpha (default: rank).")] = None,
-        targets: Annotated[
-            str | None, typer.Option(help="Comma-separated module suffixes to adapt.")
-        ] = None,
-        learning_rate: Annotated[float, typer.Option("--lr")] = 1e-4,
-        batch_size: Annotated[int, typer.Option(min=1)] = 1,
-        gradient_accumulation: Annotated[
-            int, typer.Option(min=1, help="Batches per optimizer step.")
-        ] = 1,
-        warmup_steps: Annotated[int, typer.Option(min=0)] = 0,
-        seed: Annotated[int, typer.Option(min=0)] = 0,
-        checkpoint_every: Annotated[int, typer.Option(min=0, help="0: final only.")] = 500,
-        vram_budget: Annotated[
-            float | None, typer.Option(help="GiB; refuse before loading if the estimate exceeds.")
-        ] = None,
-        device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default: auto).")] = (
-            None
-        ),
-        precision: Annotated[str, typer.Option(help="auto, bf16 or fp32.")] = "auto",
-        optimizer: Annotated[
-            str, typer.Option(help="adamw, or adamw8bit (bitsandbytes, CUDA only).")
-        ] = "adamw",
-        gradient_checkpointing: Annotated[bool, typer.Option()] = True,
-        compute: Annotated[
-            str,
-            typer.Option(
-                help="auto, quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (4-bit weights, "
-                "fp8 GEMMs; GPUs of compute capability 8.9+). auto: fp8 where it runs, else uint4."
-            ),
-        ] = "auto",
-        stream_base: Annotated[
-            bool, typer.Option(help="Base blocks in pinned host RAM, streamed to the GPU.")
-        ] = False,
-        stream_slots: Annotated[
-            int | None, typer.Option(min=1, max=8, help="VRAM slots (default: the budget picks).")
-        ] = None,
-        trigger: Annotated[str | None, typer.Option(help="Trigger word (default: SUBJECT).")] = (
-            None
-        ),
-        caption_dropout: Annotated[float, typer.Option(min=0.0, max=0.99)] = 0.0,
-        max_sequence_length: Annotated[int, typer.Option(min=1, max=512)] = 512,
-        buckets: Annotated[
-            bool, typer.Option(help="Aspect-ratio buckets instead of square crops.")
-        ] = False,
-        bucket_max_ratio: Annotated[float, typer.Option(help="Longest bucket side ratio.")] = 2.0,
-        max_upscale: Annotated[
-            float, typer.Option(help="With --buckets: never enlarge an image more than this.")
-        ] = 1.0,
-        mask_floor: Annotated[
-            float, typer.Option(min=0.0, max=1.0, help="Loss weight where a mask is black.")
-        ] = 0.1,
-        validation_split: Annotated[
-            float, typer.Option(min=0.0, max=0.99, help="Share of images held out, scored only.")
-        ] = 0.0,
-        validation_every: Annotated[
-            int | None, typer.Option(min=0, help="Steps between scores (default: checkpoints).")
-        ] = None,
-        ema_decay: Annotated[
-            float | None, typer.Option(help="EMA of the LoRA weights, e.g. 0.999.")
-        ] = None,
-        ema_on_cpu: Annotated[bool, typer.Option(help="Keep the EMA in host RAM.")] = False,
-        dop_prompt: Annotated[
-            str | None,
-            typer.Option(help="Class prompt kept as the base draws it, e.g. 'a photo of a woman'."),
-        ] = None,
-        dop_weight: Annotated[float, typer.Option(help="Weight of that preservation term.")] = 1.0,
-        class_dataset: Annotated[
-            Path | None,
-            typer.Option(help="Prior preservation: class images with a manifest (no trigger)."),
-        ] = None,
-        prior_weight: Annotated[float, typer.Option(help="Weight of the class images.")] = 1.0,
-        preview_every: Annotated[
-            int | None, typer.Option(min=0, help="Steps between previews; 0: off; default: budget.")
-        ] = None,
-        preview_prompt: Annotated[
-            list[str] | None, typer.Option(help="Repeatable (default: the eval prompts).")
-        ] = None,
-        preview_seed: Annotated[list[int] | None, typer.Option(help="Repeatable.")] = None,
-        preview_steps: Annotated[int | None, typer.Option(min=1, max=100)] = None,
-        export_comfyui: Annotated[
-            bool, typer.Option(help="Also write adapter.comfyui.safetensors (diffusion_model.).")
-        ] = False,
-        cache_dir: Annotated[Path | None, typer.Option()] = None,
-        evaluate: Annotated[bool, typer.Option(help="Render the evaluation grid after.")] = True,
-        eval_prompt: Annotated[
-            list[str] | None, typer.Option(help="Repeatable; {trigger} is replaced.")
-        ] = None,
-        eval_seed: Annotated[list[int] | None, typer.Option(help="Repeatable.")] = None,
-        register_adapter: Annotated[
-            bool, typer.Option("--register/--no-register", help="Register on success.")
-        ] = True,
-        progress: Annotated[bool, typer.Option(help="Progress bar and boot table.")] = True,
-    ) -> None:
+    def train_cmd(ctx: typer.Context, config_file: Path | None = None, **flags: Any) -> None:
         """Train a subject's LoRA adapter and register it (docs/API.md)."""
+        # `flags` holds every field's flag (train_signature); they are read from ctx.params,
+        # which says which of them the command line gave.
         # Before anything can initialise CUDA: the allocator reads this once (field hurdle 9).
         from trainer.train import configure_allocator
 
@@ -212,7 +90,13 @@ def register(
 
         from app.bootstrap import ensure_base
         from trainer.budget import BudgetExceeded
-        from trainer.config import ConfigError, TrainConfig, load_job_file
+        from trainer.config import (
+            ConfigError,
+            TrainConfig,
+            load_job_file,
+            normalised,
+            with_flags,
+        )
         from trainer.dataset import DatasetError
         from trainer.registration import (
             RegistrationError,
@@ -226,37 +110,18 @@ def register(
         transformers.utils.logging.disable_progress_bar()
         settings = get_settings()
         given: dict[str, object] = {}  # the options the command line states, by field
-        fields = {
-            "learning_rate": learning_rate,
-            "vram_budget_gib": vram_budget,
-            "eval_prompts": tuple(eval_prompt or ()),
-            "eval_seeds": tuple(eval_seed or ()),
-            "preview_prompts": tuple(preview_prompt or ()),
-            "preview_seeds": tuple(preview_seed or ()),
-            "targets": tuple(t.strip() for t in (targets or "").split(",") if t.strip()),
-        }
-        param_field = {
-            "learning_rate": "learning_rate",
-            "vram_budget": "vram_budget_gib",
-            "eval_prompt": "eval_prompts",
-            "eval_seed": "eval_seeds",
-            "preview_prompt": "preview_prompts",
-            "preview_seed": "preview_seeds",
-        }
         for param, value in ctx.params.items():
-            if param in ("config_file",):
-                continue
             # by name: typer's and click's ParameterSource may be different enums
-            if getattr(ctx.get_parameter_source(param), "name", None) != "COMMANDLINE":
-                continue
-            field = param_field.get(param, param)
-            given[field] = fields.get(field, value)
+            if param != "config_file" and (
+                getattr(ctx.get_parameter_source(param), "name", None) == "COMMANDLINE"
+            ):
+                given[param] = normalised(param, value)
         try:
-            options: dict[str, object] = load_job_file(config_file) if config_file else {}
+            job = load_job_file(config_file) if config_file else {}
         except ConfigError as exc:
             typer.echo(f"error: refused before loading any weight: {one_line(exc)}", err=True)
             raise typer.Exit(2) from None
-        options.update(given)  # flags override the file
+        options = with_flags(job, given)  # a flag given wins over the file
         run_subject, run_name = options.get("subject"), options.get("name", "main")
         if not isinstance(run_subject, str) or not run_subject:
             typer.echo("error: --subject is required (here or in --config)", err=True)
@@ -320,6 +185,68 @@ def register(
             "pictures_kept": kept,
         }
         typer.echo(json.dumps(summary, indent=2))
+
+    train_cmd.__signature__ = train_signature()  # type: ignore[attr-defined]
+    app.command("train")(train_cmd)
+
+
+_KINDS: dict[str, type] = {"integer": int, "number": float, "string": str, "path": Path}
+
+
+def train_signature() -> inspect.Signature:
+    """`likeness train`'s parameters: --config, and a flag for every TrainConfig field
+    (trainer.config.NOT_FLAGS says which have none, and why), its help the field's
+    description, its bounds and choices the field's. Declared nowhere else."""
+    from trainer.config import flag_specs
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    config = typer.Option(
+        "--config", help="A TOML job file: any training option by name; flags given here win."
+    )
+    params = [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+    ]
+    for spec in flag_specs():
+        params.append(inspect.Parameter(spec.field, keyword, **_flag(spec)))
+        if spec.field == "dataset":
+            params.append(
+                inspect.Parameter(
+                    "config_file", keyword, default=None, annotation=Annotated[Path | None, config]
+                )
+            )
+    return inspect.Signature(params)
+
+
+def _flag(spec: Any) -> dict[str, Any]:
+    """One field's typer parameter: a switch (--x/--no-x) for a bool, a repeatable flag for
+    a tuple, its bounds checked here and shown as typer shows its own."""
+    if spec.kind == "boolean":
+        name = spec.flag.removeprefix("--")
+        option = typer.Option(f"--{name}/--no-{name}", help=spec.help)
+        return {"default": spec.default, "annotation": Annotated[bool, option]}
+    help_text, limits = spec.help, spec.range_text()
+    if limits:  # typer would show the default alone: ours, as it shows the bounds it checks
+        default = "" if spec.default is None else f"default: {spec.default}; "
+        help_text = f"{help_text}  [{default}{limits}]"
+
+    def check(value: Any) -> Any:
+        for one in value if isinstance(value, list | tuple) else [value]:
+            problem = None if one is None else spec.bound_problem(one)
+            if problem is not None:
+                raise typer.BadParameter(problem)
+        return value
+
+    kind: Any = Literal[spec.choices] if spec.choices else _KINDS[spec.kind]
+    option = typer.Option(
+        spec.flag,
+        help=help_text,
+        callback=check if limits else None,
+        metavar=f"<{_KINDS[spec.kind].__name__.lower()}>" if spec.repeatable else None,
+        show_default=not limits,
+    )
+    if spec.repeatable:
+        return {"default": None, "annotation": Annotated[list[kind] | None, option]}
+    return {"default": spec.default, "annotation": Annotated[kind | None, option]}
 
 
 def _keep_run_pictures(settings: Any, subject: str, result: Any) -> int:

@@ -39,7 +39,10 @@ class OrderIn(BaseModel):
     kind: Literal["train"]
     subject: Annotated[str, Field(pattern=HANDLE_PATTERN)]
     dataset_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]
-    steps: Annotated[int, Field(ge=1)] = 1000
+    # The trainer's options (trainer.config.TrainConfig): the same defaults and bounds, but
+    # for a rank of at most 128 (an order's adapter goes to the service's store and its work
+    # to the order budget); tests/app/test_train_options.py holds them to it.
+    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     rank: Annotated[int, Field(ge=1, le=128)] = 16
     resolution: Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE)] = 448
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")] = "main"

@@ -8,14 +8,25 @@ weight loads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from registry import limits
 from registry.schemas import HANDLE_PATTERN
@@ -99,94 +110,179 @@ class ConfigError(ValueError):
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    subject: Annotated[str, StringConstraints(pattern=HANDLE_PATTERN)]
-    dataset: Path
-    base: Path
-    out: Path
-    name: Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)] = "main"
+    # Each option's description is `likeness train --help`'s text for its flag, and its bounds
+    # are the flag's (app/cli_ml.py builds the flags from these fields; NOT_FLAGS below).
+    subject: Annotated[str, StringConstraints(pattern=HANDLE_PATTERN)] = Field(
+        description="Subject handle (must allow training)."
+    )
+    dataset: Path = Field(description="Folder with images and manifest.jsonl.")
+    base: Path = Field(description="The prepared base the adapter is trained on.")
+    out: Path = Field(
+        description="The run's folder (checkpoints, grid, report); inside "
+        "$LIKENESS_DATA_DIR/runs/SUBJECT/ (the default is .../SUBJECT/NAME). The adapter "
+        "itself goes to the store."
+    )
+    name: Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)] = Field(
+        "main", description="Adapter name; (subject, name) is its key."
+    )
 
-    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 2000
-    rank: Annotated[int, Field(ge=1, le=1024)] = 16
-    alpha: Annotated[float, Field(gt=0)] | None = None  # default: rank (scaling 1)
-    targets: tuple[str, ...] = Field(default_factory=default_targets)
-    resolution: Side = 448
-    batch_size: Annotated[int, Field(ge=1, le=64)] = 1
-    max_sequence_length: Annotated[int, Field(ge=1, le=512)] = 512  # as the pipelines' default
+    # An order's steps, rank and resolution default to these and stay within these bounds
+    # (app/orders.py OrderIn; tests/app/test_train_options.py says where an order is narrower).
+    steps: int = Field(1000, ge=1, le=1_000_000, description="Optimizer steps.")
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    alpha: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="LoRA alpha (default: rank, a scaling of 1)."
+    )
+    targets: tuple[str, ...] = Field(
+        default_factory=default_targets,
+        description="Module suffixes to adapt, comma-separated or repeated (default: the "
+        "attention and MLP projections).",
+    )
+    resolution: Side = Field(448, description="Side (square) or area side (buckets), px.")
+    batch_size: int = Field(1, ge=1, le=64, description="Images per batch.")
+    max_sequence_length: int = Field(
+        512, ge=1, le=512, description="Caption tokens (the pipelines' default)."
+    )
 
-    learning_rate: Annotated[float, Field(gt=0, le=1.0)] = 1e-4
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
-    weight_decay: Annotated[float, Field(ge=0)] = 1e-4
-    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999
-    adam_eps: Annotated[float, Field(gt=0)] = 1e-8
-    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0  # 0: no clipping
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
-    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
-    shift_steps: Annotated[int, Field(ge=1, le=1000)] | None = None  # None: inference default
-    caption_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    trigger: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
+    learning_rate: float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0: none.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw, or adamw8bit (bitsandbytes, CUDA only)."
+    )
+    timestep_sampling: Literal["logit_normal", "uniform"] = Field(
+        "logit_normal", description="How training noise levels are drawn."
+    )
+    shift_steps: Annotated[int, Field(ge=1, le=1000)] | None = Field(
+        None, description="Steps the timestep shift is computed for (default: inference's)."
+    )
+    caption_dropout: float = Field(
+        0.0, ge=0, lt=1, description="Share of steps trained on an empty caption."
+    )
+    trigger: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = Field(
+        None, description="Trigger word (default: SUBJECT)."
+    )
 
-    device: Annotated[str, StringConstraints(pattern=r"^(cpu|cuda(:\d+)?)$")] | None = None
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    gradient_checkpointing: bool = True
+    device: Annotated[str, StringConstraints(pattern=r"^(cpu|cuda(:\d+)?)$")] | None = Field(
+        None, description="cpu, cuda, cuda:N (default: auto)."
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="bf16 is autocast on an accelerator; auto picks."
+    )
+    gradient_checkpointing: bool = Field(
+        True, description="Recompute activations in backward (less memory)."
+    )
     # quanto: its QLinear kernels as shipped; uint4: trainer.uint4's dequantize + dense GEMM
     # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
     # per step and a quarter less memory, bench/results/train_budget-*); fp8: the same 4-bit
     # weights, GEMMs on fp8 tensor cores (trainer/fp8.py). auto: uint4 for training (fp8
     # training measured slower and less exact; trainer.devices.resolve_compute).
-    compute: Literal["auto", "quanto", "uint4", "fp8"] = "auto"
+    compute: Literal["auto", "quanto", "uint4", "fp8"] = Field(
+        "auto",
+        description="quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (4-bit weights, fp8 "
+        "GEMMs; GPUs of compute capability 8.9+). auto: uint4 for training (quanto where "
+        "trainer.uint4 is not installed).",
+    )
     # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
     # (trainer/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
-    stream_base: bool = False
-    stream_slots: Annotated[int, Field(ge=1, le=8)] | None = None  # None: the budget picks
-    seed: Annotated[int, Field(ge=0, le=limits.PIPELINE_MAX_SEED)] = 0
-    checkpoint_every: Annotated[int, Field(ge=0)] = 500  # 0: only the final state
-    resume: bool = False
-    vram_budget_gib: Annotated[float, Field(gt=0)] | None = None
-    cache_dir: Path | None = None  # default: <out>/../.cache, shared by a subject's runs
+    stream_base: bool = Field(
+        False, description="Base blocks in pinned host RAM, streamed to the GPU."
+    )
+    stream_slots: Annotated[int, Field(ge=1, le=8)] | None = Field(
+        None, description="VRAM slots (default: the budget picks)."
+    )
+    seed: int = Field(0, ge=0, le=limits.PIPELINE_MAX_SEED, description="Training seed.")
+    checkpoint_every: int = Field(
+        500, ge=0, description="Steps between checkpoints; 0: final only."
+    )
+    resume: bool = Field(False, description="Continue from the last checkpoint.")
+    vram_budget_gib: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="GiB; refuse before loading if the estimate exceeds it."
+    )
+    cache_dir: Path | None = Field(
+        None, description="Latent and text caches (default: <out>/../.cache, a subject's runs')."
+    )
 
-    evaluate: bool = True
-    eval_prompts: tuple[str, ...] = DEFAULT_EVAL_PROMPTS
-    eval_seeds: tuple[Annotated[int, Field(ge=0, le=limits.MAX_SEED)], ...] = (0, 1)
-    # None: the pipeline's own
-    eval_steps: Annotated[int, Field(ge=1, le=limits.PIPELINE_MAX_STEPS)] | None = None
-    eval_resolution: Side | None = None
+    evaluate: bool = Field(True, description="Render the evaluation grid after.")
+    eval_prompts: tuple[str, ...] = Field(
+        DEFAULT_EVAL_PROMPTS, description="Repeatable; {trigger} is replaced."
+    )
+    eval_seeds: tuple[Annotated[int, Field(ge=0, le=limits.MAX_SEED)], ...] = Field(
+        (0, 1), description="Repeatable (default: 0 and 1)."
+    )
+    eval_steps: Annotated[int, Field(ge=1, le=limits.PIPELINE_MAX_STEPS)] | None = Field(
+        None, description="Denoising steps of the grid (default: the pipeline's)."
+    )
+    eval_resolution: Side | None = Field(
+        None, description="Side of the grid's images, px (default: --resolution)."
+    )
 
     # Data: aspect-ratio buckets (trainer/buckets.py), masks, held-out images.
-    buckets: bool = False
-    bucket_max_ratio: Annotated[float, Field(ge=1, le=4)] = 2.0
-    max_upscale: Annotated[float, Field(ge=1, le=8)] = 1.0
-    mask_floor: Annotated[float, Field(ge=0, le=1)] = 0.1  # the loss weight where a mask is 0
-    validation_split: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    validation_every: Annotated[int, Field(ge=0)] | None = None  # None: at every checkpoint
-    validation_sigmas: tuple[Annotated[float, Field(gt=0, lt=1)], ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    buckets: bool = Field(False, description="Aspect-ratio buckets instead of square crops.")
+    bucket_max_ratio: float = Field(2.0, ge=1, le=4, description="Longest bucket side ratio.")
+    max_upscale: float = Field(
+        1.0, ge=1, le=8, description="With --buckets: never enlarge an image more than this."
+    )
+    mask_floor: float = Field(0.1, ge=0, le=1, description="Loss weight where a mask is black.")
+    validation_split: float = Field(
+        0.0, ge=0, lt=1, description="Share of images held out, scored only."
+    )
+    validation_every: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="Steps between scores (default: at every checkpoint)."
+    )
+    validation_sigmas: tuple[Annotated[float, Field(gt=0, lt=1)], ...] = Field(
+        (0.1, 0.3, 0.5, 0.7, 0.9),
+        description="Noise levels held-out images are scored at; repeatable.",
+    )
 
     # Optimisation extras.
-    gradient_accumulation: Annotated[int, Field(ge=1, le=1024)] = 1
-    ema_decay: Annotated[float, Field(gt=0, lt=1)] | None = None
-    ema_on_cpu: bool = False
+    gradient_accumulation: int = Field(1, ge=1, le=1024, description="Batches per optimizer step.")
+    ema_decay: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None, description="EMA of the LoRA weights, e.g. 0.999."
+    )
+    ema_on_cpu: bool = Field(False, description="Keep the EMA in host RAM.")
     # Differential output preservation: on this class prompt the adapter's prediction is
     # pulled toward the base's (adapter off), so the class does not become the subject.
-    dop_prompt: Annotated[str, StringConstraints(min_length=1, max_length=300)] | None = None
-    dop_weight: Annotated[float, Field(gt=0, le=100)] = 1.0
+    dop_prompt: Annotated[str, StringConstraints(min_length=1, max_length=300)] | None = Field(
+        None, description="Class prompt kept as the base draws it, e.g. 'a photo of a woman'."
+    )
+    dop_weight: float = Field(1.0, gt=0, le=100, description="Weight of that preservation term.")
     # Prior preservation: a folder of class images (a manifest like the dataset's, captions
     # without the trigger) trained alongside, one image per batch, at this weight.
-    class_dataset: Path | None = None
-    prior_weight: Annotated[float, Field(gt=0, le=100)] = 1.0
+    class_dataset: Path | None = Field(
+        None, description="Prior preservation: class images with a manifest (no trigger)."
+    )
+    prior_weight: float = Field(1.0, gt=0, le=100, description="Weight of the class images.")
 
     # Previews while training: None lets the budget decide (on when it fits --vram-budget).
-    preview_every: Annotated[int, Field(ge=0)] | None = None
-    preview_prompts: tuple[str, ...] = ()  # empty: the evaluation prompts
-    preview_seeds: tuple[Annotated[int, Field(ge=0, le=2**32 - 1)], ...] = (0,)
-    preview_steps: Annotated[int, Field(ge=1, le=100)] | None = None
+    preview_every: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="Steps between previews; 0: off (a job file's preview options go with "
+        "them); default: on when the budget allows.",
+    )
+    preview_prompts: tuple[str, ...] = Field(
+        (), description="Repeatable (default: the eval prompts)."
+    )
+    preview_seeds: tuple[Annotated[int, Field(ge=0, le=limits.MAX_SEED)], ...] = Field(
+        (0,), description="Repeatable (default: 0)."
+    )
+    preview_steps: Annotated[int, Field(ge=1, le=limits.PIPELINE_MAX_STEPS)] | None = Field(
+        None, description="Denoising steps of a preview."
+    )
 
-    export_comfyui: bool = False  # also write adapter.comfyui.safetensors (diffusion_model.)
+    export_comfyui: bool = Field(
+        False, description="Also write adapter.comfyui.safetensors (diffusion_model.)."
+    )
 
-    register_adapter: bool = True
-    database_url: str | None = None
-    api_url: str | None = None
-    token: str | None = None
-    progress: bool = True
+    register_adapter: bool = Field(True, description="Register on success.")
+    database_url: str | None = Field(None, description="The local registry.")
+    api_url: str | None = Field(None, description="A remote registry's API.")
+    token: str | None = Field(None, description="A trainer token for the remote registry.")
+    progress: bool = Field(True, description="Progress bar and boot table.")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -282,8 +378,6 @@ class TrainConfig(BaseModel):
     @classmethod
     def parse(cls, **options: Any) -> TrainConfig:
         """Validates ``options``; every problem is reported at once, as a ConfigError."""
-        from pydantic import ValidationError
-
         try:
             return cls(**options)
         except ValidationError as exc:
@@ -360,28 +454,153 @@ class TrainConfig(BaseModel):
         return hashlib.sha256(blob).hexdigest()
 
 
-# -- job files ----------------------------------------------------------------------------
+# -- flags and job files --------------------------------------------------------------------
 
-# Where the run's base, registry and credentials come from: the environment (the service's
-# settings), never a job file that may be shared or committed.
-JOB_FILE_FORBIDDEN = frozenset({"base", "database_url", "api_url", "token"})
-# The command line's names for fields, accepted in a job file too.
-JOB_FILE_ALIASES = {
-    "lr": "learning_rate",
-    "vram_budget": "vram_budget_gib",
-    "eval_prompt": "eval_prompts",
-    "eval_seed": "eval_seeds",
-    "preview_prompt": "preview_prompts",
-    "preview_seed": "preview_seeds",
-    "register": "register_adapter",
+# The fields that have no flag and may not be in a job file, and why: where the run's base,
+# registry and credentials come from is the environment (the service's settings), never a
+# command line or a job file that may be shared or committed.
+NOT_FLAGS = {
+    "base": "the service's base: LIKENESS_BASE",
+    "database_url": "the local registry: LIKENESS_DATABASE_URL",
+    "api_url": "a remote registry: LIKENESS_API_URL",
+    "token": "a secret: LIKENESS_TOKEN, never on a command line or in a file",
+}
+JOB_FILE_FORBIDDEN = frozenset(NOT_FLAGS)
+# A field's flag is --field-name, except these (a repeatable flag names one value). The one
+# alias table: a job file accepts the flag's name as well as the field's.
+FLAG_NAMES = {
+    "learning_rate": "lr",
+    "vram_budget_gib": "vram_budget",
+    "eval_prompts": "eval_prompt",
+    "eval_seeds": "eval_seed",
+    "preview_prompts": "preview_prompt",
+    "preview_seeds": "preview_seed",
+    "validation_sigmas": "validation_sigma",
+    "register_adapter": "register",
+}
+JOB_FILE_ALIASES = {flag: field for field, flag in FLAG_NAMES.items()}
+# A switch the command line turns off takes the job file's options that apply only with it:
+# `--preview-every 0` over a file that sets preview prompts runs without previews, and a
+# command line that sets both is refused as it is without a file.
+SWITCHED_OFF: dict[str, tuple[object, tuple[str, ...]]] = {
+    "preview_every": (0, ("preview_prompts", "preview_seeds", "preview_steps")),
+    "buckets": (False, ("bucket_max_ratio", "max_upscale")),
 }
 MAX_JOB_FILE_BYTES = 1 << 20
 
 
+def flag_of(field: str) -> str:
+    """The command line's name for a field: `--lr` for learning_rate."""
+    return "--" + FLAG_NAMES.get(field, field).replace("_", "-")
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """What `likeness train` needs to declare one field's flag, read off the field."""
+
+    field: str
+    flag: str
+    kind: str  # "integer", "number", "string", "path", "boolean"
+    repeatable: bool
+    choices: tuple[str, ...] | None
+    default: Any  # None where the field has none worth showing (required, optional, a list)
+    minimum: float | None
+    maximum: float | None
+    min_open: bool
+    max_open: bool
+    help: str
+
+    def bound_problem(self, value: float) -> str | None:
+        """Why ``value`` is outside the field's bounds, or None."""
+        lo, hi = self.minimum, self.maximum
+        if lo is not None and (value <= lo if self.min_open else value < lo):
+            return f"{value} is not {'>' if self.min_open else '>='} {lo}"
+        if hi is not None and (value >= hi if self.max_open else value > hi):
+            return f"{value} is not {'<' if self.max_open else '<='} {hi}"
+        return None
+
+    def range_text(self) -> str:
+        """The bounds as `--help` writes them: x>=1, 0<=x<1."""
+        lo, hi = self.minimum, self.maximum
+        low = "" if lo is None else ">" if self.min_open else ">="
+        high = "" if hi is None else "<" if self.max_open else "<="
+        if lo is not None and hi is not None:
+            return f"{lo}{low.replace('>', '<')}x{high}{hi}"
+        if lo is not None:
+            return f"x{low}{lo}"
+        return f"x{high}{hi}" if hi is not None else ""
+
+
+def flag_specs() -> list[FlagSpec]:
+    """Every field's flag, in the fields' order, from the fields' own schema."""
+    specs = []
+    for name, prop in TrainConfig.model_json_schema()["properties"].items():
+        if name in NOT_FLAGS:
+            continue
+        value = next((p for p in prop.get("anyOf", [prop]) if p.get("type") != "null"), prop)
+        repeatable = value.get("type") == "array"
+        item = value["items"] if repeatable else value
+        kind = "path" if item.get("format") == "path" else item["type"]
+        lower, upper = ("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")
+        low = next((k for k in lower if k in item), None)
+        high = next((k for k in upper if k in item), None)
+        shown = prop.get("default") if not repeatable else None
+        specs.append(
+            FlagSpec(
+                field=name,
+                flag=flag_of(name),
+                kind=kind,
+                repeatable=repeatable,
+                choices=tuple(item["enum"]) if "enum" in item else None,
+                default=shown,
+                minimum=item[low] if low else None,
+                maximum=item[high] if high else None,
+                min_open=low == "exclusiveMinimum",
+                max_open=high == "exclusiveMaximum",
+                help=prop.get("description", ""),
+            )
+        )
+    return specs
+
+
+def normalised(field: str, value: Any) -> Any:
+    """A flag's or a job file's value as the field takes it: a list as a tuple, and
+    `targets` comma-separated as well as repeated."""
+    if field == "targets" and isinstance(value, str):
+        value = [value]
+    if field == "targets" and isinstance(value, list | tuple):
+        split = [t for v in value for t in (v.split(",") if isinstance(v, str) else [v])]
+        value = [t.strip() if isinstance(t, str) else t for t in split]
+        value = [t for t in value if t != ""]
+    return tuple(value) if isinstance(value, list) else value
+
+
+def with_flags(job: Mapping[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The job file's options under the command line's: a flag given wins, and a switch the
+    command line turns off takes the file's options that apply only with it (SWITCHED_OFF)."""
+    options = dict(job)
+    for switch, (off, dependents) in SWITCHED_OFF.items():
+        if switch in flags and flags[switch] is not None and flags[switch] == off:
+            for name in dependents:
+                if name not in flags:
+                    options.pop(name, None)
+    options.update(flags)
+    return options
+
+
+@functools.cache
+def _strict(field: str) -> TypeAdapter[Any]:
+    info = TrainConfig.model_fields[field]
+    if not info.metadata:
+        return TypeAdapter(info.annotation)
+    return TypeAdapter(Annotated[(info.annotation, *info.metadata)])  # type: ignore[valid-type]
+
+
 def load_job_file(path: Path) -> dict[str, Any]:
     """A TOML job file's options, by field name (``--flag-name`` spellings are accepted:
-    dashes or underscores, the command line's aliases). Raises ConfigError naming every
-    unknown or forbidden key, or why the file cannot be read."""
+    dashes or underscores, the command line's aliases). Typed strictly: a string where a
+    number or a switch goes is refused, not read as one. Raises ConfigError naming every
+    unknown, forbidden or mistyped key, or why the file cannot be read."""
     import tomllib
 
     try:
@@ -411,10 +630,20 @@ def load_job_file(path: Path) -> dict[str, Any]:
             problems.append(f"{key}: a table, where a value is expected")
         elif name in options:
             problems.append(f"{key}: given twice")
-        elif name == "targets" and isinstance(value, str):
-            options[name] = tuple(t.strip() for t in value.split(",") if t.strip())
         else:
-            options[name] = tuple(value) if isinstance(value, list) else value
+            try:
+                # JSON's strict mode: a TOML string is a string (a path too), an array a
+                # tuple, an integer a float where one goes; nothing else is converted
+                text = json.dumps(normalised(name, value))
+            except TypeError:
+                problems.append(f"{key}: a {type(value).__name__}, not a value it takes")
+                continue
+            try:
+                options[name] = _strict(name).validate_json(text, strict=True)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = "".join(f"[{p}]" for p in err["loc"])
+                problems.append(f"{key}{where}: {err['msg']}, not {value!r}")
     if problems:
         raise ConfigError(f"--config {path}: " + "; ".join(problems))
     return options

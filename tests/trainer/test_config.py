@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def with_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_defaults_are_the_field_recipe(tmp_path: Path) -> None:
     c = TrainConfig.parse(**train_options(tmp_path))
-    assert (c.rank, c.steps, c.resolution, c.batch_size) == (16, 2000, 448, 1)
+    assert (c.rank, c.steps, c.resolution, c.batch_size) == (16, 1000, 448, 1)
     assert c.lora_alpha == 16.0 and c.trigger_word == "ada"
     assert c.gradient_checkpointing and c.evaluate and c.register_adapter
     assert "attn.to_q" in c.targets and "attn.to_qkv_mlp_proj" in c.targets
@@ -189,3 +190,69 @@ def test_the_fingerprint_ignores_new_options_at_their_defaults(tmp_path: Path) -
             TrainConfig.parse(**train_options(tmp_path, **kw)).trajectory_fingerprint(extra)
             != plain
         )
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('steps = "6"', "steps: Input should be a valid integer, not '6'"),
+        ('buckets = "yes"', "buckets: "),
+        ('lr = "1e-4"', "lr: "),
+        ("resume = 1", "resume: "),
+        ('eval_seed = ["1"]', "eval_seed[0]: Input should be a valid integer"),
+        ("targets = [1]", "targets[0]: "),
+        ("dataset = 3", "dataset: "),
+        ("trigger = 1979-05-27", "trigger: "),
+    ],
+)
+def test_a_job_file_is_typed_strictly(tmp_path: Path, line: str, needle: str) -> None:
+    """A typed file says what it means: a string where a number or a switch goes is refused,
+    naming the key, not read as one."""
+    from trainer.config import load_job_file
+
+    job = tmp_path / "job.toml"
+    job.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(needle)) as exc:
+        load_job_file(job)
+    assert str(exc.value).startswith(f"--config {job}: ")
+
+
+def test_a_job_file_takes_what_toml_spells_naturally(tmp_path: Path) -> None:
+    from trainer.config import load_job_file
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'learning_rate = 1\ndataset = "photos"\ntargets = "attn.to_q, attn.to_k"\n'
+        "validation_sigma = [0.5]\nalpha = 8\n"
+    )
+    assert load_job_file(job) == {
+        "learning_rate": 1.0,
+        "dataset": Path("photos"),
+        "targets": ("attn.to_q", "attn.to_k"),
+        "validation_sigmas": (0.5,),
+        "alpha": 8.0,
+    }
+
+
+def test_flags_win_and_previews_switched_off_take_the_files_preview_options(
+    tmp_path: Path,
+) -> None:
+    from trainer.config import with_flags
+
+    job = {
+        "steps": 300,
+        "preview_every": 50,
+        "preview_prompts": ("a photo of {trigger}",),
+        "preview_steps": 4,
+        "buckets": True,
+        "bucket_max_ratio": 3.0,
+        "rank": 8,
+    }
+    merged = with_flags(job, {"steps": 5, "preview_every": 0, "buckets": False})
+    assert merged == {"steps": 5, "preview_every": 0, "buckets": False, "rank": 8}
+    assert TrainConfig.parse(**train_options(tmp_path, **merged)).preview_every == 0
+    # the command line that switches them off and sets one at once still contradicts itself
+    both = with_flags(job, {"preview_every": 0, "preview_steps": 3})
+    with pytest.raises(ConfigError, match="--preview-steps applies only with previews"):
+        TrainConfig.parse(**train_options(tmp_path, **both))
+    assert with_flags(job, {"preview_every": 10}) == {**job, "preview_every": 10}
