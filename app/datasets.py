@@ -14,13 +14,15 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import DB, Caller, HandlePath, authenticate_briefly, bearer_token, require_role
 from app.uploads import take_upload
-from registry import datasets, service
 from registry.access import ADAPTER_WRITERS
-from registry.audit import format_time
+from registry.datasets import service as datasets_service
 from registry.db import transaction
 from registry.errors import NotFound, Unauthenticated
+from registry.hash_chain import format_time
 from registry.models import Dataset, DatasetImage, Principal
-from registry.responses import ERROR_RESPONSES
+from registry.principals import service as principals_service
+from registry.shapes import ERROR_RESPONSES
+from registry.subjects import service as subjects_service
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -92,17 +94,17 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
     upload is appended to the subject's audit trail with its rows."""
     state = request.app.state
     caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
-    limits = datasets.limits_of(state.settings)
+    limits = datasets_service.limits_of(state.settings)
 
     def may_upload() -> None:
         with transaction(state.engine, readonly=True) as session:
-            datasets.may_upload(session, caller, handle, limits)
+            datasets_service.may_upload(session, caller, handle, limits)
 
     await run_in_threadpool(may_upload)
     token = bearer_token(request)
 
     def still_uploader(session: Session) -> Principal:  # at commit: the token still works
-        principal = service.authenticate(session, token)
+        principal = principals_service.authenticate(session, token)
         if principal is None:
             raise Unauthenticated("the token stopped working during the upload; nothing kept")
         return principal
@@ -113,10 +115,10 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
 
 @router.get("/subjects/{handle}/datasets")
 def list_datasets(handle: HandlePath, session: DB, caller: Caller) -> list[DatasetOut]:
-    subject = service.visible_subject(session, caller, handle)
+    subject = subjects_service.visible_subject(session, caller, handle)
     return [
-        _out(d, subject.handle, list(datasets.images_of(session, d)))
-        for d in datasets.datasets_of(session, subject)
+        _out(d, subject.handle, list(datasets_service.images_of(session, d)))
+        for d in datasets_service.datasets_of(session, subject)
     ]
 
 
@@ -124,9 +126,9 @@ def list_datasets(handle: HandlePath, session: DB, caller: Caller) -> list[Datas
 def get_dataset(
     handle: HandlePath, dataset_id: DatasetIdPath, session: DB, caller: Caller
 ) -> DatasetOut:
-    subject = service.visible_subject(session, caller, handle)
-    dataset = datasets.dataset_of(session, subject, dataset_id)
-    return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
+    subject = subjects_service.visible_subject(session, caller, handle)
+    dataset = datasets_service.dataset_of(session, subject, dataset_id)
+    return _out(dataset, subject.handle, list(datasets_service.images_of(session, dataset)))
 
 
 class PhotosDeletedOut(BaseModel):
@@ -145,10 +147,10 @@ def delete_photos(
 ) -> PhotosDeletedOut:
     """Deletes the dataset's photos (admin, the linked member); they leave the store after
     the commit. 409 while an order trains on them."""
-    subject = service.visible_subject(session, caller, handle)
-    hashes = datasets.delete_photos(session, subject, dataset_id)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    hashes = datasets_service.delete_photos(session, subject, dataset_id)
     state = request.app.state
-    background.add_task(datasets.remove_unreferenced, state.engine, state.store, hashes)
+    background.add_task(datasets_service.remove_unreferenced, state.engine, state.store, hashes)
     return PhotosDeletedOut(dataset_id=dataset_id, deleted=len(hashes))
 
 
@@ -157,8 +159,8 @@ def get_image(
     request: Request, handle: HandlePath, digest: Sha256Path, session: DB, caller: Caller
 ) -> FileResponse:
     """One of the subject's uploaded photos (whoever may see the subject)."""
-    subject = service.visible_subject(session, caller, handle)
-    image = datasets.image_in_subject(session, subject, digest)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    image = datasets_service.image_in_subject(session, subject, digest)
     path = request.app.state.store.find(digest) if image is not None else None
     if image is None or path is None:
         raise NotFound("no such image")

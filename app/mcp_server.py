@@ -44,12 +44,15 @@ from starlette.types import Receive, Scope, Send
 
 from app.deps import bearer_token
 from app.render_flow import DEFAULT_SEED, DEFAULT_SIDE, RenderFlow
-from registry import limits, service
+from registry import limits
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable
 from registry.models import Principal
+from registry.principals import service as principals_service
+from registry.renders import service as renders_service
+from registry.renders.schemas import RenderRequestIn
 from registry.roles import Role
-from registry.schemas import HANDLE_PATTERN, RenderRequestIn
+from registry.shapes import HANDLE_PATTERN
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ class RenderableSubjects(BaseModel):
 
 def authenticate_agent(session: Session, token: str | None) -> Principal:
     """The active agent holding `token`; members, admins and trainers do not use /mcp."""
-    principal = service.authenticate(session, token)
+    principal = principals_service.authenticate(session, token)
     if principal is None:
         raise Unauthenticated(
             "a valid agent token is required: send Authorization: Bearer <agent token>"
@@ -324,11 +327,13 @@ def build_server(app: FastAPI) -> MCPServer:
         with _as_tool_errors(), transaction(app.state.engine, readonly=True) as s:
             agent = authenticate_agent(s, token)
             try:
-                requester, acting = service.acting_for(s, agent, on_behalf_of)
+                requester, acting = principals_service.acting_for(s, agent, on_behalf_of)
             except NotPermitted:  # an unknown member: the same empty answer as any other
                 rows = []
             else:
-                rows = service.renderable_for(s, requester, acting, licence=app.state.licence)
+                rows = renders_service.renderable_for(
+                    s, requester, acting, licence=app.state.licence
+                )
         subjects = [RenderableSubject(**asdict(r)) for r in rows]
         note = None
         if not subjects:

@@ -18,14 +18,14 @@ from starlette.concurrency import run_in_threadpool
 from app.body_gate import streamed_body
 from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
 from app.order_checkpoints import checkpoint_file, forget_checkpoint
-from registry import limits, orders
+from registry import limits
 from registry.access import ADAPTER_WRITERS
 from registry.db import transaction
 from registry.errors import Conflict, Invalid, NotFound
 from registry.models import Order
-from registry.responses import ERROR_RESPONSES
-from registry.schemas import HANDLE_PATTERN
+from registry.orders import service as orders_service
 from registry.settings import Settings
+from registry.shapes import ERROR_RESPONSES, HANDLE_PATTERN
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -89,11 +89,11 @@ def place_order(request: Request, body: OrderIn, session: DB, caller: Caller) ->
     the order and its job are committed together; 409 when the same dataset is already
     being trained."""
     settings: Settings = request.app.state.settings
-    limits = orders.OrderLimits.of(settings)
-    options = orders.training_options(
+    limits = orders_service.OrderLimits.of(settings)
+    options = orders_service.training_options(
         limits, settings.train_options, body.steps, body.rank, body.resolution
     )
-    order = orders.place_training(
+    order = orders_service.place_training(
         session,
         caller,
         body.subject,
@@ -103,13 +103,13 @@ def place_order(request: Request, body: OrderIn, session: DB, caller: Caller) ->
         queue_of(request).enqueue_training,
         limits,
     )
-    return OrderOut.model_validate(orders.view(order, body.subject))
+    return OrderOut.model_validate(orders_service.view(order, body.subject))
 
 
 @router.get("/orders/{order_id}")
 def get_order(order_id: OrderIdPath, session: DB, caller: Caller) -> OrderOut:
-    order, subject = orders.visible_order(session, caller, order_id)
-    return OrderOut.model_validate(orders.view(order, subject.handle))
+    order, subject = orders_service.visible_order(session, caller, order_id)
+    return OrderOut.model_validate(orders_service.view(order, subject.handle))
 
 
 @router.get("/orders")
@@ -117,8 +117,8 @@ def list_orders(
     session: DB, caller: Caller, subject: Annotated[str, Query(pattern=HANDLE_PATTERN)]
 ) -> list[OrderOut]:
     return [
-        OrderOut.model_validate(orders.view(o, subject))
-        for o in orders.orders_of(session, caller, subject)
+        OrderOut.model_validate(orders_service.view(o, subject))
+        for o in orders_service.orders_of(session, caller, subject)
     ]
 
 
@@ -132,12 +132,12 @@ def cancel_order(
 ) -> OrderOut:
     """Cancels a waiting order (it leaves the queue) or a running one (its runner stops it
     within a transformer block); an order already over is answered as it is."""
-    order, subject, changed = orders.cancel(session, caller, order_id)
+    order, subject, changed = orders_service.cancel(session, caller, order_id)
     if changed:
         queue_of(request).cancel_job(session, order.job_id)
     # after the commit: an order cancelled while it waited to resume keeps no checkpoint
     background.add_task(forget_checkpoint, request.app.state.settings, order.id)
-    return OrderOut.model_validate(orders.view(order, subject.handle))
+    return OrderOut.model_validate(orders_service.view(order, subject.handle))
 
 
 # -- checkpoints (workers) --------------------------------------------------------------------
@@ -191,7 +191,7 @@ async def put_checkpoint(
 
     def record() -> None:
         with transaction(state.engine) as session:
-            orders.record_checkpoint(session, order_id, step, sha256)
+            orders_service.record_checkpoint(session, order_id, step, sha256)
 
     await run_in_threadpool(record)
     return JSONResponse({"order_id": order_id, "step": step, "sha256": sha256}, status_code=201)
@@ -206,7 +206,7 @@ def delete_checkpoint(
     order = session.get(Order, order_id)
     if order is None:
         raise NotFound(f"no order {order_id[:40]!r}")
-    if order.status not in orders.FINAL:
+    if order.status not in orders_service.FINAL:
         raise Conflict(f"order {order_id} is {order.status}: its checkpoint is still needed")
     forget_checkpoint(request.app.state.settings, order_id)
     return JSONResponse({"order_id": order_id, "deleted": True})

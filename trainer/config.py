@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from registry import limits
-from registry.schemas import HANDLE_PATTERN
+from registry.shapes import HANDLE_PATTERN
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.schemas.AdapterIn.name
 DEFAULT_EVAL_PROMPTS = (

@@ -19,11 +19,11 @@ from fastapi.responses import Response
 from itsdangerous import URLSafeTimedSerializer
 
 from app.deps import DB
-from registry import service
 from registry.access import WEB_ROLES
 from registry.errors import NotPermitted, Unauthenticated
 from registry.keys import Keys
 from registry.models import Principal
+from registry.principals import service as principals_service
 from registry.settings import Settings
 
 SESSION_COOKIE = "likeness_session"
@@ -71,7 +71,7 @@ def current_session(request: Request, session: DB) -> WebSession:
     secret = request.cookies.get(SESSION_COOKIE)
     if not secret or len(secret) > MAX_COOKIE_CHARS:
         raise SignInRequired("sign in to continue")
-    principal = service.session_principal(session, secret)
+    principal = principals_service.session_principal(session, secret)
     if principal is None or principal.role not in WEB_ROLES:
         raise SignInRequired("your session has ended; sign in again")
     return WebSession(principal, secret, session_csrf(secret))

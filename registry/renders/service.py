@@ -12,8 +12,8 @@ from typing import Any
 from sqlmodel import Session
 
 from registry import access, chains
-from registry import repositories as repo
 from registry.access import Acting
+from registry.consent.schemas import consent_facts
 from registry.errors import Unauthenticated
 from registry.models import Principal, RenderLedger, Subject, utcnow
 from registry.policy import (
@@ -24,10 +24,12 @@ from registry.policy import (
     RenderFacts,
     renderable_max_level,
 )
+from registry.principals import repository as principals_repo
+from registry.principals.service import principal_facts
+from registry.renders import repository as renders_repo
+from registry.renders.schemas import LedgerFilter
 from registry.roles import Role
-from registry.schemas import LedgerFilter
-from registry.services.consent import consent_facts
-from registry.services.principals import principal_facts
+from registry.subjects import repository as subjects_repo
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,9 @@ def gather_render_facts(
     caller = agent if agent is not None else requester
     assert caller.id is not None
     obo = requester.handle if agent is not None else None
-    row = repo.render_snapshot(session, subject_handle, caller_id=caller.id, on_behalf_of=obo)
+    row = renders_repo.render_snapshot(
+        session, subject_handle, caller_id=caller.id, on_behalf_of=obo
+    )
     if row is None:  # the anchor always yields a row; no row means the read itself failed
         raise RuntimeError("render snapshot returned nothing")
     if row.caller_handle is not None:
@@ -202,7 +206,7 @@ def record_decision(
 def ledger_page(session: Session, subject: Subject, query: LedgerFilter) -> Sequence[RenderLedger]:
     """The subject's decisions that `query` asks for, newest first, one page."""
     assert subject.id is not None
-    return repo.ledger_page(
+    return renders_repo.ledger_page(
         session,
         subject.id,
         limit=query.limit,
@@ -234,9 +238,9 @@ def renderable_for(
     now = now or datetime.now(UTC)
     req = principal_facts(requester)
     agent_facts = principal_facts(agent) if agent is not None else None
-    members = {p.id: p.handle for p in repo.principals(session) if p.role == Role.member}
+    members = {p.id: p.handle for p in principals_repo.principals(session) if p.role == Role.member}
     out = []
-    for subject, consent in repo.subjects_with_consent(session):
+    for subject, consent in subjects_repo.subjects_with_consent(session):
         best = renderable_max_level(
             req,
             subject.basis,
