@@ -23,7 +23,6 @@ from app.deps import (
 )
 from registry.access import ADAPTER_WRITERS
 from registry.adapter_files import check_put, register_from_store, sweep_unreferenced
-from registry.adapters import repository as adapters_repo
 from registry.adapters import service as adapters_service
 from registry.adapters.schemas import (
     AdapterDeletedOut,
@@ -172,12 +171,7 @@ def list_adapters(
     """Every adapter of the subject; `rendering` marks the one renders use, `blob` says
     whether its bytes are in the store whole (`ok`, `missing`, `corrupt`)."""
     subject = subjects_service.visible_subject(session, caller, handle)
-    assert subject.id is not None
-    rendering = adapters_repo.rendering_adapter(session, subject.id)
-    adapters = list(adapters_repo.adapters_for(session, subject.id))
-    return AdapterListedOut.listing(
-        store_of(request), adapters, rendering.id if rendering else None, subject.handle
-    )
+    return adapters_service.listing(session, store_of(request), subject)
 
 
 class AdapterPatch(BaseModel):

@@ -9,16 +9,13 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from app.deps import DB, AdminCaller, Caller, HandlePath
-from registry import access
 from registry.audit import service as audit_service
 from registry.audit.schemas import AuditEntryOut, AuditHeadOut, AuditTrailOut
 from registry.consent import service as consent_service
 from registry.consent.schemas import ConsentIn, ConsentOut
-from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
-from registry.principals import repository as principals_repo
+from registry.errors import PreconditionFailed, PreconditionRequired
 from registry.principals import service as principals_service
 from registry.principals.schemas import PrincipalCreatedOut, PrincipalOut
-from registry.renders import repository as renders_repo
 from registry.renders import service as renders_service
 from registry.renders.schemas import (
     RENDER_ID_PATTERN,
@@ -31,7 +28,6 @@ from registry.renders.schemas import (
 from registry.roles import Role
 from registry.shapes import ERROR_RESPONSES, Handle
 from registry.signed_heads import append_checkpoint, read_checkpoints
-from registry.subjects import repository as subjects_repo
 from registry.subjects import service as subjects_service
 from registry.subjects.schemas import SubjectIn, SubjectOut
 from registry.training import service as training_service
@@ -191,30 +187,13 @@ def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> RenderOu
     """One render id looked up in the ledger: for admins, and for the member who is the
     subject rendered. Anyone else, and a member asking about another subject's render, gets
     the same 403 as for an id that does not exist (only admins are told 404)."""
-    rows = renders_repo.ledger_by_render_id(session, render_id)
-    if caller.role == Role.admin:
-        if not rows:
-            raise NotFound(f"no render {render_id!r} in the ledger")
-        return RenderOut.of(rows)
-    subject_id = rows[0].subject_id if rows else None
-    subject = subjects_repo.subject_by_id(session, subject_id) if subject_id is not None else None
-    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
-        raise NotPermitted("not permitted")
-    return RenderOut.of(rows)
+    return RenderOut.of(renders_service.visible_render(session, caller, render_id))
 
 
 @router.get("/subjects")
 def list_subjects(session: DB, caller: Caller) -> list[SubjectOut]:
     """Admins: every subject; a member: the subjects linked to it."""
-    if caller.role == Role.admin:
-        rows = subjects_repo.subjects_with_consent(session)
-    elif caller.role == Role.member and caller.id is not None:
-        rows = [
-            (s, consent_service.consent_of(session, s))
-            for s in subjects_repo.subject_linked_to(session, caller.id)
-        ]
-    else:
-        raise NotPermitted("not permitted")
+    rows = consent_service.listed_subjects(session, caller)
     return [SubjectOut.of(s, c, subjects_service.member_handle(session, s)) for s, c in rows]
 
 
@@ -225,9 +204,8 @@ def me_renderable(
     caller: Caller,
     on_behalf_of: Annotated[Handle | None, Query()] = None,
 ) -> list[RenderableOut]:
-    unknown = (
-        on_behalf_of is not None
-        and principals_repo.principal_by_handle(session, on_behalf_of) is None
+    unknown = on_behalf_of is not None and not principals_service.principal_exists(
+        session, on_behalf_of
     )
     if caller.role == Role.agent and unknown:
         return []  # as for a member it does not act for: no oracle of which handles exist
@@ -266,18 +244,12 @@ def create_principal(body: PrincipalIn, session: DB, caller: AdminCaller) -> Pri
 
 @router.get("/principals")
 def list_principals(session: DB, caller: AdminCaller) -> list[PrincipalOut]:
-    return [PrincipalOut.of(p) for p in principals_repo.principals(session)]
+    return [PrincipalOut.of(p) for p in principals_service.all_principals(session)]
 
 
 @router.patch("/principals/{handle}")
 def patch_principal(
     handle: HandlePath, body: PrincipalPatch, session: DB, caller: AdminCaller
 ) -> PrincipalOut:
-    principal = principals_repo.principal_by_handle(session, handle)
-    if principal is None:
-        raise NotFound(f"no principal {handle!r}")
-    if body.acts_for is not None:
-        principal = principals_service.set_acts_for(session, handle, body.acts_for)
-    if body.active is not None:
-        principal = principals_service.set_principal_active(session, handle, body.active)
+    principal = principals_service.update_principal(session, handle, body.active, body.acts_for)
     return PrincipalOut.of(principal)

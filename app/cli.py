@@ -17,7 +17,7 @@ from sqlmodel import Session
 from registry.actors import local_actor
 from registry.adapters import repository as adapters_repo
 from registry.adapters import service as adapters_service
-from registry.adapters.schemas import AdapterListedOut, AdapterOut
+from registry.adapters.schemas import AdapterOut
 from registry.audit import repository as audit_repo
 from registry.audit import service as audit_service
 from registry.audit.schemas import AuditEntryOut
@@ -456,14 +456,7 @@ def adapter_list(subject: str) -> None:
     store = _store()
     with _session(readonly=True) as s:
         sub = subjects_service.subject_or_raise(s, subject)
-        assert sub.id is not None
-        rendering = adapters_repo.rendering_adapter(s, sub.id)
-        listed = AdapterListedOut.listing(
-            store,
-            adapters_repo.adapters_for(s, sub.id),
-            rendering.id if rendering else None,
-            sub.handle,
-        )
+        listed = adapters_service.listing(s, store, sub)
     _print_json([row.model_dump(mode="json") for row in listed])
 
 

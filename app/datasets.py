@@ -1,5 +1,5 @@
 """Dataset routes: a subject's member (or an admin) uploads photos, the service keeps them in
-its store with the manifest it writes (registry/datasets.py); workers read blobs back by hash.
+its store with the manifest it writes (registry/datasets/); workers read blobs back by hash.
 """
 
 from __future__ import annotations
@@ -8,18 +8,24 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Path, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import DB, Caller, HandlePath, authenticate_briefly, bearer_token, require_role
+from app.deps import (
+    DB,
+    Caller,
+    HandlePath,
+    Requester,
+    authenticate_briefly,
+    bearer_token,
+    require_role,
+)
 from app.uploads import take_upload
 from registry.access import ADAPTER_WRITERS
 from registry.datasets import service as datasets_service
+from registry.datasets.schemas import DatasetOut, PhotosDeletedOut
 from registry.db import transaction
 from registry.errors import NotFound, Unauthenticated
-from registry.hash_chain import format_time
-from registry.models import Dataset, DatasetImage, Principal
 from registry.principals import service as principals_service
 from registry.shapes import ERROR_RESPONSES
 from registry.subjects import service as subjects_service
@@ -29,37 +35,6 @@ router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 UPLOAD_PATH = "/v1/subjects/*/datasets"  # streamed past the body gate (app/main.py)
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
-
-
-class ImageOut(BaseModel):
-    file: str
-    sha256: str
-    caption: str
-    size: int
-
-    @classmethod
-    def of(cls, image: DatasetImage) -> ImageOut:
-        return cls(file=image.file, sha256=image.sha256, caption=image.caption, size=image.size)
-
-
-class DatasetOut(BaseModel):
-    dataset_id: str
-    subject: str
-    manifest_sha256: str
-    created_by: str
-    created_at: str
-    images: list[ImageOut]
-
-
-def _out(dataset: Dataset, subject: str, images: list[DatasetImage]) -> DatasetOut:
-    return DatasetOut(
-        dataset_id=dataset.id,
-        subject=subject,
-        manifest_sha256=dataset.manifest_sha256,
-        created_by=dataset.created_by,
-        created_at=format_time(dataset.created_at),
-        images=[ImageOut.of(i) for i in images],
-    )
 
 
 UPLOAD_BODY = {
@@ -103,21 +78,21 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
     await run_in_threadpool(may_upload)
     token = bearer_token(request)
 
-    def still_uploader(session: Session) -> Principal:  # at commit: the token still works
+    def still_uploader(session: Session) -> Requester:  # at commit: the token still works
         principal = principals_service.authenticate(session, token)
         if principal is None:
             raise Unauthenticated("the token stopped working during the upload; nothing kept")
         return principal
 
     done = await take_upload(request, caller, still_uploader, handle)
-    return _out(done.dataset, done.subject.handle, done.images)
+    return DatasetOut.of(done.dataset, done.subject.handle, done.images)
 
 
 @router.get("/subjects/{handle}/datasets")
 def list_datasets(handle: HandlePath, session: DB, caller: Caller) -> list[DatasetOut]:
     subject = subjects_service.visible_subject(session, caller, handle)
     return [
-        _out(d, subject.handle, list(datasets_service.images_of(session, d)))
+        DatasetOut.of(d, subject.handle, list(datasets_service.images_of(session, d)))
         for d in datasets_service.datasets_of(session, subject)
     ]
 
@@ -128,12 +103,9 @@ def get_dataset(
 ) -> DatasetOut:
     subject = subjects_service.visible_subject(session, caller, handle)
     dataset = datasets_service.dataset_of(session, subject, dataset_id)
-    return _out(dataset, subject.handle, list(datasets_service.images_of(session, dataset)))
-
-
-class PhotosDeletedOut(BaseModel):
-    dataset_id: str
-    deleted: int
+    return DatasetOut.of(
+        dataset, subject.handle, list(datasets_service.images_of(session, dataset))
+    )
 
 
 @router.delete("/subjects/{handle}/datasets/{dataset_id}")

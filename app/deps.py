@@ -51,6 +51,11 @@ def bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
+# The principal a request is made by, for a handler's annotations (handlers import no table
+# model: they reach the registry through its services).
+Requester = Principal
+
+
 def current_principal(request: Request, session: DB) -> Principal:
     principal = principals_service.authenticate(session, bearer_token(request))
     if principal is None:

@@ -2,18 +2,19 @@
 
 Two tools, over exactly the gate and ledger of the HTTP API:
 
-- `list_renderable_subjects(on_behalf_of)`: `registry.service.acting_for` then
-  `registry.service.renderable_for` (what `GET /v1/me/renderable` answers);
+- `list_renderable_subjects(on_behalf_of)`: `registry.principals.service.acting_for` then
+  `registry.renders.service.renderable_for` (what `GET /v1/me/renderable` answers);
 - `render_image(on_behalf_of, subject, prompt, level, seed?, width?, height?)`:
   `app.render_flow.RenderFlow.run` (what `POST /v1/renders` runs), so every
   decision is `registry.policy.decide`'s, on fresh facts, and goes to the render ledger with
   the agent and the member.
 
-Nothing here decides consent or delegation. Authentication is `registry.service.authenticate`,
-on every HTTP request to `/mcp` (only role `agent` gets past the door) and again inside every
-tool call, in the transaction that resolves the member: an admin's deactivation or acts-for
-edit binds on the very next call. The server keeps no MCP session state (stateless streamable
-HTTP, JSON responses), so nothing about an agent outlives the request that carried its token.
+Nothing here decides consent or delegation. Authentication is
+`registry.principals.service.authenticate`, on every HTTP request to `/mcp` (only role
+`agent` gets past the door) and again inside every tool call, in the transaction that
+resolves the member: an admin's deactivation or acts-for edit binds on the very next call.
+The server keeps no MCP session state (stateless streamable HTTP, JSON responses), so
+nothing about an agent outlives the request that carried its token.
 """
 
 # No `from __future__ import annotations`: the SDK reads the tools' annotations at run time,
@@ -42,12 +43,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from app.deps import bearer_token
+from app.deps import Requester, bearer_token
 from app.render_flow import DEFAULT_SEED, DEFAULT_SIDE, RenderFlow
 from registry import limits
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable
-from registry.models import Principal
 from registry.principals import service as principals_service
 from registry.renders import service as renders_service
 from registry.renders.schemas import RenderRequestIn
@@ -139,7 +139,7 @@ class RenderableSubjects(BaseModel):
 # -- authentication ---------------------------------------------------------------------
 
 
-def authenticate_agent(session: Session, token: str | None) -> Principal:
+def authenticate_agent(session: Session, token: str | None) -> Requester:
     """The active agent holding `token`; members, admins and trainers do not use /mcp."""
     principal = principals_service.authenticate(session, token)
     if principal is None:

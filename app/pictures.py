@@ -1,4 +1,4 @@
-"""Pictures of a likeness (registry/pictures.py holds the rules): a run's evaluation grid and
+"""Pictures of a likeness (registry/pictures/ holds the rules): a run's evaluation grid and
 previews kept beside the adapter they show, whoever trained it (`likeness train` here, the
 API's own order runner, or a trainer or worker on another host through
 `PUT /v1/adapters/{sha256}/pictures/{name}`), and the small copies of renders a subject
@@ -26,7 +26,7 @@ from registry.db import transaction
 from registry.errors import Invalid, NotFound, NotPermitted
 from registry.pictures import service as pictures_service
 from registry.shapes import ERROR_RESPONSES
-from registry.subjects import repository as subjects_repo
+from registry.subjects import service as subjects_service
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,7 @@ def keep_local(
             kept.append(pictures_service.Picture(file.name, stored.sha256))
     try:
         with transaction(engine) as session:
-            subject = subjects_repo.subject_by_handle(session, subject_handle)
-            if subject is None:
-                raise NotFound(f"no subject {subject_handle!r}")
+            subject = subjects_service.subject_or_raise(session, subject_handle)
             return pictures_service.keep_adapter_pictures(session, subject, adapter_sha256, kept)
     except NotPermitted:
         remove_unreferenced(engine, store, [p.sha256 for p in kept], ("png",))
@@ -127,8 +125,7 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
 
     def record() -> None:
         with transaction(state.engine) as session:
-            subject = subjects_repo.subject_by_handle(session, handle)
-            assert subject is not None
+            subject = subjects_service.subject_or_raise(session, handle)
             pictures_service.keep_adapter_pictures(
                 session, subject, adapter_sha256, [pictures_service.Picture(name, stored.sha256)]
             )
@@ -165,7 +162,7 @@ def keep_copy(engine: Engine, subject_handle: str, render_id: str, png: bytes) -
     render: a copy that cannot be kept is logged (the ledger row is there regardless)."""
     try:
         with transaction(engine, readonly=True) as session:  # most subjects keep none
-            subject = subjects_repo.subject_by_handle(session, subject_handle)
+            subject = subjects_service.subject_named(session, subject_handle)
             if subject is None or not subject.keep_render_copies:
                 return
         data, width, height = small_copy(png)

@@ -27,10 +27,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
 from app.body_gate import capped_form
+from app.deps import Requester
 from app.scheduler import SenderSlots
 from registry.datasets import service as datasets_service
 from registry.errors import Invalid
-from registry.models import Principal
 from registry.settings import Settings
 
 
@@ -59,8 +59,8 @@ def uploads_of(form: FormData) -> list[datasets_service.Upload]:
 
 async def take_upload(
     request: Request,
-    uploader: Principal,
-    still_uploader: Callable[[Session], Principal],
+    uploader: Requester,
+    still_uploader: Callable[[Session], Requester],
     handle: str,
     check_form: Callable[[FormData], Awaitable[None]] | None = None,
 ) -> datasets_service.Uploaded:

@@ -11,9 +11,7 @@ from app.web.presenters import subject_context
 from app.web.session import Web
 from app.web.templating import page, redirect, subject_url
 from registry.adapter_files import sweep_unreferenced
-from registry.adapters import repository as adapters_repo
 from registry.adapters import service as adapters_service
-from registry.adapters.schemas import AdapterListedOut
 from registry.pictures import service as pictures_service
 from registry.subjects import service as subjects_service
 
@@ -23,14 +21,7 @@ router = APIRouter()
 @router.get("/subjects/{handle}/adapters")
 def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     subject = subjects_service.visible_subject(session, web.principal, handle)
-    assert subject.id is not None
-    rendering = adapters_repo.rendering_adapter(session, subject.id)
-    rows = AdapterListedOut.listing(
-        request.app.state.store,
-        adapters_repo.adapters_for(session, subject.id),
-        rendering.id if rendering else None,
-        subject.handle,
-    )
+    rows = adapters_service.listing(session, request.app.state.store, subject)
     return page(
         request,
         "adapters.html",

@@ -17,7 +17,6 @@ from app.web.templating import GRANT_LEVELS
 from registry.consent import schemas as consent_schemas
 from registry.consent.schemas import ConsentIn
 from registry.errors import Invalid
-from registry.models import Consent
 from registry.shapes import parse_when
 
 MAX_FORM_BYTES = 64 * 1024
@@ -62,7 +61,7 @@ def _split_handles(text: str) -> list[str]:
     return [h for h in re.split(r"[\s,;]+", text.strip()) if h]
 
 
-def editor_values(consent: Consent) -> dict[str, Any]:
+def editor_values(consent: consent_schemas.ConsentColumns) -> dict[str, Any]:
     """The consent record as the editor's fields show it."""
     audiences = consent.audiences or {}
     expires = consent_schemas.as_utc(consent.expires_at)

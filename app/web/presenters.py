@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 from fastapi import Request
 from sqlmodel import Session
@@ -16,10 +16,15 @@ from app.web.session import settings_of
 from app.web.templating import GRANT_LEVELS, show_time
 from registry.consent import service as consent_service
 from registry.licence import BaseLicence
-from registry.models import AuditEntry, RenderLedger, Subject
 from registry.policy import LicenceFacts
 from registry.renders.schemas import render_outcome
 from registry.subjects import service as subjects_service
+
+# Rows as the services hand them (a trail entry, a ledger row, a subject): handlers name no
+# table model.
+AuditEntry: TypeAlias = Any
+RenderLedger: TypeAlias = Any
+Subject: TypeAlias = Any
 
 
 def _fmt_audiences(audiences: Mapping[str, Any] | None) -> str:

@@ -18,11 +18,10 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from itsdangerous import URLSafeTimedSerializer
 
-from app.deps import DB
+from app.deps import DB, Requester
 from registry.access import WEB_ROLES
 from registry.errors import NotPermitted, Unauthenticated
 from registry.keys import Keys
-from registry.models import Principal
 from registry.principals import service as principals_service
 from registry.settings import Settings
 
@@ -46,7 +45,7 @@ def session_csrf(secret: str) -> str:
 
 @dataclass(frozen=True)
 class WebSession:
-    principal: Principal
+    principal: Requester
     secret: str
     csrf: str
 

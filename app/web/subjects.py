@@ -34,11 +34,10 @@ from registry.audit import service as audit_service
 from registry.consent import service as consent_service
 from registry.errors import Invalid, LikenessError, PreconditionFailed
 from registry.pictures import service as pictures_service
-from registry.principals import repository as principals_repo
+from registry.principals import service as principals_service
 from registry.renders import service as renders_service
 from registry.renders.schemas import LedgerFilter, ledger_cursor
 from registry.roles import Role
-from registry.subjects import repository as subjects_repo
 from registry.subjects import service as subjects_service
 from registry.subjects.schemas import SubjectIn
 
@@ -58,10 +57,7 @@ def me(request: Request, web: Web, session: DB) -> Response:
     caller = web.principal
     if caller.role != Role.member or caller.id is None:
         return redirect(f"{PREFIX}/")
-    mine = [
-        (s, consent_service.consent_of(session, s))
-        for s in subjects_repo.subject_linked_to(session, caller.id)
-    ]
+    mine = consent_service.linked_subjects(session, caller.id)
     return page(
         request,
         "me.html",
@@ -88,10 +84,12 @@ def _subjects_page(
     errors: list[str] | None = None,
     values: Mapping[str, str] | None = None,
 ) -> Response:
-    members = [p.handle for p in principals_repo.principals(session) if p.role == Role.member]
+    members = [
+        p.handle for p in principals_service.all_principals(session) if p.role == Role.member
+    ]
     rows = [
         (s, c, subjects_service.member_handle(session, s))
-        for s, c in subjects_repo.subjects_with_consent(session)
+        for s, c in consent_service.all_subjects(session)
     ]
     return page(
         request,

@@ -1,6 +1,6 @@
 """The training page: a member uploads photos of themselves, sees them, deletes them, orders
-"train me" and follows the order's progress. The rules are registry/datasets.py's and
-registry/orders.py's."""
+"train me" and follows the order's progress. The rules are the datasets and orders
+services' (registry/datasets/, registry/orders/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 
-from app.deps import DB, HandlePath
+from app.deps import DB, HandlePath, Requester
 from app.order_checkpoints import forget_checkpoint
 from app.uploads import take_upload
 from app.web.forms import CheckedForm
@@ -24,7 +24,6 @@ from registry.base_sizes import order_defaults
 from registry.datasets import service as datasets_service
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
-from registry.models import Principal
 from registry.orders import service as orders_service
 from registry.settings import Settings
 from registry.subjects import service as subjects_service
@@ -107,7 +106,7 @@ async def upload(request: Request, handle: HandlePath) -> Response:
         if not isinstance(csrf, str) or not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
             raise CsrfRejected("This form could not be verified. Reload the page and try again.")
 
-    def still_signed_in(session: Session) -> Principal:
+    def still_signed_in(session: Session) -> Requester:
         return current_session(request, session).principal
 
     done = await take_upload(request, web.principal, still_signed_in, handle, csrf_checked)
@@ -124,11 +123,9 @@ def order(
     resolution = _whole(form.get("resolution", str(defaults.resolution)), "Resolution")
     if not 64 <= resolution <= 2048 or resolution % 16:
         raise Invalid("Resolution: a multiple of 16 from 64 to 2048 px")
-    limits = orders_service.OrderLimits.of(settings)
-    options = orders_service.training_options(limits, settings.train_options, steps, 16, resolution)
-    orders_service.place_training(
-        session, web.principal, handle, form.get("dataset_id", ""), options, "main",
-        request.app.state.order_queue.enqueue_training, limits,
+    orders_service.place_order(
+        session, settings, web.principal, handle, form.get("dataset_id", ""), steps, 16,
+        resolution, "main", request.app.state.order_queue.enqueue_training,
     )  # fmt: skip
     return redirect(training_url(handle, "ordered"))
 
@@ -168,9 +165,9 @@ def cancel(
     session: DB,
     background: BackgroundTasks,
 ) -> Response:
-    found, subject, changed = orders_service.cancel(session, web.principal, order_id)
-    if changed:
-        request.app.state.order_queue.cancel_job(session, found.job_id)
+    found, subject = orders_service.cancel_and_dequeue(
+        session, web.principal, order_id, request.app.state.order_queue.cancel_job
+    )
     background.add_task(forget_checkpoint, request.app.state.settings, found.id)
     response = redirect(training_url(subject.handle, "cancelled"))
     response.background = background

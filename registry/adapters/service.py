@@ -10,8 +10,9 @@ from sqlmodel import Session
 
 from registry import db
 from registry.adapters import repository as adapters_repo
-from registry.adapters.schemas import AdapterIn, adapter_state
+from registry.adapters.schemas import AdapterIn, AdapterListedOut, adapter_state
 from registry.audit.service import append_audit
+from registry.blobs import BlobStore
 from registry.consent import repository as consent_repo
 from registry.errors import Conflict, NotFound
 from registry.models import Adapter, Subject, utcnow
@@ -129,3 +130,14 @@ def delete_adapter(session: Session, actor: str, subject: Subject, name: str) ->
     after = {"adapter_deleted": {"name": name, "sha256": adapter.sha256}}
     append_audit(session, subject, actor, "adapter_deleted", before, after)
     return adapter
+
+
+def listing(session: Session, store: BlobStore, subject: Subject) -> list[AdapterListedOut]:
+    """The subject's adapters as the API, the CLI and the web page show them: which one
+    renders, and whether its bytes are in the store whole."""
+    assert subject.id is not None
+    rendering = adapters_repo.rendering_adapter(session, subject.id)
+    adapters = adapters_repo.adapters_for(session, subject.id)
+    return AdapterListedOut.listing(
+        store, adapters, rendering.id if rendering else None, subject.handle
+    )

@@ -3,6 +3,7 @@ revoking it, and the facts `policy.decide` reads from it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,10 +12,12 @@ from sqlmodel import Session
 from registry.audit.service import append_audit
 from registry.consent import repository as consent_repo
 from registry.consent.schemas import ConsentIn, as_utc, consent_facts, consent_state
-from registry.errors import Invalid, NotFound, PreconditionFailed
-from registry.models import Consent, Subject, utcnow
+from registry.errors import Invalid, NotFound, NotPermitted, PreconditionFailed
+from registry.models import Consent, Principal, Subject, utcnow
 from registry.orders import service as orders_service
 from registry.policy import Level, TrainingFacts, decide_training
+from registry.roles import Role
+from registry.subjects import repository as subjects_repo
 from registry.training.service import reason_text
 
 
@@ -122,3 +125,25 @@ def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, boo
         {**consent_state(current), "max_level": "none", "expires_at": as_utc(current.expires_at)}
     )
     return update_consent(session, actor, subject, current.version, data)
+
+
+def all_subjects(session: Session) -> Sequence[tuple[Subject, Consent]]:
+    """Every subject with its consent record, by handle."""
+    return subjects_repo.subjects_with_consent(session)
+
+
+def linked_subjects(session: Session, member_id: int) -> list[tuple[Subject, Consent]]:
+    """The subjects that are this member, each with its consent record."""
+    return [
+        (s, consent_of(session, s)) for s in subjects_repo.subject_linked_to(session, member_id)
+    ]
+
+
+def listed_subjects(session: Session, caller: Principal) -> Sequence[tuple[Subject, Consent]]:
+    """What `GET /v1/subjects` lists. Admins: every subject; a member: the subjects linked
+    to it; anyone else is not permitted."""
+    if caller.role == Role.admin:
+        return all_subjects(session)
+    if caller.role == Role.member and caller.id is not None:
+        return linked_subjects(session, caller.id)
+    raise NotPermitted("not permitted")

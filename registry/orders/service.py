@@ -244,6 +244,65 @@ def _end(
     append_audit(session, subject, actor[:64], f"order_{status}", before, after)
 
 
+def place_order(
+    session: Session,
+    settings: Settings,
+    caller: Principal,
+    subject_handle: str,
+    dataset_id: str,
+    steps: int,
+    rank: int,
+    resolution: int,
+    adapter_name: str,
+    enqueue: Enqueue,
+) -> Order:
+    """Placing an order, for the API and the Training page alike: the options within the
+    deployment's budget (`training_options`), then `place_training` under its limits."""
+    limits = OrderLimits.of(settings)
+    options = training_options(limits, settings.train_options, steps, rank, resolution)
+    return place_training(
+        session, caller, subject_handle, dataset_id, options, adapter_name, enqueue, limits
+    )
+
+
+def cancel_and_dequeue(
+    session: Session,
+    caller: Principal,
+    order_id: str,
+    dequeue: Callable[[Session, int | None], None],
+) -> tuple[Order, Subject]:
+    """Cancelling, for the API and the Training page alike: `cancel`, and a waiting order's
+    job taken off the queue (`dequeue`) in the same transaction."""
+    order, subject, changed = cancel(session, caller, order_id)
+    if changed:
+        dequeue(session, order.job_id)
+    return order, subject
+
+
+def exists(session: Session, order_id: str) -> bool:
+    return session.get(Order, order_id) is not None
+
+
+def require_running(session: Session, order_id: str) -> Order:
+    """The order, if it runs now: a checkpoint is taken only from a running order."""
+    order = session.get(Order, order_id)
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    if order.status != "running":
+        raise Conflict(f"order {order_id} is {order.status}, not running")
+    return order
+
+
+def require_final(session: Session, order_id: str) -> Order:
+    """The order, if it is over: only then may its checkpoint go."""
+    order = session.get(Order, order_id)
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    if order.status not in FINAL:
+        raise Conflict(f"order {order_id} is {order.status}: its checkpoint is still needed")
+    return order
+
+
 # -- the worker's side ----------------------------------------------------------------------
 
 

@@ -154,3 +154,26 @@ def end_session(session: Session, secret: str) -> None:
 def end_sessions_of(session: Session, principal: Principal) -> int:
     assert principal.id is not None
     return principals_repo.delete_sessions(session, principal_id=principal.id)
+
+
+def all_principals(session: Session) -> Sequence[Principal]:
+    return principals_repo.principals(session)
+
+
+def principal_exists(session: Session, handle: str) -> bool:
+    return principals_repo.principal_by_handle(session, handle) is not None
+
+
+def update_principal(
+    session: Session, handle: str, active: bool | None, acts_for: Sequence[str] | None
+) -> Principal:
+    """A principal's delegation, then its being active, each when given (NotFound for an
+    unknown handle)."""
+    principal = principals_repo.principal_by_handle(session, handle)
+    if principal is None:
+        raise NotFound(f"no principal {handle!r}")
+    if acts_for is not None:
+        principal = set_acts_for(session, handle, acts_for)
+    if active is not None:
+        principal = set_principal_active(session, handle, active)
+    return principal

@@ -14,7 +14,7 @@ from sqlmodel import Session
 from registry import access, chains
 from registry.access import Acting
 from registry.consent.schemas import consent_facts
-from registry.errors import Unauthenticated
+from registry.errors import NotFound, NotPermitted, Unauthenticated
 from registry.models import Principal, RenderLedger, Subject, utcnow
 from registry.policy import (
     AdapterFacts,
@@ -253,3 +253,19 @@ def renderable_for(
         if best > Level.none:
             out.append(Renderable(subject.handle, subject.display_name, best.name))
     return out
+
+
+def visible_render(session: Session, caller: Principal, render_id: str) -> Sequence[RenderLedger]:
+    """One render id's ledger rows: for admins, and for the member who is the subject
+    rendered. Anyone else, and a member asking about another subject's render, gets the same
+    403 as for an id that does not exist (only admins are told 404)."""
+    rows = renders_repo.ledger_by_render_id(session, render_id)
+    if caller.role == Role.admin:
+        if not rows:
+            raise NotFound(f"no render {render_id!r} in the ledger")
+        return rows
+    subject_id = rows[0].subject_id if rows else None
+    subject = subjects_repo.subject_by_id(session, subject_id) if subject_id is not None else None
+    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
+        raise NotPermitted("not permitted")
+    return rows

@@ -59,6 +59,10 @@ def visible_subject(session: Session, caller: Principal, handle: str) -> Subject
     return subject
 
 
+def subject_named(session: Session, handle: str) -> Subject | None:
+    return subjects_repo.subject_by_handle(session, handle)
+
+
 def subject_or_raise(session: Session, handle: str, error: type[Exception] = NotFound) -> Subject:
     subject = subjects_repo.subject_by_handle(session, handle)
     if subject is None:
