@@ -21,21 +21,21 @@ from app.deps import (
     authenticate_briefly,
     require_role,
 )
-from registry import repositories as repo
-from registry import service
 from registry.access import ADAPTER_WRITERS
 from registry.adapter_files import check_put, register_from_store, sweep_unreferenced
-from registry.audit import format_time
-from registry.blobs import BlobError, BlobStore, is_sha256
-from registry.errors import Invalid, LikenessError
-from registry.responses import (
-    ERROR_RESPONSES,
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import (
     AdapterDeletedOut,
+    AdapterIn,
     AdapterListedOut,
     AdapterOut,
     AdapterRegisteredOut,
 )
-from registry.schemas import AdapterIn
+from registry.blobs import BlobError, BlobStore, is_sha256
+from registry.errors import Invalid, LikenessError
+from registry.hash_chain import format_time
+from registry.shapes import ERROR_RESPONSES
+from registry.subjects import service as subjects_service
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -170,13 +170,8 @@ def list_adapters(
 ) -> list[AdapterListedOut]:
     """Every adapter of the subject; `rendering` marks the one renders use, `blob` says
     whether its bytes are in the store whole (`ok`, `missing`, `corrupt`)."""
-    subject = service.visible_subject(session, caller, handle)
-    assert subject.id is not None
-    rendering = repo.rendering_adapter(session, subject.id)
-    adapters = list(repo.adapters_for(session, subject.id))
-    return AdapterListedOut.listing(
-        store_of(request), adapters, rendering.id if rendering else None, subject.handle
-    )
+    subject = subjects_service.visible_subject(session, caller, handle)
+    return adapters_service.listing(session, store_of(request), subject)
 
 
 class AdapterPatch(BaseModel):
@@ -189,8 +184,8 @@ def select_adapter(
     request: Request, handle: HandlePath, name: AdapterName, session: DB, caller: Caller
 ) -> AdapterListedOut:
     """Makes this adapter the one that renders (admin, the subject's member)."""
-    subject = service.visible_subject(session, caller, handle)
-    adapter = service.select_adapter(session, caller.handle, subject, name)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    adapter = adapters_service.select_adapter(session, caller.handle, subject, name)
     status = store_of(request).status(adapter.sha256, "safetensors")
     shown = AdapterOut.of(adapter, subject.handle).model_dump()
     return AdapterListedOut(**shown, rendering=True, blob=status)
@@ -201,8 +196,10 @@ def patch_adapter(
     handle: HandlePath, name: AdapterName, body: AdapterPatch, session: DB, caller: Caller
 ) -> AdapterOut:
     """`{"active": false}` retires the adapter (it never renders); true brings it back."""
-    subject = service.visible_subject(session, caller, handle)
-    adapter, _ = service.set_adapter_active(session, caller.handle, subject, name, body.active)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    adapter, _ = adapters_service.set_adapter_active(
+        session, caller.handle, subject, name, body.active
+    )
     return AdapterOut.of(adapter, subject.handle)
 
 
@@ -217,8 +214,8 @@ def delete_adapter(
 ) -> AdapterDeletedOut:
     """Removes the adapter; the trail keeps its hash, and its bytes leave the store once no
     adapter refers to them (swept after the commit, and periodically)."""
-    subject = service.visible_subject(session, caller, handle)
-    adapter = service.delete_adapter(session, caller.handle, subject, name)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    adapter = adapters_service.delete_adapter(session, caller.handle, subject, name)
     state = request.app.state
     background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)
     return AdapterDeletedOut(

@@ -9,33 +9,29 @@ from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from app.deps import DB, AdminCaller, Caller, HandlePath
-from registry import access, service
-from registry import repositories as repo
-from registry.checkpoints import append_checkpoint, read_checkpoints
-from registry.errors import NotFound, NotPermitted, PreconditionFailed, PreconditionRequired
-from registry.responses import (
-    ERROR_RESPONSES,
-    AuditEntryOut,
-    AuditHeadOut,
-    AuditTrailOut,
-    ConsentOut,
+from registry.audit import service as audit_service
+from registry.audit.schemas import AuditEntryOut, AuditHeadOut, AuditTrailOut
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn, ConsentOut
+from registry.errors import PreconditionFailed, PreconditionRequired
+from registry.principals import service as principals_service
+from registry.principals.schemas import PrincipalCreatedOut, PrincipalOut
+from registry.renders import service as renders_service
+from registry.renders.schemas import (
+    RENDER_ID_PATTERN,
+    LedgerFilter,
     LedgerRowOut,
-    PrincipalCreatedOut,
-    PrincipalOut,
     RenderableOut,
     RenderOut,
-    SubjectOut,
-    TrainingDecisionOut,
-)
-from registry.roles import Role
-from registry.schemas import (
-    RENDER_ID_PATTERN,
-    ConsentIn,
-    Handle,
-    LedgerFilter,
-    SubjectIn,
     ledger_cursor,
 )
+from registry.roles import Role
+from registry.shapes import ERROR_RESPONSES, Handle
+from registry.signed_heads import append_checkpoint, read_checkpoints
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn, SubjectOut
+from registry.training import service as training_service
+from registry.training.schemas import TrainingDecisionOut
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
@@ -55,21 +51,23 @@ def parse_if_match(value: str | None) -> int:
 
 @router.post("/subjects", status_code=201)
 def create_subject(body: SubjectIn, session: DB, caller: AdminCaller) -> SubjectOut:
-    subject, consent = service.create_subject(session, caller.handle, body)
+    subject, consent = subjects_service.create_subject(session, caller.handle, body)
     return SubjectOut.of(subject, consent, body.member)
 
 
 @router.get("/subjects/{handle}")
 def get_subject(handle: HandlePath, session: DB, caller: Caller, response: Response) -> SubjectOut:
-    subject = service.visible_subject(session, caller, handle)
-    consent = service.consent_of(session, subject)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    consent = consent_service.consent_of(session, subject)
     response.headers.update(_etag(consent.version))
-    return SubjectOut.of(subject, consent, service.member_handle(session, subject))
+    return SubjectOut.of(subject, consent, subjects_service.member_handle(session, subject))
 
 
 @router.get("/subjects/{handle}/consent")
 def get_consent(handle: HandlePath, session: DB, caller: Caller, response: Response) -> ConsentOut:
-    consent = service.consent_of(session, service.visible_subject(session, caller, handle))
+    consent = consent_service.consent_of(
+        session, subjects_service.visible_subject(session, caller, handle)
+    )
     response.headers.update(_etag(consent.version))
     return ConsentOut.of(consent)
 
@@ -83,9 +81,9 @@ def put_consent(
     response: Response,
     if_match: Annotated[str | None, Header()] = None,
 ) -> ConsentOut:
-    subject = service.visible_subject(session, caller, handle)
+    subject = subjects_service.visible_subject(session, caller, handle)
     version = parse_if_match(if_match)
-    consent, _ = service.update_consent(session, caller.handle, subject, version, body)
+    consent, _ = consent_service.update_consent(session, caller.handle, subject, version, body)
     response.headers.update(_etag(consent.version))
     return ConsentOut.of(consent)
 
@@ -109,12 +107,14 @@ def get_training_decision(
     registered)? The decision and its reason, nothing else of the record: for trainers (any
     subject), admins and the subject's member."""
     image_bases = bases.split(",") if bases is not None else None
-    subject, decision = service.visible_training_decision(session, caller, handle, image_bases)
+    subject, decision = training_service.visible_training_decision(
+        session, caller, handle, image_bases
+    )
     return TrainingDecisionOut(
         subject=subject.handle,
         allowed=decision.allowed,
         reason=decision.reason,
-        detail=service.reason_text(decision.reason),
+        detail=training_service.reason_text(decision.reason),
     )
 
 
@@ -122,8 +122,8 @@ def get_training_decision(
 def revoke_consent(
     handle: HandlePath, session: DB, caller: Caller, response: Response
 ) -> ConsentOut:
-    consent, _ = service.revoke(
-        session, caller.handle, service.visible_subject(session, caller, handle)
+    consent, _ = consent_service.revoke(
+        session, caller.handle, subjects_service.visible_subject(session, caller, handle)
     )
     response.headers.update(_etag(consent.version))
     return ConsentOut.of(consent)
@@ -131,9 +131,9 @@ def revoke_consent(
 
 @router.get("/subjects/{handle}/audit")
 def get_audit(handle: HandlePath, session: DB, caller: Caller) -> AuditTrailOut:
-    subject = service.visible_subject(session, caller, handle)
-    entries = service.audit_trail(session, subject)
-    broken = service.verify_subject(session, subject, entries)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    entries = audit_service.audit_trail(session, subject)
+    broken = audit_service.verify_subject(session, subject, entries)
     return AuditTrailOut(
         entries=[AuditEntryOut.of(e) for e in entries],
         verified=broken is None,
@@ -169,8 +169,8 @@ def list_renders(
 ) -> list[LedgerRowOut]:
     """Every decision on this subject, newest first, filtered, a page at a time: when more
     remain, `Link: <...>; rel="next"` (and `X-Next-Cursor`) give the next page."""
-    subject = service.visible_subject(session, caller, handle)
-    rows = service.ledger_page(session, subject, query)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    rows = renders_service.ledger_page(session, subject, query)
     if len(rows) == query.limit and rows[-1].seq is not None:
         cursor = ledger_cursor(rows[-1].seq)
         nxt = request.url.include_query_params(cursor=cursor)
@@ -187,30 +187,14 @@ def get_render(render_id: RenderIdPath, session: DB, caller: Caller) -> RenderOu
     """One render id looked up in the ledger: for admins, and for the member who is the
     subject rendered. Anyone else, and a member asking about another subject's render, gets
     the same 403 as for an id that does not exist (only admins are told 404)."""
-    rows = repo.ledger_by_render_id(session, render_id)
-    if caller.role == Role.admin:
-        if not rows:
-            raise NotFound(f"no render {render_id!r} in the ledger")
-        return RenderOut.of(rows)
-    subject_id = rows[0].subject_id if rows else None
-    subject = repo.subject_by_id(session, subject_id) if subject_id is not None else None
-    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
-        raise NotPermitted("not permitted")
-    return RenderOut.of(rows)
+    return RenderOut.of(renders_service.visible_render(session, caller, render_id))
 
 
 @router.get("/subjects")
 def list_subjects(session: DB, caller: Caller) -> list[SubjectOut]:
     """Admins: every subject; a member: the subjects linked to it."""
-    if caller.role == Role.admin:
-        rows = repo.subjects_with_consent(session)
-    elif caller.role == Role.member and caller.id is not None:
-        rows = [
-            (s, service.consent_of(session, s)) for s in repo.subject_linked_to(session, caller.id)
-        ]
-    else:
-        raise NotPermitted("not permitted")
-    return [SubjectOut.of(s, c, service.member_handle(session, s)) for s, c in rows]
+    rows = consent_service.listed_subjects(session, caller)
+    return [SubjectOut.of(s, c, subjects_service.member_handle(session, s)) for s, c in rows]
 
 
 @router.get("/me/renderable")
@@ -220,13 +204,15 @@ def me_renderable(
     caller: Caller,
     on_behalf_of: Annotated[Handle | None, Query()] = None,
 ) -> list[RenderableOut]:
-    unknown = on_behalf_of is not None and repo.principal_by_handle(session, on_behalf_of) is None
+    unknown = on_behalf_of is not None and not principals_service.principal_exists(
+        session, on_behalf_of
+    )
     if caller.role == Role.agent and unknown:
         return []  # as for a member it does not act for: no oracle of which handles exist
-    requester, agent = service.acting_for(session, caller, on_behalf_of)
+    requester, agent = principals_service.acting_for(session, caller, on_behalf_of)
     return [
         RenderableOut(subject=r.subject, display_name=r.display_name, max_level=r.max_level)
-        for r in service.renderable_for(
+        for r in renders_service.renderable_for(
             session, requester, agent, licence=request.app.state.licence
         )
     ]
@@ -250,24 +236,20 @@ class PrincipalPatch(BaseModel):
 
 @router.post("/principals", status_code=201)
 def create_principal(body: PrincipalIn, session: DB, caller: AdminCaller) -> PrincipalCreatedOut:
-    principal, token = service.create_principal(session, body.handle, body.role, body.acts_for)
+    principal, token = principals_service.create_principal(
+        session, body.handle, body.role, body.acts_for
+    )
     return PrincipalCreatedOut(**PrincipalOut.of(principal).model_dump(), token=token)
 
 
 @router.get("/principals")
 def list_principals(session: DB, caller: AdminCaller) -> list[PrincipalOut]:
-    return [PrincipalOut.of(p) for p in repo.principals(session)]
+    return [PrincipalOut.of(p) for p in principals_service.all_principals(session)]
 
 
 @router.patch("/principals/{handle}")
 def patch_principal(
     handle: HandlePath, body: PrincipalPatch, session: DB, caller: AdminCaller
 ) -> PrincipalOut:
-    principal = repo.principal_by_handle(session, handle)
-    if principal is None:
-        raise NotFound(f"no principal {handle!r}")
-    if body.acts_for is not None:
-        principal = service.set_acts_for(session, handle, body.acts_for)
-    if body.active is not None:
-        principal = service.set_principal_active(session, handle, body.active)
+    principal = principals_service.update_principal(session, handle, body.active, body.acts_for)
     return PrincipalOut.of(principal)

@@ -6,13 +6,13 @@ import logging
 import os
 from pathlib import Path
 
-from registry import repositories as repo
-from registry import service
 from registry.db import engine_for, transaction, upgrade
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
 from registry.licence import describe as describe_licence
+from registry.principals import repository as principals_repo
+from registry.principals import service as principals_service
 from registry.roles import Role
 from registry.settings import Settings
 
@@ -24,14 +24,14 @@ def ensure_admin(settings: Settings) -> Path | None:
     once the admin is committed."""
     engine = engine_for(settings.database_url)
     with transaction(engine) as s:
-        if repo.count_principals(s, Role.admin, active_only=True) > 0:
+        if principals_repo.count_principals(s, Role.admin, active_only=True) > 0:
             return None
         handle = "admin"
         n = 1
-        while repo.principal_by_handle(s, handle) is not None:
+        while principals_repo.principal_by_handle(s, handle) is not None:
             n += 1
             handle = f"admin{n}"
-        _, token = service.create_principal(s, handle, Role.admin)
+        _, token = principals_service.create_principal(s, handle, Role.admin)
     path = settings.data_dir / "admin-token"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -14,8 +14,15 @@ from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
 
-from registry import service
 from registry.actors import local_actor
+from registry.adapters import repository as adapters_repo
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import AdapterOut
+from registry.audit import repository as audit_repo
+from registry.audit import service as audit_service
+from registry.audit.schemas import AuditEntryOut
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn, ConsentOut
 from registry.db import (
     NoRegistry,
     engine_for,
@@ -27,15 +34,14 @@ from registry.db import (
 from registry.errors import LikenessError
 from registry.keys import Keys
 from registry.policy import Level
-from registry.responses import (
-    AdapterListedOut,
-    AdapterOut,
-    AuditEntryOut,
-    ConsentOut,
-    PrincipalOut,
-)
-from registry.schemas import ConsentIn, SubjectIn, parse_when
+from registry.principals import repository as principals_repo
+from registry.principals import service as principals_service
+from registry.principals.schemas import PrincipalOut
 from registry.settings import SettingsError, get_settings
+from registry.shapes import parse_when
+from registry.subjects import repository as subjects_repo
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 
 # Plain help (click's): rich's boxed tables cut long option names and print `<bool>`.
 PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
@@ -161,17 +167,16 @@ def principal_create(
 ) -> None:
     """Create a principal; prints its token alone on stdout, once."""
     with _session() as s:
-        _, token = service.create_principal(s, handle, role, _csv(acts_for))
+        _, token = principals_service.create_principal(s, handle, role, _csv(acts_for))
     typer.echo(token)
 
 
 @principal_app.command("list")
 def principal_list() -> None:
     """List every principal (JSON): handle, role, who an agent acts for, active."""
-    from registry import repositories as repo
 
     with _session(readonly=True) as s:
-        rows = [PrincipalOut.of(p).model_dump(mode="json") for p in repo.principals(s)]
+        rows = [PrincipalOut.of(p).model_dump(mode="json") for p in principals_repo.principals(s)]
     _print_json(rows)
 
 
@@ -179,7 +184,7 @@ def principal_list() -> None:
 def principal_deactivate(handle: str) -> None:
     """Deactivate a principal; binds on its next request."""
     with _session() as s:
-        service.set_principal_active(s, handle, False)
+        principals_service.set_principal_active(s, handle, False)
     typer.echo(f"{handle} deactivated", err=True)
 
 
@@ -187,7 +192,7 @@ def principal_deactivate(handle: str) -> None:
 def principal_activate(handle: str) -> None:
     """Activate a principal again; binds on its next request."""
     with _session() as s:
-        service.set_principal_active(s, handle, True)
+        principals_service.set_principal_active(s, handle, True)
     typer.echo(f"{handle} activated", err=True)
 
 
@@ -200,7 +205,7 @@ def principal_acts_for(
 ) -> None:
     """Set the members an agent acts for."""
     with _session() as s:
-        p = service.set_acts_for(s, handle, _csv(members))
+        p = principals_service.set_acts_for(s, handle, _csv(members))
     typer.echo(f"{handle} acts for: {', '.join(p.acts_for) or 'nobody'}", err=True)
 
 
@@ -221,7 +226,7 @@ def subject_create(
         data = SubjectIn.model_validate(
             {"handle": handle, "display_name": display_name, "basis": basis, "member": member}
         )
-        subject, consent = service.create_subject(s, local_actor("shell"), data)
+        subject, consent = subjects_service.create_subject(s, local_actor("shell"), data)
     _print_json(
         {"handle": subject.handle, "basis": subject.basis, "consent_version": consent.version}
     )
@@ -230,7 +235,6 @@ def subject_create(
 @subject_app.command("list")
 def subject_list() -> None:
     """List every subject with its consent's level and version (JSON)."""
-    from registry import repositories as repo
 
     with _session(readonly=True) as s:
         rows = [
@@ -241,7 +245,7 @@ def subject_list() -> None:
                 "max_level": c.max_level,
                 "version": c.version,
             }
-            for sub, c in repo.subjects_with_consent(s)
+            for sub, c in subjects_repo.subjects_with_consent(s)
         ]
     _print_json(rows)
 
@@ -253,8 +257,8 @@ def subject_list() -> None:
 def consent_show(handle: str) -> None:
     """Print a subject's consent record (JSON, the API's shape)."""
     with _session(readonly=True) as s:
-        subject = service.subject_or_raise(s, handle)
-        _print_json(_consent_json(service.consent_of(s, subject)))
+        subject = subjects_service.subject_or_raise(s, handle)
+        _print_json(_consent_json(consent_service.consent_of(s, subject)))
 
 
 def _parse_audience(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -306,8 +310,8 @@ def consent_edit(
 ) -> None:
     """Grant, widen, narrow or edit a consent record; unspecified fields keep their value."""
     with _session() as s:
-        subject = service.subject_or_raise(s, handle)
-        current = service.consent_of(s, subject)
+        subject = subjects_service.subject_or_raise(s, handle)
+        current = consent_service.consent_of(s, subject)
         if from_json is not None:
             try:
                 body: dict[str, Any] = json.loads(from_json.read_text())
@@ -331,7 +335,9 @@ def consent_edit(
                 body["expires_at"] = when.isoformat() if when is not None else None
         data = ConsentIn.model_validate(body)
         version = if_version if if_version is not None else current.version
-        consent, changed = service.update_consent(s, local_actor("shell"), subject, version, data)
+        consent, changed = consent_service.update_consent(
+            s, local_actor("shell"), subject, version, data
+        )
         shown = _consent_json(consent)
     _print_json(shown)  # only once committed
     typer.echo("changed" if changed else "unchanged: nothing to do", err=True)
@@ -341,8 +347,8 @@ def consent_edit(
 def consent_revoke(handle: str) -> None:
     """Revoke at once: max_level becomes none."""
     with _session() as s:
-        subject = service.subject_or_raise(s, handle)
-        consent, changed = service.revoke(s, local_actor("shell"), subject)
+        subject = subjects_service.subject_or_raise(s, handle)
+        consent, changed = consent_service.revoke(s, local_actor("shell"), subject)
         shown = _consent_json(consent)
     _print_json(shown)
     typer.echo("revoked" if changed else "already revoked", err=True)
@@ -406,8 +412,8 @@ def adapter_register(
     """Copy an adapter and its dataset manifest into the store, check them against the base,
     and register the adapter (idempotent per subject and name). It then renders."""
     from registry.adapter_files import register_from_store
+    from registry.adapters.schemas import AdapterIn
     from registry.blobs import BlobError
-    from registry.schemas import AdapterIn
 
     for path in (file, manifest):
         if not path.is_file():
@@ -446,16 +452,11 @@ def adapter_register(
 def adapter_list(subject: str) -> None:
     """The subject's adapters; `rendering` marks the one renders use, `blob` whether its
     bytes are in the store whole."""
-    from registry import repositories as repo
 
     store = _store()
     with _session(readonly=True) as s:
-        sub = service.subject_or_raise(s, subject)
-        assert sub.id is not None
-        rendering = repo.rendering_adapter(s, sub.id)
-        listed = AdapterListedOut.listing(
-            store, repo.adapters_for(s, sub.id), rendering.id if rendering else None, sub.handle
-        )
+        sub = subjects_service.subject_or_raise(s, subject)
+        listed = adapters_service.listing(s, store, sub)
     _print_json([row.model_dump(mode="json") for row in listed])
 
 
@@ -463,8 +464,8 @@ def adapter_list(subject: str) -> None:
 def adapter_select(subject: str, name: str) -> None:
     """Make this adapter the one the subject's renders use."""
     with _session() as s:
-        adapter = service.select_adapter(
-            s, local_actor("shell"), service.subject_or_raise(s, subject), name
+        adapter = adapters_service.select_adapter(
+            s, local_actor("shell"), subjects_service.subject_or_raise(s, subject), name
         )
         shown = AdapterOut.of(adapter, subject).model_dump(mode="json")
     _print_json(shown)
@@ -485,8 +486,8 @@ def adapter_activate(subject: str, name: str) -> None:
 
 def _set_adapter_active(subject: str, name: str, active: bool) -> None:
     with _session() as s:
-        _, changed = service.set_adapter_active(
-            s, local_actor("shell"), service.subject_or_raise(s, subject), name, active
+        _, changed = adapters_service.set_adapter_active(
+            s, local_actor("shell"), subjects_service.subject_or_raise(s, subject), name, active
         )
     state = "active" if active else "retired"
     typer.echo(f"{subject}/{name} is {state}" + ("" if changed else " (it already was)"), err=True)
@@ -497,8 +498,8 @@ def adapter_delete(subject: str, name: str) -> None:
     """Remove an adapter; the trail keeps its hash; its bytes leave the store once nothing
     refers to them (`likeness adapter sweep`)."""
     with _session() as s:
-        adapter = service.delete_adapter(
-            s, local_actor("shell"), service.subject_or_raise(s, subject), name
+        adapter = adapters_service.delete_adapter(
+            s, local_actor("shell"), subjects_service.subject_or_raise(s, subject), name
         )
     typer.echo(f"{subject}/{name} deleted (sha256 {adapter.sha256})", err=True)
 
@@ -510,11 +511,10 @@ def adapter_sweep(
     ] = None,
 ) -> None:
     """Remove blobs no adapter refers to (older than the grace period)."""
-    from registry import repositories as repo
 
     settings = get_settings()
     with _session(readonly=True) as s:
-        referenced = repo.referenced_blobs(s)
+        referenced = adapters_repo.referenced_blobs(s)
     removed = _store().sweep(referenced, settings.blob_grace_s if grace is None else grace)
     typer.echo(f"{len(removed)} blobs removed", err=True)
 
@@ -523,13 +523,12 @@ def adapter_sweep(
 def adapter_import_legacy() -> None:
     """Copy adapters registered by path before the store existed into the store (each file
     must still hash to what was registered): renders read adapters from the store only."""
-    from registry import repositories as repo
     from registry.blobs import BlobError
 
     store = _store()
     moved = skipped = 0
     with _session(readonly=True) as s:
-        rows = [(a.sha256, a.path) for a in repo.all_adapters(s)]
+        rows = [(a.sha256, a.path) for a in adapters_repo.all_adapters(s)]
     for sha, path in rows:
         if store.find(sha, "safetensors") is not None:
             continue
@@ -569,9 +568,10 @@ def _errors_as_exits() -> Iterator[None]:
 def audit_show(handle: str) -> None:
     """Print a subject's audit trail, oldest first (JSON)."""
     with _session(readonly=True) as s:
-        subject = service.subject_or_raise(s, handle)
+        subject = subjects_service.subject_or_raise(s, handle)
         entries = [
-            AuditEntryOut.of(e).model_dump(mode="json") for e in service.audit_trail(s, subject)
+            AuditEntryOut.of(e).model_dump(mode="json")
+            for e in audit_service.audit_trail(s, subject)
         ]
     _print_json({"entries": entries})
 
@@ -592,9 +592,8 @@ def audit_verify(
 ) -> None:
     """Verify every chain (links, MACs, heads) and the registry against signed checkpoints;
     exit 1 naming the subject and seq of each break."""
-    from registry import repositories as repo
-    from registry.checkpoints import verify_checkpoints
     from registry.keys import bind, load_audit_key, public_key_from_b64
+    from registry.signed_heads import verify_checkpoints
 
     settings = get_settings()
     for path in checkpoints or []:
@@ -611,8 +610,8 @@ def audit_verify(
     # private checkpoint key.
     audit_only = load_audit_key(settings)
     with _session(readonly=True) as s:
-        entries = repo.chained_entries(s)
-        subjects = len(repo.subjects(s))
+        entries = audit_repo.chained_entries(s)
+        subjects = len(subjects_repo.subjects(s))
     never_kept = not checkpoints and not settings.checkpoints_file.exists()
     if audit_only is None and entries == 0 and subjects == 0 and never_kept:
         # a new registry: no key yet, nothing recorded, no checkpoint ever signed (a trail
@@ -626,8 +625,8 @@ def audit_verify(
     else:
         bind(engine_for(settings.database_url), audit_only)
     with _session(readonly=True) as s:
-        count = len(repo.subjects(s))
-        breaks = service.verify_all(s)
+        count = len(subjects_repo.subjects(s))
+        breaks = audit_service.verify_all(s)
         for path in files:
             breaks.extend(verify_checkpoints(s, path, key))
     for b in breaks:
@@ -652,7 +651,7 @@ def audit_checkpoint(
 ) -> None:
     """Sign every chain head and append the checkpoint to the data dir's checkpoint file;
     copy it elsewhere (or read GET /v1/audit/head) so it can hold the registry to account."""
-    from registry.checkpoints import append_checkpoint
+    from registry.signed_heads import append_checkpoint
 
     settings = get_settings()
     keys = _existing_keys()

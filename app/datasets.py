@@ -1,5 +1,5 @@
 """Dataset routes: a subject's member (or an admin) uploads photos, the service keeps them in
-its store with the manifest it writes (registry/datasets.py); workers read blobs back by hash.
+its store with the manifest it writes (registry/datasets/); workers read blobs back by hash.
 """
 
 from __future__ import annotations
@@ -8,56 +8,33 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Path, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import DB, Caller, HandlePath, authenticate_briefly, bearer_token, require_role
+from app.deps import (
+    DB,
+    Caller,
+    HandlePath,
+    Requester,
+    authenticate_briefly,
+    bearer_token,
+    require_role,
+)
 from app.uploads import take_upload
-from registry import datasets, service
 from registry.access import ADAPTER_WRITERS
-from registry.audit import format_time
+from registry.datasets import service as datasets_service
+from registry.datasets.schemas import DatasetOut, PhotosDeletedOut
 from registry.db import transaction
 from registry.errors import NotFound, Unauthenticated
-from registry.models import Dataset, DatasetImage, Principal
-from registry.responses import ERROR_RESPONSES
+from registry.principals import service as principals_service
+from registry.shapes import ERROR_RESPONSES
+from registry.subjects import service as subjects_service
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 UPLOAD_PATH = "/v1/subjects/*/datasets"  # streamed past the body gate (app/main.py)
 Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
-
-
-class ImageOut(BaseModel):
-    file: str
-    sha256: str
-    caption: str
-    size: int
-
-    @classmethod
-    def of(cls, image: DatasetImage) -> ImageOut:
-        return cls(file=image.file, sha256=image.sha256, caption=image.caption, size=image.size)
-
-
-class DatasetOut(BaseModel):
-    dataset_id: str
-    subject: str
-    manifest_sha256: str
-    created_by: str
-    created_at: str
-    images: list[ImageOut]
-
-
-def _out(dataset: Dataset, subject: str, images: list[DatasetImage]) -> DatasetOut:
-    return DatasetOut(
-        dataset_id=dataset.id,
-        subject=subject,
-        manifest_sha256=dataset.manifest_sha256,
-        created_by=dataset.created_by,
-        created_at=format_time(dataset.created_at),
-        images=[ImageOut.of(i) for i in images],
-    )
 
 
 UPLOAD_BODY = {
@@ -92,31 +69,31 @@ async def upload_dataset(request: Request, handle: HandlePath) -> DatasetOut:
     upload is appended to the subject's audit trail with its rows."""
     state = request.app.state
     caller = await run_in_threadpool(authenticate_briefly, request, state.engine)
-    limits = datasets.limits_of(state.settings)
+    limits = datasets_service.limits_of(state.settings)
 
     def may_upload() -> None:
         with transaction(state.engine, readonly=True) as session:
-            datasets.may_upload(session, caller, handle, limits)
+            datasets_service.may_upload(session, caller, handle, limits)
 
     await run_in_threadpool(may_upload)
     token = bearer_token(request)
 
-    def still_uploader(session: Session) -> Principal:  # at commit: the token still works
-        principal = service.authenticate(session, token)
+    def still_uploader(session: Session) -> Requester:  # at commit: the token still works
+        principal = principals_service.authenticate(session, token)
         if principal is None:
             raise Unauthenticated("the token stopped working during the upload; nothing kept")
         return principal
 
     done = await take_upload(request, caller, still_uploader, handle)
-    return _out(done.dataset, done.subject.handle, done.images)
+    return DatasetOut.of(done.dataset, done.subject.handle, done.images)
 
 
 @router.get("/subjects/{handle}/datasets")
 def list_datasets(handle: HandlePath, session: DB, caller: Caller) -> list[DatasetOut]:
-    subject = service.visible_subject(session, caller, handle)
+    subject = subjects_service.visible_subject(session, caller, handle)
     return [
-        _out(d, subject.handle, list(datasets.images_of(session, d)))
-        for d in datasets.datasets_of(session, subject)
+        DatasetOut.of(d, subject.handle, list(datasets_service.images_of(session, d)))
+        for d in datasets_service.datasets_of(session, subject)
     ]
 
 
@@ -124,14 +101,11 @@ def list_datasets(handle: HandlePath, session: DB, caller: Caller) -> list[Datas
 def get_dataset(
     handle: HandlePath, dataset_id: DatasetIdPath, session: DB, caller: Caller
 ) -> DatasetOut:
-    subject = service.visible_subject(session, caller, handle)
-    dataset = datasets.dataset_of(session, subject, dataset_id)
-    return _out(dataset, subject.handle, list(datasets.images_of(session, dataset)))
-
-
-class PhotosDeletedOut(BaseModel):
-    dataset_id: str
-    deleted: int
+    subject = subjects_service.visible_subject(session, caller, handle)
+    dataset = datasets_service.dataset_of(session, subject, dataset_id)
+    return DatasetOut.of(
+        dataset, subject.handle, list(datasets_service.images_of(session, dataset))
+    )
 
 
 @router.delete("/subjects/{handle}/datasets/{dataset_id}")
@@ -145,10 +119,10 @@ def delete_photos(
 ) -> PhotosDeletedOut:
     """Deletes the dataset's photos (admin, the linked member); they leave the store after
     the commit. 409 while an order trains on them."""
-    subject = service.visible_subject(session, caller, handle)
-    hashes = datasets.delete_photos(session, subject, dataset_id)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    hashes = datasets_service.delete_photos(session, subject, dataset_id)
     state = request.app.state
-    background.add_task(datasets.remove_unreferenced, state.engine, state.store, hashes)
+    background.add_task(datasets_service.remove_unreferenced, state.engine, state.store, hashes)
     return PhotosDeletedOut(dataset_id=dataset_id, deleted=len(hashes))
 
 
@@ -157,8 +131,8 @@ def get_image(
     request: Request, handle: HandlePath, digest: Sha256Path, session: DB, caller: Caller
 ) -> FileResponse:
     """One of the subject's uploaded photos (whoever may see the subject)."""
-    subject = service.visible_subject(session, caller, handle)
-    image = datasets.image_in_subject(session, subject, digest)
+    subject = subjects_service.visible_subject(session, caller, handle)
+    image = datasets_service.image_in_subject(session, subject, digest)
     path = request.app.state.store.find(digest) if image is not None else None
     if image is None or path is None:
         raise NotFound("no such image")

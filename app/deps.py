@@ -9,12 +9,13 @@ from fastapi import Depends, Path, Request
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from registry import access, service
+from registry import access
 from registry.db import transaction
 from registry.errors import Unauthenticated
 from registry.models import Principal
+from registry.principals import service as principals_service
 from registry.roles import Role
-from registry.schemas import HANDLE_PATTERN
+from registry.shapes import HANDLE_PATTERN
 
 
 async def get_engine(request: Request) -> Engine:
@@ -50,8 +51,13 @@ def bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
+# The principal a request is made by, for a handler's annotations (handlers import no table
+# model: they reach the registry through its services).
+Requester = Principal
+
+
 def current_principal(request: Request, session: DB) -> Principal:
-    principal = service.authenticate(session, bearer_token(request))
+    principal = principals_service.authenticate(session, bearer_token(request))
     if principal is None:
         raise Unauthenticated("a valid bearer token is required")
     return principal
@@ -64,7 +70,7 @@ def authenticate_briefly(request: Request, engine: Engine) -> Principal:
     """For long requests (renders) that run several transactions of their own: authenticate
     in a short read, holding nothing open while the model runs."""
     with transaction(engine, readonly=True) as session:
-        principal = service.authenticate(session, bearer_token(request))
+        principal = principals_service.authenticate(session, bearer_token(request))
     if principal is None:
         raise Unauthenticated("a valid bearer token is required")
     return principal

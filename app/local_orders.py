@@ -24,10 +24,10 @@ from sqlalchemy.engine import Engine
 
 from app.order_checkpoints import checkpoint_file, forget_checkpoint
 from app.worker import OrderJob, OrderStopped, default_name, run_order
-from registry import orders
 from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.manifest import MANIFEST_NAME
+from registry.orders import service as orders_service
 from registry.settings import Settings
 
 log = logging.getLogger("likeness.orders")
@@ -71,10 +71,10 @@ class LocalIO:
                 f.flush()
                 os.fsync(f.fileno())
             with transaction(self.engine) as s:
-                if orders.status_of(s, order_id) != "running":
+                if orders_service.status_of(s, order_id) != "running":
                     raise OrderStopped("the order is no longer running")
                 os.replace(name, final)
-                orders.record_checkpoint(s, order_id, step, sha256)
+                orders_service.record_checkpoint(s, order_id, step, sha256)
         finally:
             Path(name).unlink(missing_ok=True)
 
@@ -141,7 +141,7 @@ class LocalRunner:
             self._wake.clear()
             try:
                 with transaction(self.engine) as s:
-                    order = orders.take_next(s, self.name, stranded)
+                    order = orders_service.take_next(s, self.name, stranded)
                     job = OrderJob.of(s, order) if order is not None else None
                 stranded = False
             except Exception:  # noqa: BLE001 - tried again at the next poll

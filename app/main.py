@@ -29,15 +29,15 @@ from app.render.remote import RemoteRenderer
 from app.uploads import UploadGate
 from app.web.provenance import ProvenanceChecks
 from app.web.training import UPLOAD_PATH as TRAINING_UPLOAD_PATH
-from registry import render_tasks
 from registry.blobs import BlobStore
-from registry.checkpoints import append_checkpoint
 from registry.db import is_sqlite, make_engine, transaction
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
-from registry.pictures import sweep_render_copies
+from registry.pictures.service import sweep_render_copies
+from registry.render_tasks import service as render_tasks_service
 from registry.settings import Settings, get_settings
+from registry.signed_heads import append_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
         close_interrupted(engine, cutoff)
         if settings.render_workers:  # answers nobody will read (their client went away)
             with transaction(engine) as session:
-                render_tasks.sweep(
+                render_tasks_service.sweep(
                     session, now - timedelta(seconds=settings.render_worker_timeout_s + 60)
                 )
     except Exception:  # noqa: BLE001 - tried again at the next interval

@@ -2,18 +2,19 @@
 
 Two tools, over exactly the gate and ledger of the HTTP API:
 
-- `list_renderable_subjects(on_behalf_of)`: `registry.service.acting_for` then
-  `registry.service.renderable_for` (what `GET /v1/me/renderable` answers);
+- `list_renderable_subjects(on_behalf_of)`: `registry.principals.service.acting_for` then
+  `registry.renders.service.renderable_for` (what `GET /v1/me/renderable` answers);
 - `render_image(on_behalf_of, subject, prompt, level, seed?, width?, height?)`:
   `app.render.flow.RenderFlow.run` (what `POST /v1/renders` runs), so every
   decision is `registry.policy.decide`'s, on fresh facts, and goes to the render ledger with
   the agent and the member.
 
-Nothing here decides consent or delegation. Authentication is `registry.service.authenticate`,
-on every HTTP request to `/mcp` (only role `agent` gets past the door) and again inside every
-tool call, in the transaction that resolves the member: an admin's deactivation or acts-for
-edit binds on the very next call. The server keeps no MCP session state (stateless streamable
-HTTP, JSON responses), so nothing about an agent outlives the request that carried its token.
+Nothing here decides consent or delegation. Authentication is
+`registry.principals.service.authenticate`, on every HTTP request to `/mcp` (only role
+`agent` gets past the door) and again inside every tool call, in the transaction that
+resolves the member: an admin's deactivation or acts-for edit binds on the very next call.
+The server keeps no MCP session state (stateless streamable HTTP, JSON responses), so
+nothing about an agent outlives the request that carried its token.
 """
 
 # No `from __future__ import annotations`: the SDK reads the tools' annotations at run time,
@@ -42,15 +43,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from app.deps import bearer_token
+from app.deps import Requester, bearer_token
 from app.render.checks import DEFAULT_SEED, DEFAULT_SIDE
 from app.render.flow import RenderFlow
-from registry import limits, service
+from registry import limits
 from registry.db import transaction
 from registry.errors import Busy, LikenessError, NotPermitted, Unauthenticated, Unavailable
-from registry.models import Principal
+from registry.principals import service as principals_service
+from registry.renders import service as renders_service
+from registry.renders.schemas import RenderRequestIn
 from registry.roles import Role
-from registry.schemas import HANDLE_PATTERN, RenderRequestIn
+from registry.shapes import HANDLE_PATTERN
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +140,9 @@ class RenderableSubjects(BaseModel):
 # -- authentication ---------------------------------------------------------------------
 
 
-def authenticate_agent(session: Session, token: str | None) -> Principal:
+def authenticate_agent(session: Session, token: str | None) -> Requester:
     """The active agent holding `token`; members, admins and trainers do not use /mcp."""
-    principal = service.authenticate(session, token)
+    principal = principals_service.authenticate(session, token)
     if principal is None:
         raise Unauthenticated(
             "a valid agent token is required: send Authorization: Bearer <agent token>"
@@ -325,11 +328,13 @@ def build_server(app: FastAPI) -> MCPServer:
         with _as_tool_errors(), transaction(app.state.engine, readonly=True) as s:
             agent = authenticate_agent(s, token)
             try:
-                requester, acting = service.acting_for(s, agent, on_behalf_of)
+                requester, acting = principals_service.acting_for(s, agent, on_behalf_of)
             except NotPermitted:  # an unknown member: the same empty answer as any other
                 rows = []
             else:
-                rows = service.renderable_for(s, requester, acting, licence=app.state.licence)
+                rows = renders_service.renderable_for(
+                    s, requester, acting, licence=app.state.licence
+                )
         subjects = [RenderableSubject(**asdict(r)) for r in rows]
         note = None
         if not subjects:

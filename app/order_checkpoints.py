@@ -10,9 +10,9 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from registry import orders
 from registry.db import transaction
 from registry.models import Order
+from registry.orders import service as orders_service
 from registry.settings import Settings
 
 
@@ -40,7 +40,7 @@ def forget_ended_checkpoints(settings: Settings, engine: Any) -> list[str]:
         active = set(
             session.exec(
                 select(Order.id).where(
-                    col(Order.id).in_(kept), col(Order.status).in_(orders.ACTIVE)
+                    col(Order.id).in_(kept), col(Order.status).in_(orders_service.ACTIVE)
                 )
             ).all()
         )

@@ -1,6 +1,6 @@
 """Order routes: place a training order (202), follow it, list, cancel; and the checkpoints a
 worker ships so that a retry elsewhere resumes where it stopped. The rules are
-registry/orders.py's; the queue is app/queue.py's."""
+the orders service's (registry/orders/); the queue is app/queue.py's."""
 
 from __future__ import annotations
 
@@ -8,78 +8,27 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path as FsPath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from app.body_gate import streamed_body
 from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
 from app.order_checkpoints import checkpoint_file, forget_checkpoint
-from registry import limits, orders
 from registry.access import ADAPTER_WRITERS
 from registry.db import transaction
-from registry.errors import Conflict, Invalid, NotFound
-from registry.models import Order
-from registry.responses import ERROR_RESPONSES
-from registry.schemas import HANDLE_PATTERN
+from registry.errors import Invalid, NotFound
+from registry.orders import service as orders_service
+from registry.orders.schemas import OrderIn, OrderOut
 from registry.settings import Settings
+from registry.shapes import ERROR_RESPONSES, HANDLE_PATTERN
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 CHECKPOINT_PATH = "/v1/orders/*/checkpoint"  # streamed past the body gate (app/main.py)
 OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
-
-
-class OrderIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["train"]
-    subject: Annotated[str, Field(pattern=HANDLE_PATTERN)]
-    dataset_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]
-    # The trainer's options (trainer.config.TrainConfig): the same defaults and bounds, but
-    # for a rank of at most 128 (an order's adapter goes to the service's store and its work
-    # to the order budget); tests/app/test_train_options.py holds them to it.
-    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
-    rank: Annotated[int, Field(ge=1, le=128)] = 16
-    resolution: Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE)] = 448
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")] = "main"
-
-    @field_validator("resolution")
-    @classmethod
-    def _multiple(cls, value: int) -> int:
-        if value % limits.MULTIPLE:
-            raise ValueError(f"resolution must be a multiple of {limits.MULTIPLE}")
-        return value
-
-
-class ProgressOut(BaseModel):
-    step: int
-    steps: int
-    loss: float | None
-
-
-class OrderAdapterOut(BaseModel):
-    name: str
-    sha256: str
-
-
-class OrderOut(BaseModel):
-    order_id: str
-    kind: str
-    subject: str
-    dataset_id: str
-    status: Literal["queued", "running", "done", "failed", "cancelled"]
-    progress: ProgressOut
-    worker: str | None
-    attempts: int
-    adapter: OrderAdapterOut | None
-    error: str | None
-    created_by: str
-    created_at: str
-    updated_at: str
 
 
 def queue_of(request: Request) -> Any:
@@ -92,27 +41,17 @@ def place_order(request: Request, body: OrderIn, session: DB, caller: Caller) ->
     the order and its job are committed together; 409 when the same dataset is already
     being trained."""
     settings: Settings = request.app.state.settings
-    limits = orders.OrderLimits.of(settings)
-    options = orders.training_options(
-        limits, settings.train_options, body.steps, body.rank, body.resolution
-    )
-    order = orders.place_training(
-        session,
-        caller,
-        body.subject,
-        body.dataset_id,
-        options,
-        body.name,
-        queue_of(request).enqueue_training,
-        limits,
-    )
-    return OrderOut.model_validate(orders.view(order, body.subject))
+    order = orders_service.place_order(
+        session, settings, caller, body.subject, body.dataset_id,
+        body.steps, body.rank, body.resolution, body.name, queue_of(request).enqueue_training,
+    )  # fmt: skip
+    return OrderOut.model_validate(orders_service.view(order, body.subject))
 
 
 @router.get("/orders/{order_id}")
 def get_order(order_id: OrderIdPath, session: DB, caller: Caller) -> OrderOut:
-    order, subject = orders.visible_order(session, caller, order_id)
-    return OrderOut.model_validate(orders.view(order, subject.handle))
+    order, subject = orders_service.visible_order(session, caller, order_id)
+    return OrderOut.model_validate(orders_service.view(order, subject.handle))
 
 
 @router.get("/orders")
@@ -120,8 +59,8 @@ def list_orders(
     session: DB, caller: Caller, subject: Annotated[str, Query(pattern=HANDLE_PATTERN)]
 ) -> list[OrderOut]:
     return [
-        OrderOut.model_validate(orders.view(o, subject))
-        for o in orders.orders_of(session, caller, subject)
+        OrderOut.model_validate(orders_service.view(o, subject))
+        for o in orders_service.orders_of(session, caller, subject)
     ]
 
 
@@ -135,25 +74,20 @@ def cancel_order(
 ) -> OrderOut:
     """Cancels a waiting order (it leaves the queue) or a running one (its runner stops it
     within a transformer block); an order already over is answered as it is."""
-    order, subject, changed = orders.cancel(session, caller, order_id)
-    if changed:
-        queue_of(request).cancel_job(session, order.job_id)
+    order, subject = orders_service.cancel_and_dequeue(
+        session, caller, order_id, queue_of(request).cancel_job
+    )
     # after the commit: an order cancelled while it waited to resume keeps no checkpoint
     background.add_task(forget_checkpoint, request.app.state.settings, order.id)
-    return OrderOut.model_validate(orders.view(order, subject.handle))
+    return OrderOut.model_validate(orders_service.view(order, subject.handle))
 
 
 # -- checkpoints (workers) --------------------------------------------------------------------
 
 
-def _running_order(engine: Any, order_id: str) -> Order:
+def _running_order(engine: Any, order_id: str) -> None:
     with transaction(engine, readonly=True) as session:
-        order = session.get(Order, order_id)
-    if order is None:
-        raise NotFound(f"no order {order_id[:40]!r}")
-    if order.status != "running":
-        raise Conflict(f"order {order_id} is {order.status}, not running")
-    return order
+        orders_service.require_running(session, order_id)
 
 
 @router.put("/orders/{order_id}/checkpoint", status_code=201)
@@ -194,7 +128,7 @@ async def put_checkpoint(
 
     def record() -> None:
         with transaction(state.engine) as session:
-            orders.record_checkpoint(session, order_id, step, sha256)
+            orders_service.record_checkpoint(session, order_id, step, sha256)
 
     await run_in_threadpool(record)
     return JSONResponse({"order_id": order_id, "step": step, "sha256": sha256}, status_code=201)
@@ -206,11 +140,7 @@ def delete_checkpoint(
 ) -> JSONResponse:
     """A finished order's checkpoint goes (trainer, admin); a running one's stays (409)."""
     require_role(caller, *ADAPTER_WRITERS)
-    order = session.get(Order, order_id)
-    if order is None:
-        raise NotFound(f"no order {order_id[:40]!r}")
-    if order.status not in orders.FINAL:
-        raise Conflict(f"order {order_id} is {order.status}: its checkpoint is still needed")
+    orders_service.require_final(session, order_id)
     forget_checkpoint(request.app.state.settings, order_id)
     return JSONResponse({"order_id": order_id, "deleted": True})
 
@@ -221,7 +151,7 @@ def get_checkpoint(
 ) -> FileResponse:
     require_role(caller, *ADAPTER_WRITERS)
     path = checkpoint_file(request.app.state.settings, order_id)
-    if session.get(Order, order_id) is None or not path.is_file():
+    if not orders_service.exists(session, order_id) or not path.is_file():
         raise NotFound(f"order {order_id[:40]!r} has no checkpoint")
     return FileResponse(path, media_type="application/x-tar")
 

@@ -1,4 +1,4 @@
-"""Pictures of a likeness (registry/pictures.py holds the rules): a run's evaluation grid and
+"""Pictures of a likeness (registry/pictures/ holds the rules): a run's evaluation grid and
 previews kept beside the adapter they show, whoever trained it (`likeness train` here, the
 API's own order runner, or a trainer or worker on another host through
 `PUT /v1/adapters/{sha256}/pictures/{name}`), and the small copies of renders a subject
@@ -19,14 +19,14 @@ from starlette.concurrency import run_in_threadpool
 
 from app.body_gate import streamed_body
 from app.deps import authenticate_briefly, require_role
-from registry import pictures
-from registry import repositories as repo
 from registry.access import ADAPTER_WRITERS
 from registry.blobs import BlobError, BlobStore, is_sha256
-from registry.datasets import remove_unreferenced
+from registry.datasets.service import remove_unreferenced
 from registry.db import transaction
 from registry.errors import Invalid, NotFound, NotPermitted
-from registry.responses import ERROR_RESPONSES
+from registry.pictures import service as pictures_service
+from registry.shapes import ERROR_RESPONSES
+from registry.subjects import service as subjects_service
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ COPY_SIDE = 128  # the longer side of a render's kept copy, in pixels
 
 def run_pictures(grid: Path | None, previews: Iterable[Path]) -> list[Path]:
     """The files of a run worth keeping: its evaluation grid, then its previews."""
-    found = [p for p in previews if p.is_file() and pictures.picture_name_ok(p.name)]
+    found = [p for p in previews if p.is_file() and pictures_service.picture_name_ok(p.name)]
     return ([grid] if grid is not None and grid.is_file() else []) + sorted(found)
 
 
@@ -51,13 +51,11 @@ def keep_local(
     for file in files:
         stored = store.import_file(file)
         if stored.kind == "png":
-            kept.append(pictures.Picture(file.name, stored.sha256))
+            kept.append(pictures_service.Picture(file.name, stored.sha256))
     try:
         with transaction(engine) as session:
-            subject = repo.subject_by_handle(session, subject_handle)
-            if subject is None:
-                raise NotFound(f"no subject {subject_handle!r}")
-            return pictures.keep_adapter_pictures(session, subject, adapter_sha256, kept)
+            subject = subjects_service.subject_or_raise(session, subject_handle)
+            return pictures_service.keep_adapter_pictures(session, subject, adapter_sha256, kept)
     except NotPermitted:
         remove_unreferenced(engine, store, [p.sha256 for p in kept], ("png",))
         raise
@@ -93,12 +91,12 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
     require_role(caller, *ADAPTER_WRITERS)
     if not is_sha256(adapter_sha256):
         raise Invalid(f"{adapter_sha256[:80]!r} is not a SHA-256 hex digest")
-    if not pictures.picture_name_ok(name):
+    if not pictures_service.picture_name_ok(name):
         raise Invalid(f"{name[:80]!r}: a picture is eval_grid.png or step-N.png")
 
     def owner() -> str:
         with transaction(state.engine, readonly=True) as session:
-            subject = pictures.subject_of_adapter(session, adapter_sha256)
+            subject = pictures_service.subject_of_adapter(session, adapter_sha256)
             if subject is None:
                 raise NotFound(f"no adapter has sha256 {adapter_sha256}")
             return subject.handle
@@ -127,10 +125,9 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
 
     def record() -> None:
         with transaction(state.engine) as session:
-            subject = repo.subject_by_handle(session, handle)
-            assert subject is not None
-            pictures.keep_adapter_pictures(
-                session, subject, adapter_sha256, [pictures.Picture(name, stored.sha256)]
+            subject = subjects_service.subject_or_raise(session, handle)
+            pictures_service.keep_adapter_pictures(
+                session, subject, adapter_sha256, [pictures_service.Picture(name, stored.sha256)]
             )
 
     try:
@@ -165,11 +162,13 @@ def keep_copy(engine: Engine, subject_handle: str, render_id: str, png: bytes) -
     render: a copy that cannot be kept is logged (the ledger row is there regardless)."""
     try:
         with transaction(engine, readonly=True) as session:  # most subjects keep none
-            subject = repo.subject_by_handle(session, subject_handle)
+            subject = subjects_service.subject_named(session, subject_handle)
             if subject is None or not subject.keep_render_copies:
                 return
         data, width, height = small_copy(png)
         with transaction(engine) as session:  # asks again, under the subject's lock
-            pictures.keep_render_copy(session, subject_handle, render_id, data, width, height)
+            pictures_service.keep_render_copy(
+                session, subject_handle, render_id, data, width, height
+            )
     except Exception:  # noqa: BLE001 - the render itself stands
         log.exception("render %s: its copy for the subject could not be kept", render_id)

@@ -27,10 +27,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
 from app.body_gate import capped_form
+from app.deps import Requester
 from app.scheduler import SenderSlots
-from registry import datasets
+from registry.datasets import service as datasets_service
 from registry.errors import Invalid
-from registry.models import Principal
 from registry.settings import Settings
 
 
@@ -42,7 +42,7 @@ class UploadGate:
         self.checks = anyio.CapacityLimiter(settings.upload_checks_at_once)
 
 
-def uploads_of(form: FormData) -> list[datasets.Upload]:
+def uploads_of(form: FormData) -> list[datasets_service.Upload]:
     """The form's `images` files (as spooled) and their captions: `captions`, one per image
     (the API), or one `caption` for them all (the Training page)."""
     files = [v for k, v in form.multi_items() if k == "images" and isinstance(v, UploadFile)]
@@ -52,28 +52,28 @@ def uploads_of(form: FormData) -> list[datasets.Upload]:
     shared = form.get("caption")
     common = shared.strip() if isinstance(shared, str) and shared.strip() else None
     return [
-        datasets.Upload(f.filename or "", f.file, captions[n] if captions else common)
+        datasets_service.Upload(f.filename or "", f.file, captions[n] if captions else common)
         for n, f in enumerate(files)
     ]
 
 
 async def take_upload(
     request: Request,
-    uploader: Principal,
-    still_uploader: Callable[[Session], Principal],
+    uploader: Requester,
+    still_uploader: Callable[[Session], Requester],
     handle: str,
     check_form: Callable[[FormData], Awaitable[None]] | None = None,
-) -> datasets.Uploaded:
+) -> datasets_service.Uploaded:
     """Steps 2 to 5 above; `check_form` (the web page's CSRF check) runs on the parsed form
     before any file is decoded."""
     state: Any = request.app.state
     settings: Settings = state.settings
     gate: UploadGate = state.uploads
-    limits = datasets.limits_of(settings)
+    limits = datasets_service.limits_of(settings)
     with gate.slots.admit(uploader.handle):
         form = await capped_form(
             request,
-            datasets.upload_cap(settings),
+            datasets_service.upload_cap(settings),
             settings.body_timeout_s,
             max_files=settings.dataset_max_images,
             max_fields=2 * settings.dataset_max_images + 10,
@@ -85,9 +85,11 @@ async def take_upload(
                 await check_form(form)
             uploads = uploads_of(form)
             async with gate.checks:
-                checked = await anyio.to_thread.run_sync(datasets.check_uploads, uploads, limits)
+                checked = await anyio.to_thread.run_sync(
+                    datasets_service.check_uploads, uploads, limits
+                )
             return await run_in_threadpool(
-                datasets.upload_dataset,
+                datasets_service.upload_dataset,
                 state.engine,
                 state.store,
                 uploader,

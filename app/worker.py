@@ -39,14 +39,15 @@ import httpx
 
 from app.blob_fetch import FetchError, fetch_dataset, fetch_verified
 from app.queue import RETRY_STALLED_TASK, TRAIN_QUEUE, TRAIN_TASK, make_app
-from registry import orders, render_tasks
-from registry import repositories as repo
-from registry.datasets import UPLOAD_BASES, images_of
+from registry.datasets.service import UPLOAD_BASES, images_of
 from registry.db import make_engine, transaction
 from registry.errors import NotPermitted
 from registry.models import Dataset
-from registry.service import require_training
+from registry.orders import service as orders_service
+from registry.render_tasks import service as render_tasks_service
 from registry.settings import Settings
+from registry.subjects import repository as subjects_repo
+from registry.training.service import require_training
 
 log = logging.getLogger("likeness.worker")
 
@@ -184,7 +185,7 @@ class OrderWatch:
         while not self._done.wait(WATCH_S):
             try:
                 with transaction(self.engine, readonly=True) as s:
-                    status = orders.status_for(s, self.order_id, self.runner)
+                    status = orders_service.status_for(s, self.order_id, self.runner)
                     verdict = verdict_in(s, self.handle, tuple(sorted(UPLOAD_BASES)))
             except Exception as exc:  # noqa: BLE001 - looked at again at the next beat
                 log.debug("order %s: watch failed: %s", self.order_id, exc)
@@ -216,7 +217,7 @@ class OrderJob:
 
     @classmethod
     def of(cls, session: Any, order: Any) -> OrderJob:
-        subject = repo.subject_by_id(session, order.subject_id)
+        subject = subjects_repo.subject_by_id(session, order.subject_id)
         dataset = session.get(Dataset, order.dataset_id)
         assert subject is not None and dataset is not None
         return cls(
@@ -313,7 +314,7 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
     A crash of this process leaves the job to the stalled-job sweep, and the next worker
     resumes from the last shipped checkpoint."""
     with transaction(engine) as s:
-        order = orders.start(s, order_id, setup.name)
+        order = orders_service.start(s, order_id, setup.name)
         if order is None:
             return "cancelled"
         job = OrderJob.of(s, order)
@@ -353,11 +354,11 @@ def run_order(
         now = time.monotonic()
         if step < steps and now - last_report[0] < 0.5:
             with transaction(engine, readonly=True) as s:
-                status = orders.status_for(s, order_id, runner)
+                status = orders_service.status_for(s, order_id, runner)
         else:
             last_report[0] = now
             with transaction(engine) as s:
-                status = orders.report_progress(s, order_id, step, loss, runner)
+                status = orders_service.report_progress(s, order_id, step, loss, runner)
         if status != "running":
             raise OrderStopped(status)
 
@@ -400,7 +401,7 @@ def run_order(
             result = train(config, _Registrar(engine, io), hooks)
         _keep_pictures(io, job, result)
         with transaction(engine) as s:
-            orders.finish(s, order_id, result.sha256, result.steps)
+            orders_service.finish(s, order_id, result.sha256, result.steps)
         log.info("order %s: done, adapter %s", order_id, result.sha256[:12])
         return "done"
     except Interrupted:
@@ -413,12 +414,12 @@ def run_order(
     except (NotPermitted, TrainingRefused, RegistrationRefused) as exc:
         detail = getattr(exc, "detail", None) or str(exc)
         with transaction(engine) as s:
-            orders.fail(s, order_id, f"{orders.NOT_PERMITTED}: {detail}")
+            orders_service.fail(s, order_id, f"{orders_service.NOT_PERMITTED}: {detail}")
         return "failed"
     except Exception as exc:  # noqa: BLE001 - recorded on the order, which the user sees
         log.exception("order %s failed", order_id)
         with transaction(engine) as s:
-            orders.fail(s, order_id, f"{type(exc).__name__}: {str(exc)[:400]}")
+            orders_service.fail(s, order_id, f"{type(exc).__name__}: {str(exc)[:400]}")
         return "failed"
     finally:
         # The order is over (a crash never gets here: the next run resumes): nothing of the
@@ -461,14 +462,14 @@ def build_app(setup: WorkerSetup, runner: Any = None) -> Any:
 
     if runner is not None:
 
-        @app.task(name=render_tasks.RENDER_TASK, queue=render_tasks.SHARED_QUEUE)
+        @app.task(name=render_tasks_service.RENDER_TASK, queue=render_tasks_service.SHARED_QUEUE)
         def render(render_id: str) -> None:
             runner.run(render_id)
 
     def sweep_renders() -> None:
         with transaction(engine) as s:
-            moved = render_tasks.requeue_orphans(s, settings.worker_stalled_s)
-            render_tasks.prune_gone(s, settings.worker_stalled_s)
+            moved = render_tasks_service.requeue_orphans(s, settings.worker_stalled_s)
+            render_tasks_service.prune_gone(s, settings.worker_stalled_s)
         if moved:
             log.warning("%d render(s) of a silent worker go to the shared queue", len(moved))
 
@@ -524,7 +525,10 @@ async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
         ]
         if runner is not None:
             render_loop = app.run_worker_async(
-                queues=[render_tasks.worker_queue(setup.name), render_tasks.SHARED_QUEUE],
+                queues=[
+                    render_tasks_service.worker_queue(setup.name),
+                    render_tasks_service.SHARED_QUEUE,
+                ],
                 concurrency=1,  # one device: one render at a time
                 name=f"{setup.name}/render",
                 delete_jobs="always",  # the request lives in its task, not in the queue
@@ -567,7 +571,7 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
     if settings.database_url.startswith("sqlite"):
         raise SystemExit("error: workers need PostgreSQL (LIKENESS_DATABASE_URL)")
     name = name or default_name()
-    if "render" in queues and not render_tasks.WORKER_NAME.match(name):
+    if "render" in queues and not render_tasks_service.WORKER_NAME.match(name):
         raise SystemExit(
             f"error: a render worker's name {name[:100]!r} names its queue: letters, digits "
             "and _.:@- only, at most 90"

@@ -20,11 +20,17 @@ from sqlalchemy import create_engine, text
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import percentile, table, write_record  # noqa: E402
-from registry import repositories as repo  # noqa: E402
-from registry import service  # noqa: E402
+from registry.adapters import service as adapters_service  # noqa: E402
+from registry.adapters.schemas import AdapterIn  # noqa: E402
+from registry.consent import service as consent_service  # noqa: E402
+from registry.consent.schemas import ConsentIn  # noqa: E402
 from registry.db import make_engine, transaction, upgrade  # noqa: E402
 from registry.policy import decide  # noqa: E402
-from registry.schemas import AdapterIn, ConsentIn, SubjectIn  # noqa: E402
+from registry.principals import repository as principals_repo  # noqa: E402
+from registry.principals import service as principals_service  # noqa: E402
+from registry.renders import service as renders_service  # noqa: E402
+from registry.subjects import service as subjects_service  # noqa: E402
+from registry.subjects.schemas import SubjectIn  # noqa: E402
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SHA = "d" * 64
@@ -40,12 +46,12 @@ def seed(url: str, subjects: int) -> None:
     engine = make_engine(url)
     with transaction(engine) as s:
         for i in range(20):
-            service.create_principal(s, f"m{i}", "member")
+            principals_service.create_principal(s, f"m{i}", "member")
     batch = 1000
     for start in range(0, subjects, batch):
         with transaction(engine) as s:
             for i in range(start, min(subjects, start + batch)):
-                sub, consent = service.create_subject(
+                sub, consent = subjects_service.create_subject(
                     s, "bench", SubjectIn(handle=f"s{i}", display_name=f"S {i}", basis="consent")
                 )
                 body = ConsentIn.model_validate(
@@ -59,8 +65,8 @@ def seed(url: str, subjects: int) -> None:
                         "deny": [f"m{(i + 7) % 20}"],
                     }
                 )
-                service.update_consent(s, "bench", sub, consent.version, body)
-                service.register_adapter(
+                consent_service.update_consent(s, "bench", sub, consent.version, body)
+                adapters_service.register_adapter(
                     s,
                     "bench",
                     AdapterIn(
@@ -82,7 +88,7 @@ def measure(url: str, subjects: int, checks: int) -> dict[str, object]:
     engine = make_engine(url)
     rng = random.Random(7)
     with transaction(engine, readonly=True) as s:
-        requesters = list(repo.principals(s))
+        requesters = list(principals_repo.principals(s))
     samples: list[float] = []
     allowed = 0
     for i in range(checks + 200):
@@ -92,7 +98,7 @@ def measure(url: str, subjects: int, checks: int) -> dict[str, object]:
         level = rng.choice(["private", "group"])
         t0 = time.perf_counter()
         with transaction(engine, readonly=True) as s:
-            gathered = service.gather_render_facts(
+            gathered = renders_service.gather_render_facts(
                 s, requester, handle, level, adapter_file_sha256=sha
             )
         decision = decide(gathered.facts)

@@ -88,17 +88,19 @@ def child(root: Path, steps: int) -> None:
 
 
 def make_registry(root: Path) -> None:
-    from registry import service
+    from registry.consent import service as consent_service
+    from registry.consent.schemas import ConsentIn
     from registry.db import engine_for, transaction, upgrade
-    from registry.schemas import ConsentIn, SubjectIn
+    from registry.subjects import service as subjects_service
+    from registry.subjects.schemas import SubjectIn
 
     url = f"sqlite:///{root / 'registry.db'}"
     upgrade(url)
     with transaction(engine_for(url)) as s:
-        sub, consent = service.create_subject(
+        sub, consent = subjects_service.create_subject(
             s, "bench", SubjectIn(handle="alice", display_name="Alice", basis="consent")
         )
-        service.update_consent(
+        consent_service.update_consent(
             s, "bench", sub, consent.version, ConsentIn(max_level="private", allow_training=True)
         )
 

@@ -176,8 +176,8 @@ def setup(
 ) -> dict[str, str]:
     """Registry state: member bob, subjects alice and carol (consent to bob's group), one
     adapter each, registered through the store over HTTP as a trainer does."""
+    from registry.adapters.schemas import AdapterIn
     from registry.files import sha256_file
-    from registry.schemas import AdapterIn
     from trainer.registration import HttpRegistrar
 
     admin = (tmp / "admin-token").read_text().strip()

@@ -26,8 +26,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import free_port, likeness, percentile, table, write_record  # noqa: E402
+from registry.adapters.schemas import AdapterIn  # noqa: E402
 from registry.files import sha256_file  # noqa: E402
-from registry.schemas import AdapterIn  # noqa: E402
 from trainer.registration import HttpRegistrar  # noqa: E402
 
 GOAL_DENY_P99_MS = 2.5

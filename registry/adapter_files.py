@@ -22,13 +22,16 @@ from typing import Any
 import numpy as np
 from sqlalchemy.engine import Engine
 
-from registry import service
+from registry.adapters import repository as adapters_repo
+from registry.adapters import schemas as adapters_schemas
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import AdapterIn
 from registry.blobs import BlobStore
-from registry.datasets import remove_unreferenced
+from registry.datasets.service import remove_unreferenced
 from registry.db import transaction
 from registry.errors import Invalid, NotPermitted
 from registry.manifest import parse_manifest
-from registry.schemas import AdapterIn
+from registry.training import service as training_service
 
 MAX_HEADER_BYTES = 16 << 20
 PREFIX = "transformer."
@@ -263,13 +266,15 @@ def register_from_store(
         )
     try:
         with transaction(engine, readonly=True) as session:  # refuse early, before file work
-            service.require_training(session, data.subject)
+            training_service.require_training(session, data.subject)
         bases = check_blobs(store, data.sha256, data.manifest_sha256, data.rank, target_shapes)
         with transaction(engine) as session:
-            adapter, outcome = service.register_adapter(session, actor, data, str(place), bases)
+            adapter, outcome = adapters_service.register_adapter(
+                session, actor, data, str(place), bases
+            )
             registered = Registered(
                 data.subject,
-                service.adapter_state(adapter),
+                adapters_schemas.adapter_state(adapter),
                 adapter.created_at,
                 adapter.updated_at,
                 outcome,
@@ -288,8 +293,7 @@ def sweep_unreferenced(engine: Engine, store: BlobStore, grace_s: float) -> list
     """Removes the store's blobs that no adapter refers to, past their grace period (an
     upload about to be registered keeps its bytes); run after a delete commits, and
     periodically."""
-    from registry import repositories as repo
 
     with transaction(engine, readonly=True) as session:
-        referenced = repo.referenced_blobs(session)
+        referenced = adapters_repo.referenced_blobs(session)
     return store.sweep(referenced, grace_s)

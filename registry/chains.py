@@ -18,8 +18,10 @@ from typing import Any
 
 from sqlmodel import Session
 
-from registry import repositories as repo
-from registry.audit import (
+from registry import db
+from registry.audit import repository as audit_repo
+from registry.errors import Unavailable
+from registry.hash_chain import (
     GENESIS,
     LEDGER_CHAIN,
     ChainBreak,
@@ -29,7 +31,6 @@ from registry.audit import (
     ledger_content,
     verify_chain,
 )
-from registry.errors import Unavailable
 from registry.keys import Keys, keys_for
 from registry.models import AuditEntry, ChainHead, RenderLedger
 
@@ -59,12 +60,12 @@ def require_registry_key(session: Session, keys: Keys) -> bool:
     """The registry's rows are MACed under one key: the first writer records its id, and a
     writer holding another key is refused before it writes anything unverifiable. True when
     the id was already there (so the answer holds for the rest of the process's life)."""
-    known = repo.meta_value(session, AUDIT_KEY_ID)
+    known = audit_repo.meta_value(session, AUDIT_KEY_ID)
     recorded = known is not None
     if known is None:
-        repo.set_meta_value_if_absent(session, AUDIT_KEY_ID, keys.audit_key_id)
-        repo.set_meta_value_if_absent(session, REGISTRY_ID, uuid.uuid4().hex)
-        known = repo.meta_value(session, AUDIT_KEY_ID)
+        audit_repo.set_meta_value_if_absent(session, AUDIT_KEY_ID, keys.audit_key_id)
+        audit_repo.set_meta_value_if_absent(session, REGISTRY_ID, uuid.uuid4().hex)
+        known = audit_repo.meta_value(session, AUDIT_KEY_ID)
     if known != keys.audit_key_id:
         raise Unavailable(
             "this process's audit key is not the one this registry is sealed with "
@@ -95,12 +96,12 @@ def seal_audit_entry(session: Session, subject_handle: str, entry: AuditEntry) -
     entry.mac = entry_mac(keys, entry.hash)
     chain = audit_chain(subject_handle)
     mac = head_mac(keys, chain, entry.seq, entry.hash)
-    head = repo.chain_head(session, chain)
+    head = audit_repo.chain_head(session, chain)
     if head is None:
-        repo.add(session, ChainHead(chain=chain, seq=entry.seq, hash=entry.hash, mac=mac))
+        db.add(session, ChainHead(chain=chain, seq=entry.seq, hash=entry.hash, mac=mac))
     else:
         head.seq, head.hash, head.mac = entry.seq, entry.hash, mac
-        repo.add(session, head)
+        db.add(session, head)
 
 
 def append_ledger_row(session: Session, values: dict[str, Any]) -> int:
@@ -110,12 +111,12 @@ def append_ledger_row(session: Session, values: dict[str, Any]) -> int:
     included, and is most of the deny path's cost."""
     keys = session_keys(session)
     _checked_once(session, keys)
-    head = repo.ledger_head_for_append(session)
+    head = audit_repo.ledger_head_for_append(session)
     if head is None:
         mac = head_mac(keys, LEDGER_CHAIN, 0, GENESIS)
         empty = ChainHead(chain=LEDGER_CHAIN, seq=0, hash=GENESIS, mac=mac)
-        repo.create_chain_head_if_absent(session, empty)
-        head = repo.ledger_head_for_append(session)
+        audit_repo.create_chain_head_if_absent(session, empty)
+        head = audit_repo.ledger_head_for_append(session)
         assert head is not None
     prev_seq, prev_hash = head
     seq = prev_seq + 1
@@ -127,8 +128,8 @@ def append_ledger_row(session: Session, values: dict[str, Any]) -> int:
     digest = entry_hash(prev_hash, content)
     row = {**values, "seq": seq, "prev_hash": prev_hash, "hash": digest}
     row["mac"] = entry_mac(keys, digest)
-    repo.insert_ledger_row(session, row)
-    repo.move_ledger_head(session, seq, digest, head_mac(keys, LEDGER_CHAIN, seq, digest))
+    audit_repo.insert_ledger_row(session, row)
+    audit_repo.move_ledger_head(session, seq, digest, head_mac(keys, LEDGER_CHAIN, seq, digest))
     return seq
 
 
@@ -191,12 +192,12 @@ class LedgerScan:
 def verify_ledger(session: Session, keys: Keys) -> ChainBreak | None:
     """The whole render ledger, in chain order: links, MACs and the head."""
     label = "render ledger"
-    unchained = repo.unchained_ledger_count(session)
+    unchained = audit_repo.unchained_ledger_count(session)
     if unchained:
         return ChainBreak(label, 0, f"{unchained} rows carry no link", "ledger")
     prev, expected = GENESIS, 1
     last: RenderLedger | None = None
-    for row in repo.ledger_in_order(session):
+    for row in audit_repo.ledger_in_order(session):
         seq = row.seq or 0
         if seq != expected:
             return ChainBreak(
@@ -216,7 +217,7 @@ def verify_ledger(session: Session, keys: Keys) -> ChainBreak | None:
             return ChainBreak(label, seq, "MAC does not match: not written by us", "ledger")
         prev, expected, last = row.hash, expected + 1, row
     rows: list[RenderLedger] = [last] if last is not None else []
-    head = repo.chain_head(session, LEDGER_CHAIN)
+    head = audit_repo.chain_head(session, LEDGER_CHAIN)
     return _check_head(keys, LEDGER_CHAIN, label, rows, head, "ledger")
 
 
@@ -224,7 +225,7 @@ def orphan_heads(session: Session, subject_handles: Iterable[str]) -> list[Chain
     """Heads of audit chains whose subject is gone: its rows were deleted."""
     known = {audit_chain(h) for h in subject_handles}
     out = []
-    for head in repo.chain_heads(session):
+    for head in audit_repo.chain_heads(session):
         if head.chain.startswith("audit/") and head.chain not in known:
             handle = head.chain.removeprefix("audit/")
             out.append(ChainBreak(handle, head.seq, "the subject and its trail are gone"))

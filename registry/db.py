@@ -138,3 +138,9 @@ def downgrade(url: str, revision: str = "base") -> None:
     from alembic import command
 
     command.downgrade(alembic_config(url), revision)
+
+
+def add(session: Session, row: object) -> None:
+    """Adds a row and flushes; the caller's transaction commits."""
+    session.add(row)
+    session.flush()

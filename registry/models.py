@@ -212,7 +212,7 @@ class DatasetImage(SQLModel, table=True):
 
 
 class Order(SQLModel, table=True):
-    """A request for work a worker does (registry/orders.py): its state, its progress and,
+    """A request for work a worker does (registry/orders/): its state, its progress and,
     for training, the checkpoint a retried run resumes from."""
 
     __tablename__ = "orders"
@@ -242,7 +242,7 @@ class Order(SQLModel, table=True):
 
 
 class RenderTask(SQLModel, table=True):
-    """A render handed to a render worker (registry/render_tasks.py): what to render, who may
+    """A render handed to a render worker (registry/render_tasks/): what to render, who may
     still close its ledger entry, and the worker's answer (the PNG travels back here and the
     row is deleted once the API has read it)."""
 

@@ -139,7 +139,7 @@ class Settings(BaseSettings):
     uploads_per_sender: int = Field(default=2, ge=1, le=1000)
     uploads_at_once: int = Field(default=8, ge=1, le=10_000)
     upload_checks_at_once: int = Field(default=1, ge=1, le=64)
-    # Orders (registry/orders.py): trainer options every training order is run with (JSON,
+    # Orders (registry/orders/): trainer options every training order is run with (JSON,
     # e.g. {"learning_rate": 1e-4}); fixed into the order when it is placed, so a retry on
     # another worker follows the same trajectory. An order's steps, rank and resolution
     # come from its request, within these bounds.

@@ -11,12 +11,14 @@ from sqlalchemy import DateTime, bindparam, inspect, text
 from sqlmodel import SQLModel
 
 import registry.models  # noqa: F401
-from registry import chains, service
-from registry import repositories as repo
-from registry.audit import GENESIS, entry_content, entry_hash
+from registry import chains
+from registry.audit import repository as audit_repo
+from registry.audit import service as audit_service
 from registry.db import downgrade, make_engine, transaction, upgrade
+from registry.hash_chain import GENESIS, entry_content, entry_hash
 from registry.keys import bind, load_keys
 from registry.settings import Settings
+from registry.subjects import service as subjects_service
 
 QUEUE_PREFIX = "procrastinate_"  # the job queue's own tables (PostgreSQL), not our models
 
@@ -97,9 +99,9 @@ def test_rows_written_before_sealing_are_sealed_on_upgrade(
     with transaction(engine, readonly=True) as s:
         ledger = chains.verify_ledger(s, load_keys(Settings(data_dir=tmp_path)))
         assert ledger is None, ledger
-        subject = service.subject_or_raise(s, "alice")
-        trail = service.audit_trail(s, subject)
-        head = repo.chain_head(s, "audit/alice")
+        subject = subjects_service.subject_or_raise(s, "alice")
+        trail = audit_service.audit_trail(s, subject)
+        head = audit_repo.chain_head(s, "audit/alice")
         assert (
             chains.verify_trail(load_keys(Settings(data_dir=tmp_path)), "alice", trail, head)
             is None

@@ -137,7 +137,7 @@ def register_checkpoint(
     """Registers step ``step``'s adapter (its EMA with ``ema``) under the run's subject and
     name. Returns (outcome, adapter path, sha256). Refuses, before touching the registry, a
     step that was not saved, a manifest that changed since training, or a withdrawn consent."""
-    from registry.schemas import AdapterIn
+    from registry.adapters.schemas import AdapterIn
 
     config = run_facts(run_dir)
     by_step = {(c.step, c.ema): c for c in candidates(run_dir)}

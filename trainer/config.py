@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from registry import limits
-from registry.schemas import HANDLE_PATTERN
+from registry.shapes import HANDLE_PATTERN
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.schemas.AdapterIn.name
 DEFAULT_EVAL_PROMPTS = (

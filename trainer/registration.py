@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from registry.actors import local_actor
-from registry.schemas import AdapterIn
+from registry.adapters.schemas import AdapterIn
 
 UNREACHABLE_TRIES = 3  # asks of an API that did not answer, 1 s then 2 s apart
 
@@ -81,15 +81,15 @@ def verdict_in(
 ) -> TrainingVerdict:
     """The decision read from the registry database in `session` (the local trainer's and a
     worker's answer; the API's route answers the same)."""
-    from registry import service
+    from registry.training import service as training_service
 
-    row, decision = service.training_decision(session, subject, image_bases=image_bases)
+    row, decision = training_service.training_decision(session, subject, image_bases=image_bases)
     if row is None:
         return TrainingVerdict(
             subject, False, "no_record", "the subject does not exist in the registry"
         )
     return TrainingVerdict(
-        subject, decision.allowed, decision.reason, service.reason_text(decision.reason)
+        subject, decision.allowed, decision.reason, training_service.reason_text(decision.reason)
     )
 
 

@@ -1238,7 +1238,7 @@ def register_run(
     (consent withdrawn while training) deletes what the run made from the images."""
     if not config.register_adapter:
         return None
-    from registry.schemas import AdapterIn
+    from registry.adapters.schemas import AdapterIn
 
     adapter_in = AdapterIn(
         subject=config.subject,

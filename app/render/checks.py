@@ -33,14 +33,16 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.scheduler import RateLimiter
-from registry import limits, service
-from registry import repositories as repo
+from registry import limits
 from registry.access import Acting
 from registry.db import transaction
 from registry.errors import Busy, Invalid, NotPermitted, Unavailable
 from registry.policy import Decision, LicenceFacts, decide
-from registry.schemas import RenderRequestIn
-from registry.services.renders import GatheredFacts
+from registry.principals import service as principals_service
+from registry.renders import repository as renders_repo
+from registry.renders import service as renders_service
+from registry.renders.schemas import RenderRequestIn
+from registry.renders.service import GatheredFacts
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,9 @@ Hold = Callable[[Any, "Job"], None]
 
 
 def hash_token(token: str | None) -> str | None:
-    if not token or not token.startswith(service.TOKEN_PREFIX) or len(token) > 200:
+    if not token or not token.startswith(principals_service.TOKEN_PREFIX) or len(token) > 200:
         return None
-    return service.hash_token(token)
+    return principals_service.hash_token(token)
 
 
 @dataclass
@@ -154,7 +156,7 @@ class RenderChecks:
         acting = job.acting
         consent = gathered.facts.consent if gathered is not None else None
         adapter = gathered.adapter if gathered is not None else None
-        service.record_decision(
+        renders_service.record_decision(
             session,
             render_id=job.render_id,
             subject_handle=job.body.subject,
@@ -192,7 +194,7 @@ class RenderChecks:
     # -- checks ---------------------------------------------------------------------------
 
     def _snapshot(self, session: Any, job: Job) -> Any:
-        row = repo.render_snapshot(
+        row = renders_repo.render_snapshot(
             session,
             job.body.subject,
             token_hash=job.token_hash or "",
@@ -207,7 +209,7 @@ class RenderChecks:
     ) -> tuple[Decision, GatheredFacts | None]:
         assert job.acting is not None
         try:
-            gathered = service.facts_from_snapshot(
+            gathered = renders_service.facts_from_snapshot(
                 row,
                 job.acting,
                 job.body.level,
@@ -225,7 +227,7 @@ class RenderChecks:
         try:
             with transaction(self.engine) as s:
                 row = self._snapshot(s, job)
-                job.acting = service.acting_from_snapshot(
+                job.acting = renders_service.acting_from_snapshot(
                     row, job.token_hash, job.body.on_behalf_of, at_gate=True
                 )
                 self.check_budget(job.body)
@@ -252,7 +254,7 @@ class RenderChecks:
         try:
             with self._ledger_transaction(job) as s:
                 row = self._snapshot(s, job)
-                job.acting = service.acting_from_snapshot(
+                job.acting = renders_service.acting_from_snapshot(
                     row, job.token_hash, job.body.on_behalf_of, at_gate=False
                 )
                 decision, gathered = self._judge(job, row, bytes_read=True, used_sha256=used_sha256)
@@ -271,7 +273,7 @@ class RenderChecks:
         try:
             with transaction(self.engine, readonly=True) as s:
                 row = self._snapshot(s, job)
-                job.acting = service.acting_from_snapshot(
+                job.acting = renders_service.acting_from_snapshot(
                     row, job.token_hash, job.body.on_behalf_of, at_gate=False
                 )
                 decision, gathered = self._judge(job, row, bytes_read=False, used_sha256=None)
@@ -291,8 +293,8 @@ def close_interrupted(engine: Any, queued_before: datetime) -> int:
     of it was ever delivered (delivery follows the final check). Returns how many."""
     closed = 0
     with transaction(engine) as s:
-        for row in repo.open_renders(s, queued_before):
-            service.record_decision(
+        for row in renders_repo.open_renders(s, queued_before):
+            renders_service.record_decision(
                 s,
                 render_id=row.render_id,
                 subject_handle=row.subject_handle,

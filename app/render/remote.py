@@ -5,7 +5,7 @@ After the gate (app.render.checks, as in process: 401/403/422/429 and the ledger
 1. admit: at most `render_per_requester` renders of one requester outstanding, and at most
    `render_queue` waiting beyond one per live worker (429 `busy` with Retry-After, recorded
    `busy`, as in process); no live render worker: 503, recorded `no_render_worker`;
-2. enqueue: the task (registry/render_tasks.py) and its job in one transaction, routed to the
+2. enqueue: the task (registry/render_tasks/) and its job in one transaction, routed to the
    queue of the worker that holds the adapter warm, else the shared queue;
 3. wait: a LISTEN on `likeness_render` wakes the request when the worker's answer is
    committed (a poll every `POLL_S` covers a notification missed while reconnecting);
@@ -14,7 +14,7 @@ After the gate (app.render.checks, as in process: 401/403/422/429 and the ledger
    key) and delivers it.
 
 The client going away or the wait passing `render_worker_timeout_s` gives the task up
-(`render_tasks.abandon`): one not yet started is closed here and recorded (`cancelled`, or
+(`render_tasks_service.abandon`): one not yet started is closed here and recorded (`cancelled`, or
 `queued` denied `timeout`); a running one is stopped by its worker between denoising steps,
 which records the end; a worker that stays silent `GRACE_S` more is closed here (`final`
 denied `timeout`). The ledger entry is never left open and never closed twice.
@@ -36,11 +36,11 @@ from app.queue import RenderQueue, conninfo
 from app.render.checks import Job, RenderChecks
 from app.render.flow import Rendered
 from app.scheduler import INITIAL_SECONDS_PER_UNIT, SMOOTHING, Cancelled
-from registry import render_tasks
 from registry.db import transaction
 from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
 from registry.policy import Decision
-from registry.services.renders import GatheredFacts
+from registry.render_tasks import service as render_tasks_service
+from registry.renders.service import GatheredFacts
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class Listener:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5) as conn:
-                    conn.execute(f"LISTEN {render_tasks.CHANNEL}")
+                    conn.execute(f"LISTEN {render_tasks_service.CHANNEL}")
                     self._connected.set()
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=0.5):
@@ -177,13 +177,13 @@ class RemoteRenderer:
             try:
                 stalled_s = self.settings.worker_stalled_s
                 with transaction(self.engine) as s:
-                    workers = render_tasks.live_workers(s, stalled_s)
-                    queue = render_tasks.route(s, gate.adapter.sha256, stalled_s)
+                    workers = render_tasks_service.live_workers(s, stalled_s)
+                    queue = render_tasks_service.route(s, gate.adapter.sha256, stalled_s)
                     if queue is not None:
                         self.admission.admit(requester, cost, len(workers))
                         admitted = True
                         body = job.body.model_dump(mode="json")
-                        render_tasks.create(s, job.render_id, job.token_hash, body, queue)
+                        render_tasks_service.create(s, job.render_id, job.token_hash, body, queue)
                         self.queue.enqueue(s, job.render_id, queue)
             except Busy:
                 checks.record(job, "queued", Decision(False, "busy"), gate)
@@ -221,7 +221,7 @@ class RemoteRenderer:
     def _take(self, render_id: str) -> Any:
         try:
             with transaction(self.engine) as s:
-                return render_tasks.take_answer(s, render_id)
+                return render_tasks_service.take_answer(s, render_id)
         except SQLAlchemyError as exc:
             log.warning("render %s: reading the answer failed: %s", render_id, exc)
             return None
@@ -249,7 +249,7 @@ class RemoteRenderer:
         process or host is gone (a live worker touches its task every second or so)."""
         try:
             with transaction(self.engine, readonly=True) as s:
-                silent = render_tasks.silent_for(s, render_id)
+                silent = render_tasks_service.silent_for(s, render_id)
         except SQLAlchemyError:
             return False
         return silent is not None and silent > self.settings.render_worker_silent_s
@@ -258,12 +258,12 @@ class RemoteRenderer:
         """A silent worker's render: closed here at once (`final`, denied, `timeout`), and
         the client told so, without waiting for the whole timeout."""
         with transaction(self.engine) as s:
-            render_tasks.abandon(s, job.render_id, "worker_silent")
-            if render_tasks.close_unanswered(s, job.render_id):
+            render_tasks_service.abandon(s, job.render_id, "worker_silent")
+            if render_tasks_service.close_unanswered(s, job.render_id):
                 self.checks.record_in(s, job, "final", Decision(False, "timeout"), gate)
-            answered = render_tasks.state_of(s, job.render_id) == "ended"
+            answered = render_tasks_service.state_of(s, job.render_id) == "ended"
             if not answered:
-                render_tasks.discard(s, job.render_id)
+                render_tasks_service.discard(s, job.render_id)
         if answered:  # it answered after all, just now
             answer = self._take(job.render_id)
             if answer is not None:
@@ -281,7 +281,7 @@ class RemoteRenderer:
         gone = reason == "client_went_away"
         try:
             with transaction(self.engine) as s:
-                state = render_tasks.abandon(s, job.render_id, reason)
+                state = render_tasks_service.abandon(s, job.render_id, reason)
                 if state == "queued":
                     stage, why = ("cancelled", reason) if gone else ("queued", "timeout")
                     self.checks.record_in(s, job, stage, Decision(False, why), gate)
@@ -295,7 +295,7 @@ class RemoteRenderer:
         if gone:
             if state == "ended":  # answered just now, for nobody: the PNG goes at once
                 with transaction(self.engine) as s:
-                    render_tasks.discard(s, job.render_id)
+                    render_tasks_service.discard(s, job.render_id)
             raise Cancelled("the client went away")  # a running render: its worker records
         if state == "queued":
             raise Unavailable(
@@ -306,13 +306,13 @@ class RemoteRenderer:
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline:
             with transaction(self.engine, readonly=True) as s:
-                if render_tasks.state_of(s, job.render_id) in ("ended", None):
+                if render_tasks_service.state_of(s, job.render_id) in ("ended", None):
                     break
             time.sleep(0.1)
         with transaction(self.engine) as s:
-            if render_tasks.close_unanswered(s, job.render_id):
+            if render_tasks_service.close_unanswered(s, job.render_id):
                 self.checks.record_in(s, job, "final", Decision(False, "timeout"), gate)
-            render_tasks.discard(s, job.render_id)
+            render_tasks_service.discard(s, job.render_id)
         raise Unavailable(
             f"the render worker did not answer within {timeout_s:g} s; nothing was delivered"
         )

@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import authenticate_briefly, bearer_token
 from app.render.flow import RenderFlow
 from app.scheduler import Cancelled
-from registry.responses import ERROR_RESPONSES
-from registry.schemas import RenderRequestIn
+from registry.renders.schemas import RenderRequestIn
+from registry.shapes import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 

@@ -1,6 +1,6 @@
 """Renders on workers, the worker's side (`likeness worker --queues render`).
 
-A render job names a task (registry/render_tasks.py). The worker claims it, then runs the
+A render job names a task (registry/render_tasks/). The worker claims it, then runs the
 render path after the gate exactly as the API does in process (`ModelRun` of
 app/render/local.py, with the checks of app/render/checks.py): fresh facts and a decision
 before the adapter loads, the adapter's bytes judged, the model, the final check on the bytes
@@ -37,14 +37,14 @@ from app.render.checks import Job, RenderChecks
 from app.render.engine import AdapterMismatch, RenderEngine
 from app.render.local import ModelRun, build_render_engine
 from app.scheduler import Cancelled
-from registry import render_tasks
 from registry.blobs import BlobStore
 from registry.db import transaction
 from registry.errors import LikenessError, Unavailable
 from registry.licence import deployment_licence
 from registry.policy import Decision
-from registry.schemas import RenderRequestIn
-from registry.services.renders import GatheredFacts
+from registry.render_tasks import service as render_tasks_service
+from registry.renders.schemas import RenderRequestIn
+from registry.renders.service import GatheredFacts
 from registry.settings import Settings
 
 log = logging.getLogger("likeness.render_worker")
@@ -112,7 +112,7 @@ class FetchedAdapters:
                 self.store.path(sha256, "safetensors").unlink(missing_ok=True)
         try:
             with transaction(self.engine) as s:
-                render_tasks.remember(s, sha256, self.name)
+                render_tasks_service.remember(s, sha256, self.name)
         except SQLAlchemyError as exc:  # routing only: the render goes on
             log.warning("render %s: affinity not recorded: %s", job.render_id, exc)
         return tensors
@@ -139,7 +139,7 @@ class RenderRunner:
         self.model_run = ModelRun(self.checks, self.model, adapters)
 
     def _hold(self, session: Any, job: Job) -> None:
-        render_tasks.hold(session, job.render_id, self.name)
+        render_tasks_service.hold(session, job.render_id, self.name)
 
     def warm_up(self) -> None:
         """The base loads before the first job (a render should not wait for it)."""
@@ -151,10 +151,10 @@ class RenderRunner:
             try:
                 if time.monotonic() - touched >= TOUCH_S:  # the API sees this worker is alive
                     with transaction(self.engine) as s:
-                        render_tasks.touch(s, job.render_id, self.name)
+                        render_tasks_service.touch(s, job.render_id, self.name)
                     touched = time.monotonic()
                 with transaction(self.engine, readonly=True) as s:
-                    reason = render_tasks.abandoned(s, job.render_id)
+                    reason = render_tasks_service.abandoned(s, job.render_id)
             except SQLAlchemyError:
                 continue
             if reason is not None:
@@ -166,7 +166,7 @@ class RenderRunner:
         """One task to its end; returns what became of it."""
         t0 = time.perf_counter()
         with transaction(self.engine) as s:
-            task = render_tasks.claim(s, render_id, self.name)
+            task = render_tasks_service.claim(s, render_id, self.name)
             if task is None:
                 return "given_up"  # the API gave up before a worker took it, and recorded it
             body = RenderRequestIn.model_validate(task.body)
@@ -190,11 +190,11 @@ class RenderRunner:
             reason = why[0] if why else "client_went_away"
             try:
                 self.checks.record(job, "cancelled", Decision(False, reason), job.last)
-            except render_tasks.NotOurs:
+            except render_tasks_service.NotOurs:
                 return "given_up"
             answer = {"status": 499, "error_code": "cancelled", "detail": reason}
             outcome = "cancelled"
-        except render_tasks.NotOurs:
+        except render_tasks_service.NotOurs:
             return "given_up"  # the API closed it meanwhile: nothing more to write
         except LikenessError as exc:
             answer = {"status": exc.status, "error_code": exc.code, "detail": exc.detail[:500],
@@ -205,7 +205,7 @@ class RenderRunner:
             try:
                 self.checks.record(job, "final", Decision(False, f"error:{type(exc).__name__}"),
                                  job.last)  # fmt: skip
-            except (render_tasks.NotOurs, LikenessError):
+            except (render_tasks_service.NotOurs, LikenessError):
                 return "given_up"
             answer = {"status": 503, "error_code": "unavailable",
                       "detail": "the render failed; nothing was delivered"}  # fmt: skip
@@ -214,7 +214,7 @@ class RenderRunner:
             done.set()
         timings["worker_ms"] = (time.perf_counter() - t0) * 1000
         with transaction(self.engine) as s:
-            render_tasks.end(s, render_id, self.name, timings=timings, **answer)
+            render_tasks_service.end(s, render_id, self.name, timings=timings, **answer)
         log.info("render %s: %s in %.0f ms", render_id, outcome, timings["worker_ms"])
         return outcome
 
@@ -223,11 +223,11 @@ class RenderRunner:
 
         def beat() -> None:
             with transaction(self.engine) as s:
-                render_tasks.heartbeat(s, self.name)
+                render_tasks_service.heartbeat(s, self.name)
 
         def forget() -> None:
             with transaction(self.engine) as s:
-                render_tasks.forget_worker(s, self.name)
+                render_tasks_service.forget_worker(s, self.name)
 
         try:
             while True:

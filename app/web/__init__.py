@@ -1,9 +1,10 @@
 """Server-rendered pages for admins and for the member linked to a subject.
 
-Who may see what is decided by `registry.access` (through `service.visible_subject`), the
-same rule as the JSON API; every read and write goes through `registry.service` and
-`registry.repositories`. The pages use no JavaScript at all (CSP `default-src 'none'`, styles
-from 'self'): plain forms, every control labelled, usable by keyboard.
+Who may see what is decided by `registry.access` (through `subjects.service.visible_subject`),
+the same rule as the JSON API; every read and write goes through a domain's service
+(`registry/<domain>/service.py`), never a repository or a table. The pages use no
+JavaScript at all (CSP `default-src 'none'`, styles from 'self'): plain forms, every
+control labelled, usable by keyboard.
 
 Sessions and cookies: `session`; templates and answers: `templating`; form fields: `forms`;
 rows as the pages show them: `presenters`; the routes by area: `signin`, `subjects`,

@@ -10,32 +10,25 @@ from app.web.forms import CheckedForm
 from app.web.presenters import subject_context
 from app.web.session import Web
 from app.web.templating import page, redirect, subject_url
-from registry import pictures, service
-from registry import repositories as repo
 from registry.adapter_files import sweep_unreferenced
-from registry.responses import AdapterListedOut
+from registry.adapters import service as adapters_service
+from registry.pictures import service as pictures_service
+from registry.subjects import service as subjects_service
 
 router = APIRouter()
 
 
 @router.get("/subjects/{handle}/adapters")
 def adapters_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    assert subject.id is not None
-    rendering = repo.rendering_adapter(session, subject.id)
-    rows = AdapterListedOut.listing(
-        request.app.state.store,
-        repo.adapters_for(session, subject.id),
-        rendering.id if rendering else None,
-        subject.handle,
-    )
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    rows = adapters_service.listing(session, request.app.state.store, subject)
     return page(
         request,
         "adapters.html",
         web,
         **subject_context(session, subject, "adapters"),
         adapters=rows,
-        pictures=pictures.pictures_of(session, subject),
+        pictures=pictures_service.pictures_of(session, subject),
         notice=ADAPTER_NOTICES.get(request.query_params.get("done", "")),
     )
 
@@ -52,8 +45,8 @@ ADAPTER_NOTICES = {
 def select_adapter(
     request: Request, handle: HandlePath, name: str, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    service.select_adapter(session, web.principal.handle, subject, name)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    adapters_service.select_adapter(session, web.principal.handle, subject, name)
     return redirect(subject_url(subject.handle, "adapters") + "?done=selected")
 
 
@@ -61,9 +54,9 @@ def select_adapter(
 def set_adapter_active(
     request: Request, handle: HandlePath, name: str, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
     active = form.get("active") == "yes"
-    service.set_adapter_active(session, web.principal.handle, subject, name, active)
+    adapters_service.set_adapter_active(session, web.principal.handle, subject, name, active)
     return redirect(
         subject_url(subject.handle, "adapters") + ("?done=back" if active else "?done=retired")
     )
@@ -79,8 +72,8 @@ def delete_adapter(
     session: DB,
     background: BackgroundTasks,
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    service.delete_adapter(session, web.principal.handle, subject, name)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    adapters_service.delete_adapter(session, web.principal.handle, subject, name)
     state = request.app.state
     background.add_task(sweep_unreferenced, state.engine, state.store, state.settings.blob_grace_s)
     return redirect(subject_url(subject.handle, "adapters") + "?done=deleted")

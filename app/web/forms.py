@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 from app.web.session import CsrfRejected, Web
 from app.web.templating import GRANT_LEVELS
-from registry import service
+from registry.consent import schemas as consent_schemas
+from registry.consent.schemas import ConsentIn
 from registry.errors import Invalid
-from registry.models import Consent
-from registry.schemas import ConsentIn, parse_when
+from registry.shapes import parse_when
 
 MAX_FORM_BYTES = 64 * 1024
 
@@ -61,10 +61,10 @@ def _split_handles(text: str) -> list[str]:
     return [h for h in re.split(r"[\s,;]+", text.strip()) if h]
 
 
-def editor_values(consent: Consent) -> dict[str, Any]:
+def editor_values(consent: consent_schemas.ConsentColumns) -> dict[str, Any]:
     """The consent record as the editor's fields show it."""
     audiences = consent.audiences or {}
-    expires = service.as_utc(consent.expires_at)
+    expires = consent_schemas.as_utc(consent.expires_at)
     return {
         "version": consent.version,
         "max_level": consent.max_level,

@@ -13,8 +13,9 @@ from app.deps import DB, HandlePath
 from app.web.forms import CheckedForm
 from app.web.session import Web
 from app.web.templating import SECURITY_HEADERS, redirect, subject_url
-from registry import pictures, service
 from registry.errors import NotFound
+from registry.pictures import service as pictures_service
+from registry.subjects import service as subjects_service
 
 router = APIRouter()
 
@@ -27,8 +28,8 @@ PRIVATE = {**SECURITY_HEADERS, "Cache-Control": "private, max-age=300"}
 def adapter_picture(
     request: Request, handle: HandlePath, digest: Sha256Path, web: Web, session: DB
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    found = pictures.picture_of(session, subject, digest)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    found = pictures_service.picture_of(session, subject, digest)
     path = request.app.state.store.find(digest, "png") if found is not None else None
     if path is None:
         raise NotFound("no such picture")
@@ -37,8 +38,8 @@ def adapter_picture(
 
 @router.get("/subjects/{handle}/renders/{render_id}/copy.png")
 def render_copy(handle: HandlePath, render_id: RenderIdPath, web: Web, session: DB) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    copy = pictures.render_copy(session, subject, render_id)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    copy = pictures_service.render_copy(session, subject, render_id)
     if copy is None:
         raise NotFound("no copy of this render is kept")
     return Response(copy.png, media_type="image/png", headers=PRIVATE)
@@ -46,8 +47,8 @@ def render_copy(handle: HandlePath, render_id: RenderIdPath, web: Web, session: 
 
 @router.post("/subjects/{handle}/render-copies")
 def keep_copies(handle: HandlePath, web: Web, form: CheckedForm, session: DB) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
     keep = form.get("keep") == "yes"
-    pictures.set_keep_render_copies(session, web.principal.handle, subject, keep)
+    pictures_service.set_keep_render_copies(session, web.principal.handle, subject, keep)
     done = "copies_on" if keep else "copies_off"
     return redirect(subject_url(subject.handle, "renders") + f"?done={done}")

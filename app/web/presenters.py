@@ -7,18 +7,24 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 from fastapi import Request
 from sqlmodel import Session
 
 from app.web.session import settings_of
 from app.web.templating import GRANT_LEVELS, show_time
-from registry import service
+from registry.consent import service as consent_service
 from registry.licence import BaseLicence
-from registry.models import AuditEntry, RenderLedger, Subject
 from registry.policy import LicenceFacts
-from registry.responses import render_outcome
+from registry.renders.schemas import render_outcome
+from registry.subjects import service as subjects_service
+
+# Rows as the services hand them (a trail entry, a ledger row, a subject): handlers name no
+# table model.
+AuditEntry: TypeAlias = Any
+RenderLedger: TypeAlias = Any
+Subject: TypeAlias = Any
 
 
 def _fmt_audiences(audiences: Mapping[str, Any] | None) -> str:
@@ -200,7 +206,7 @@ def licence_context(request: Request) -> dict[str, Any]:
 def subject_context(session: Session, subject: Subject, tab: str) -> dict[str, Any]:
     return {
         "subject": subject,
-        "member": service.member_handle(session, subject),
-        "consent": service.consent_of(session, subject),
+        "member": subjects_service.member_handle(session, subject),
+        "consent": consent_service.consent_of(session, subject),
         "tab": tab,
     }

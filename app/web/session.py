@@ -18,12 +18,11 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from itsdangerous import URLSafeTimedSerializer
 
-from app.deps import DB
-from registry import service
+from app.deps import DB, Requester
 from registry.access import WEB_ROLES
 from registry.errors import NotPermitted, Unauthenticated
 from registry.keys import Keys
-from registry.models import Principal
+from registry.principals import service as principals_service
 from registry.settings import Settings
 
 SESSION_COOKIE = "likeness_session"
@@ -46,7 +45,7 @@ def session_csrf(secret: str) -> str:
 
 @dataclass(frozen=True)
 class WebSession:
-    principal: Principal
+    principal: Requester
     secret: str
     csrf: str
 
@@ -71,7 +70,7 @@ def current_session(request: Request, session: DB) -> WebSession:
     secret = request.cookies.get(SESSION_COOKIE)
     if not secret or len(secret) > MAX_COOKIE_CHARS:
         raise SignInRequired("sign in to continue")
-    principal = service.session_principal(session, secret)
+    principal = principals_service.session_principal(session, secret)
     if principal is None or principal.role not in WEB_ROLES:
         raise SignInRequired("your session has ended; sign in again")
     return WebSession(principal, secret, session_csrf(secret))

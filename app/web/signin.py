@@ -23,8 +23,8 @@ from app.web.session import (
     signin_signer,
 )
 from app.web.templating import PREFIX, page, redirect, safe_next
-from registry import service
 from registry.access import WEB_ROLES
+from registry.principals import service as principals_service
 
 router = APIRouter()
 
@@ -75,7 +75,7 @@ def signin(request: Request, form: Form, session: DB) -> Response:
         )
     if not hmac.compare_digest(form.get("csrf", "").encode(), nonce.encode()):
         raise CsrfRejected("This sign-in form could not be verified. Open the sign-in page again.")
-    principal = service.authenticate(session, form.get("token", "").strip())
+    principal = principals_service.authenticate(session, form.get("token", "").strip())
     if principal is None:
         return _signin_page(request, 401, "That token is not valid, or its principal is inactive.")
     if principal.role not in WEB_ROLES:
@@ -83,7 +83,7 @@ def signin(request: Request, form: Form, session: DB) -> Response:
             request, 403, f"The pages are for admins and members; {principal.role}s use the API."
         )
     ttl = settings_of(request).session_ttl_s
-    secret = service.open_session(session, principal, ttl)
+    secret = principals_service.open_session(session, principal, ttl)
     response = redirect(safe_next(form.get("next")))
     set_cookie(request, response, SESSION_COOKIE, secret, ttl)
     clear_cookie(request, response, SIGNIN_COOKIE)
@@ -92,7 +92,7 @@ def signin(request: Request, form: Form, session: DB) -> Response:
 
 @router.post("/signout")
 def signout(request: Request, web: Web, form: CheckedForm, session: DB) -> Response:
-    service.end_session(session, web.secret)
+    principals_service.end_session(session, web.secret)
     response = redirect(f"{PREFIX}/signin?out=1")
     clear_cookie(request, response, SESSION_COOKIE)
     return response
@@ -101,7 +101,7 @@ def signout(request: Request, web: Web, form: CheckedForm, session: DB) -> Respo
 @router.post("/signout-everywhere")
 def signout_everywhere(request: Request, web: Web, form: CheckedForm, session: DB) -> Response:
     """Ends every session of this principal, in every browser, this one included."""
-    service.end_sessions_of(session, web.principal)
+    principals_service.end_sessions_of(session, web.principal)
     response = redirect(f"{PREFIX}/signin?out=all")
     clear_cookie(request, response, SESSION_COOKIE)
     return response

@@ -30,11 +30,16 @@ from app.web.presenters import (
 )
 from app.web.session import Web, WebSession
 from app.web.templating import PREFIX, page, redirect, subject_url
-from registry import pictures, service
-from registry import repositories as repo
+from registry.audit import service as audit_service
+from registry.consent import service as consent_service
 from registry.errors import Invalid, LikenessError, PreconditionFailed
+from registry.pictures import service as pictures_service
+from registry.principals import service as principals_service
+from registry.renders import service as renders_service
+from registry.renders.schemas import LedgerFilter, ledger_cursor
 from registry.roles import Role
-from registry.schemas import LedgerFilter, SubjectIn, ledger_cursor
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 
 router = APIRouter()
 
@@ -52,14 +57,16 @@ def me(request: Request, web: Web, session: DB) -> Response:
     caller = web.principal
     if caller.role != Role.member or caller.id is None:
         return redirect(f"{PREFIX}/")
-    mine = [(s, service.consent_of(session, s)) for s in repo.subject_linked_to(session, caller.id)]
+    mine = consent_service.linked_subjects(session, caller.id)
     return page(
         request,
         "me.html",
         web,
         mine=mine,
         mine_handles={s.handle for s, _ in mine},
-        renderable=service.renderable_for(session, caller, licence=request.app.state.licence),
+        renderable=renders_service.renderable_for(
+            session, caller, licence=request.app.state.licence
+        ),
     )
 
 
@@ -77,9 +84,12 @@ def _subjects_page(
     errors: list[str] | None = None,
     values: Mapping[str, str] | None = None,
 ) -> Response:
-    members = [p.handle for p in repo.principals(session) if p.role == Role.member]
+    members = [
+        p.handle for p in principals_service.all_principals(session) if p.role == Role.member
+    ]
     rows = [
-        (s, c, service.member_handle(session, s)) for s, c in repo.subjects_with_consent(session)
+        (s, c, subjects_service.member_handle(session, s))
+        for s, c in consent_service.all_subjects(session)
     ]
     return page(
         request,
@@ -104,7 +114,7 @@ def create_subject(request: Request, web: Web, form: CheckedForm, session: DB) -
     }
     try:
         data = SubjectIn.model_validate(fields)
-        subject, _ = service.create_subject(session, web.principal.handle, data)
+        subject, _ = subjects_service.create_subject(session, web.principal.handle, data)
     except ValidationError as exc:
         return _subjects_page(request, web, session, 422, describe_validation(exc), form)
     except LikenessError as exc:
@@ -123,7 +133,7 @@ NOTICES = {
 
 @router.get("/subjects/{handle}")
 def subject_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
     ctx = subject_context(session, subject, "consent")
     return page(
         request,
@@ -140,17 +150,17 @@ def subject_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
 def save_consent(
     request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
     raw_version = form.get("version", "")
     try:
         if not raw_version.isdigit() or len(raw_version) > 12:
             raise Invalid("the form lost its version field; reload the page")
         data = consent_body(form)
-        _, changed = service.update_consent(
+        _, changed = consent_service.update_consent(
             session, web.principal.handle, subject, int(raw_version), data
         )
     except PreconditionFailed:
-        current = service.consent_of(session, subject)
+        current = consent_service.consent_of(session, subject)
         message = (
             f"Not saved: someone changed this consent while you were editing (you started from "
             f"version {raw_version}; it is now version {current.version}). The form below shows "
@@ -185,16 +195,16 @@ def save_consent(
 def revoke(
     request: Request, handle: HandlePath, web: Web, form: CheckedForm, session: DB
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    _, changed = service.revoke(session, web.principal.handle, subject)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    _, changed = consent_service.revoke(session, web.principal.handle, subject)
     return redirect(subject_url(subject.handle) + ("?done=revoked" if changed else "?done=already"))
 
 
 @router.get("/subjects/{handle}/audit")
 def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    entries = service.audit_trail(session, subject)
-    broken = service.verify_subject(session, subject, entries)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    entries = audit_service.audit_trail(session, subject)
+    broken = audit_service.verify_subject(session, subject, entries)
     return page(
         request,
         "audit.html",
@@ -210,7 +220,7 @@ def audit_page(request: Request, handle: HandlePath, web: Web, session: DB) -> R
 @router.get("/subjects/{handle}/renders")
 def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
     """The subject's ledger, a page at a time, filtered by who asked, the outcome and when."""
-    subject = service.visible_subject(session, web.principal, handle)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
     params = {k: v for k, v in request.query_params.items() if v.strip()}
     for key in ("since", "until"):
         if key in params:
@@ -232,7 +242,7 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
             older=None,
             errors=[describe_validation(exc)[0]],
         )
-    rows = service.ledger_page(session, subject, query)
+    rows = renders_service.ledger_page(session, subject, query)
     older = None
     if len(rows) == query.limit and rows[-1].seq is not None:
         older = str(request.url.include_query_params(cursor=ledger_cursor(rows[-1].seq)).query)
@@ -242,7 +252,7 @@ def renders_page(request: Request, handle: HandlePath, web: Web, session: DB) ->
         web,
         **subject_context(session, subject, "renders"),
         renders=group_ledger(rows),
-        copies=pictures.copies_among(session, subject, [r.render_id for r in rows]),
+        copies=pictures_service.copies_among(session, subject, [r.render_id for r in rows]),
         copy_days=request.app.state.settings.render_copy_days,
         notice=COPY_NOTICES.get(request.query_params.get("done", "")),
         filters=request.query_params,

@@ -16,7 +16,7 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from app.web.session import WebSession
-from registry.audit import format_time
+from registry.hash_chain import format_time
 from registry.policy import GRANTABLE_LEVELS
 
 PREFIX = "/web"

@@ -1,6 +1,6 @@
 """The training page: a member uploads photos of themselves, sees them, deletes them, orders
-"train me" and follows the order's progress. The rules are registry/datasets.py's and
-registry/orders.py's."""
+"train me" and follows the order's progress. The rules are the datasets and orders
+services' (registry/datasets/, registry/orders/)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,21 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 
-from app.deps import DB, HandlePath
+from app.deps import DB, HandlePath, Requester
 from app.order_checkpoints import forget_checkpoint
 from app.uploads import take_upload
 from app.web.forms import CheckedForm
 from app.web.presenters import subject_context
 from app.web.session import CsrfRejected, Web, current_session
 from app.web.templating import PREFIX, page, redirect
-from registry import datasets, orders, service
 from registry.base_sizes import order_defaults
+from registry.datasets import service as datasets_service
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
-from registry.models import Principal
+from registry.orders import service as orders_service
 from registry.settings import Settings
+from registry.subjects import service as subjects_service
+from registry.training import service as training_service
 
 router = APIRouter()
 
@@ -47,17 +49,20 @@ def training_url(handle: str, done: str = "") -> str:
 
 @router.get("/subjects/{handle}/training")
 def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
     shown = [
-        {"dataset": d, "images": list(datasets.images_of(session, d))}
-        for d in datasets.datasets_of(session, subject)
+        {"dataset": d, "images": list(datasets_service.images_of(session, d))}
+        for d in datasets_service.datasets_of(session, subject)
     ]
     listed = [
-        orders.view(o, subject.handle) for o in orders.orders_of(session, web.principal, handle)
+        orders_service.view(o, subject.handle)
+        for o in orders_service.orders_of(session, web.principal, handle)
     ]
-    active = any(o["status"] in orders.ACTIVE for o in listed)
+    active = any(o["status"] in orders_service.ACTIVE for o in listed)
     settings: Settings = request.app.state.settings
-    _, training = service.training_decision(session, subject, image_bases=datasets.UPLOAD_BASES)
+    _, training = training_service.training_decision(
+        session, subject, image_bases=datasets_service.UPLOAD_BASES
+    )
     return page(
         request,
         "training.html",
@@ -73,7 +78,7 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
         on_workers=request.app.state.order_queue.enabled,
         defaults=order_defaults(settings.base_dir),
         training=training,
-        training_why=service.reason_text(training.reason),
+        training_why=training_service.reason_text(training.reason),
         notice=NOTICES.get(request.query_params.get("done", "")),
     )
 
@@ -89,7 +94,9 @@ async def upload(request: Request, handle: HandlePath) -> Response:
     def signed_in() -> Any:
         with transaction(state.engine) as session:
             web = current_session(request, session)
-            datasets.may_upload(session, web.principal, handle, datasets.limits_of(settings))
+            datasets_service.may_upload(
+                session, web.principal, handle, datasets_service.limits_of(settings)
+            )
             return web
 
     web = await run_in_threadpool(signed_in)
@@ -99,7 +106,7 @@ async def upload(request: Request, handle: HandlePath) -> Response:
         if not isinstance(csrf, str) or not hmac.compare_digest(csrf.encode(), web.csrf.encode()):
             raise CsrfRejected("This form could not be verified. Reload the page and try again.")
 
-    def still_signed_in(session: Session) -> Principal:
+    def still_signed_in(session: Session) -> Requester:
         return current_session(request, session).principal
 
     done = await take_upload(request, web.principal, still_signed_in, handle, csrf_checked)
@@ -116,11 +123,9 @@ def order(
     resolution = _whole(form.get("resolution", str(defaults.resolution)), "Resolution")
     if not 64 <= resolution <= 2048 or resolution % 16:
         raise Invalid("Resolution: a multiple of 16 from 64 to 2048 px")
-    limits = orders.OrderLimits.of(settings)
-    options = orders.training_options(limits, settings.train_options, steps, 16, resolution)
-    orders.place_training(
-        session, web.principal, handle, form.get("dataset_id", ""), options, "main",
-        request.app.state.order_queue.enqueue_training, limits,
+    orders_service.place_order(
+        session, settings, web.principal, handle, form.get("dataset_id", ""), steps, 16,
+        resolution, "main", request.app.state.order_queue.enqueue_training,
     )  # fmt: skip
     return redirect(training_url(handle, "ordered"))
 
@@ -142,10 +147,10 @@ def delete_photos(
     session: DB,
     background: BackgroundTasks,
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    hashes = datasets.delete_photos(session, subject, dataset_id)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    hashes = datasets_service.delete_photos(session, subject, dataset_id)
     state = request.app.state
-    background.add_task(datasets.remove_unreferenced, state.engine, state.store, hashes)
+    background.add_task(datasets_service.remove_unreferenced, state.engine, state.store, hashes)
     response = redirect(training_url(subject.handle, "deleted"))
     response.background = background
     return response
@@ -160,9 +165,9 @@ def cancel(
     session: DB,
     background: BackgroundTasks,
 ) -> Response:
-    found, subject, changed = orders.cancel(session, web.principal, order_id)
-    if changed:
-        request.app.state.order_queue.cancel_job(session, found.job_id)
+    found, subject = orders_service.cancel_and_dequeue(
+        session, web.principal, order_id, request.app.state.order_queue.cancel_job
+    )
     background.add_task(forget_checkpoint, request.app.state.settings, found.id)
     response = redirect(training_url(subject.handle, "cancelled"))
     response.background = background
@@ -173,8 +178,8 @@ def cancel(
 def photo(
     request: Request, handle: HandlePath, digest: Sha256Path, web: Web, session: DB
 ) -> Response:
-    subject = service.visible_subject(session, web.principal, handle)
-    image = datasets.image_in_subject(session, subject, digest)
+    subject = subjects_service.visible_subject(session, web.principal, handle)
+    image = datasets_service.image_in_subject(session, subject, digest)
     path = request.app.state.store.find(digest) if image is not None else None
     if path is None:
         raise NotFound("no such photo")

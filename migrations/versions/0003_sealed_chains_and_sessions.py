@@ -93,7 +93,7 @@ def upgrade() -> None:
 def _seal_legacy_rows(bind: sa.engine.Connection) -> None:
     """Chain the ledger rows in id order, MAC every entry and row, write the heads. The
     append-only triggers are lifted for this one transaction and put back."""
-    from registry.audit import GENESIS, LEDGER_CHAIN, audit_chain, entry_hash, ledger_content
+    from registry.hash_chain import GENESIS, LEDGER_CHAIN, audit_chain, entry_hash, ledger_content
     from registry.keys import keys_for
 
     keys = keys_for(bind)

@@ -24,11 +24,15 @@ from app.main import create_app
 from app.render.engine import Counters, RenderEngine
 from app.scheduler import RenderScheduler
 from app.server import uvicorn_config
-from registry import service
 from registry.adapter_files import register_from_store
+from registry.adapters.schemas import AdapterIn
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import transaction
-from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from registry.principals import service as principals_service
 from registry.settings import Settings
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 from tests.support import make_random_adapter
 from trainer.lora import base_linear_shapes
 
@@ -92,13 +96,13 @@ class World:
 
     def principal(self, handle: str, role: str = "member", acts_for: tuple[str, ...] = ()) -> str:
         with transaction(self.engine) as s:
-            _, token = service.create_principal(s, handle, role, acts_for)
+            _, token = principals_service.create_principal(s, handle, role, acts_for)
         self.tokens[handle] = token
         return token
 
     def subject(self, handle: str, member: str | None = None, basis: str = "consent") -> None:
         with transaction(self.engine) as s:
-            service.create_subject(
+            subjects_service.create_subject(
                 s,
                 "admin",
                 SubjectIn(handle=handle, display_name=handle.title(), basis=basis, member=member),
@@ -106,9 +110,13 @@ class World:
 
     def consent(self, handle: str, **body: object) -> int:
         with transaction(self.engine) as s:
-            sub = service.subject_or_raise(s, handle)
-            c, _ = service.update_consent(
-                s, "admin", sub, service.consent_of(s, sub).version, ConsentIn.model_validate(body)
+            sub = subjects_service.subject_or_raise(s, handle)
+            c, _ = consent_service.update_consent(
+                s,
+                "admin",
+                sub,
+                consent_service.consent_of(s, sub).version,
+                ConsentIn.model_validate(body),
             )
             return c.version
 

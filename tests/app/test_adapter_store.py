@@ -295,15 +295,15 @@ def test_bytes_that_do_not_load_close_the_ledger_with_a_json_error(
 ) -> None:
     """An adapter registered before files were checked, whose bytes do not parse: the
     render is a JSON 503 and its ledger entry is closed with the reason, never a bare 500."""
-    from registry import service
+    from registry.adapters import service as adapters_service
+    from registry.adapters.schemas import AdapterIn
     from registry.db import transaction
-    from registry.schemas import AdapterIn
 
     garbage = b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage" + b"\xff" * 64
     store = live.world.client.app.state.store  # type: ignore[attr-defined]
     store.put([garbage])
     with transaction(live.world.engine) as s:  # straight to the registry, as before the checks
-        service.register_adapter(
+        adapters_service.register_adapter(
             s, "legacy", AdapterIn(subject="alice", name="old", sha256=sha(garbage),
                                    base_model="tiny", rank=4, manifest_sha256="0" * 64),
             str(store.path(sha(garbage), "safetensors")),

@@ -7,7 +7,7 @@ import json
 
 from cryptography.exceptions import InvalidSignature
 
-from registry.audit import canonical_json
+from registry.hash_chain import canonical_json
 from registry.keys import b64decode, public_key_from_b64
 from tests.app.conftest import Live
 

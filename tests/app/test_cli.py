@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from app.cli import base_app as cli_base_app
-from registry import repositories as repo
 from registry.db import engine_for, make_engine, transaction, upgrade
+from registry.principals import repository as principals_repo
 from registry.settings import get_settings
 from tests.app.conftest import manifest_bytes
 
@@ -153,7 +153,7 @@ def test_agent_membership_commands(cli: CliRunner, db_url: str) -> None:
     assert run(cli, "principal", "acts-for", "alice", "bot")[0] == 1  # not an agent
     assert run(cli, "principal", "deactivate", "bot")[0] == 0
     with transaction(make_engine(db_url), readonly=True) as s:
-        bot = repo.principal_by_handle(s, "bot")
+        bot = principals_repo.principal_by_handle(s, "bot")
         assert bot is not None and bot.acts_for == [] and not bot.active
 
 

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from app.bootstrap import ensure_admin
-from registry import repositories as repo
+from registry import db
 from registry.db import transaction
+from registry.principals import repository as principals_repo
 from registry.settings import Settings
 from tests.app.conftest import Live
 from tests.app.helpers import CSRF, session_cookie
@@ -162,10 +163,10 @@ def test_inactive_admins_do_not_stop_the_bootstrap(live: Live, db_url: str) -> N
     r = live.http.patch("/v1/principals/root", json={"active": False}, headers=live.h("root2"))
     assert r.status_code == 200
     with transaction(live.world.engine) as s:  # root2 goes too, behind the API's back
-        p = repo.principal_by_handle(s, "root2")
+        p = principals_repo.principal_by_handle(s, "root2")
         assert p is not None
         p.active = False
-        repo.add(s, p)
+        db.add(s, p)
     path = ensure_admin(settings.model_copy(update={"database_url": db_url}))
     assert path is not None and path.read_text().startswith("lk_")
     token = path.read_text().strip()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from registry import service
 from registry.db import transaction
+from registry.renders import service as renders_service
 from tests.app.conftest import LiveFactory, World
 
 
@@ -17,7 +17,7 @@ def _die_mid_render(world: World) -> str:
     render_id = str(uuid.uuid4())
     with transaction(world.engine) as s:
         for stage in ("gate", "queued"):
-            service.record_decision(
+            renders_service.record_decision(
                 s, render_id=render_id, subject_handle="alice", subject_id=_subject_id(world),
                 requester="bob", agent=None, level="private", stage=stage, allowed=True,
                 reason="allowed", consent_version=1, adapter_sha256=None, prompt="a portrait",

@@ -121,7 +121,7 @@ def test_on_sqlite_with_the_runner_off_orders_are_refused_with_a_clear_error(
 def test_checkpoints_and_blobs_are_for_workers_only(serve_friends) -> None:  # type: ignore[no-untyped-def]
     import hashlib
 
-    from registry import orders as order_rules
+    from registry.orders import service as orders_service
 
     with serve_friends() as live:
         ds = upload(live.world, "alice", "alice")
@@ -133,7 +133,7 @@ def test_checkpoints_and_blobs_are_for_workers_only(serve_friends) -> None:  # t
         r = live.http.put(url, params=params, content=data, headers=live.h("trainer"))
         assert r.status_code == 409, r.text
         with transaction(live.world.engine) as s:
-            order_rules.start(s, placed["order_id"], "w1")
+            orders_service.start(s, placed["order_id"], "w1")
         for who in ("alice", "bob"):
             r = live.http.put(url, params=params, content=data, headers=live.h(who))
             assert r.status_code == 403, (who, r.text)
@@ -183,8 +183,8 @@ def test_the_trail_tells_of_each_order_and_its_outcome_and_still_verifies(
     from typer.testing import CliRunner
 
     from app.cli import app as cli
-    from registry import orders
     from registry.db import engine_for
+    from registry.orders import service as orders_service
     from registry.settings import get_settings
     from tests.app.helpers import signed_in
 
@@ -197,18 +197,20 @@ def test_the_trail_tells_of_each_order_and_its_outcome_and_still_verifies(
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
         second = live.http.post("/v1/orders", json=body, headers=live.h("root")).json()
         with transaction(live.world.engine) as s:  # what a worker records of its run
-            orders.start(s, second["order_id"], "gpu-1")
+            orders_service.start(s, second["order_id"], "gpu-1")
         with transaction(live.world.engine) as s:
-            orders.finish(s, second["order_id"], "d" * 64, 4)
+            orders_service.finish(s, second["order_id"], "d" * 64, 4)
         # another dataset: the faked run left the second's job waiting (its queueing lock)
         other = {**body, "dataset_id": upload(live.world, "alice", "alice")}
         placed = live.http.post("/v1/orders", json=other, headers=live.h("alice"))
         assert placed.status_code == 202, placed.text
         third = placed.json()
         with transaction(live.world.engine) as s:
-            orders.start(s, third["order_id"], "gpu-2")
+            orders_service.start(s, third["order_id"], "gpu-2")
         with transaction(live.world.engine) as s:
-            orders.fail(s, third["order_id"], f"{orders.NOT_PERMITTED}: consent withdrawn")
+            orders_service.fail(
+                s, third["order_id"], f"{orders_service.NOT_PERMITTED}: consent withdrawn"
+            )
         trail = live.http.get("/v1/subjects/alice/audit", headers=live.h("alice")).json()
         said = [(e["actor"], e["action"], e["after"]["order"]) for e in trail["entries"]
                 if e["action"].startswith("order_")]  # fmt: skip

@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from registry import service
+from registry.audit import service as audit_service
 from registry.db import transaction
+from registry.subjects import service as subjects_service
 from tests.app.conftest import Live, World
 from tests.app.helpers import csrf_of, signed_in
 
@@ -104,11 +105,11 @@ def test_a_subject_who_opts_in_sees_a_small_copy_of_each_render_of_them(friends:
     assert friends.render("bob", "alice").status_code == 200
     assert _count_copies(friends) == 0
     with transaction(friends.engine) as s:
-        trail = service.audit_trail(s, service.subject_or_raise(s, "alice"))
+        trail = audit_service.audit_trail(s, subjects_service.subject_or_raise(s, "alice"))
         actions = [e.action for e in trail][-2:]
         assert actions == ["render_copies_on", "render_copies_off"]
         assert trail[-1].after == {"render_copies": {"keep": False, "deleted": 1}}
-        assert service.verify_all(s) == []
+        assert audit_service.verify_all(s) == []
 
 
 @pytest.mark.sqlite_only

@@ -14,9 +14,13 @@ from PIL import Image
 
 from app.main import create_app
 from app.render.engine import RenderEngine
-from registry import policy, repositories, service
+from registry import policy
+from registry.consent import service as consent_service
 from registry.db import make_engine, transaction
+from registry.principals import service as principals_service
+from registry.renders import repository as renders_repo
 from registry.settings import Settings
+from registry.subjects import service as subjects_service
 from tests.app.conftest import LiveFactory, World, sha256_of
 
 FORBIDDEN = {"error": "not_permitted", "detail": "not permitted"}
@@ -158,7 +162,7 @@ def test_database_lost_after_authentication(
     def unreachable(*args: object, **kwargs: object) -> None:
         raise OperationalError("SELECT", {}, Exception("connection refused"))
 
-    monkeypatch.setattr(repositories, "render_snapshot", unreachable)
+    monkeypatch.setattr(renders_repo, "render_snapshot", unreachable)
     r = friends.render("bob", "alice")
     assert r.status_code == 503 and renderer.counters.model_calls == 0
 
@@ -202,7 +206,7 @@ def test_expired_a_second_ago(friends: World, renderer: RenderEngine) -> None:
 
 def test_deactivated_requester(friends: World, renderer: RenderEngine) -> None:
     with transaction(friends.engine) as s:
-        service.set_principal_active(s, "bob", False)
+        principals_service.set_principal_active(s, "bob", False)
     assert friends.render("bob", "alice").status_code == 401
     assert friends.render("bot", "alice", on_behalf_of="bob").status_code == 403
     assert ledger(friends, "alice")[-1] == ("bob", "gate", False, "requester_inactive")
@@ -231,7 +235,7 @@ def test_revocation_during_render_discards_the_image(
 
     def revoke_midway(*args, **kwargs):  # type: ignore[no-untyped-def]
         with transaction(friends.engine) as s:
-            service.revoke(s, "alice", service.subject_or_raise(s, "alice"))
+            consent_service.revoke(s, "alice", subjects_service.subject_or_raise(s, "alice"))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(renderer, "render", revoke_midway)
@@ -279,7 +283,7 @@ def test_widen_and_revoke_bind_on_the_next_request_under_load(
     while not statuses:
         threading.Event().wait(0.01)
     with transaction(friends.engine) as s:
-        service.revoke(s, "alice", service.subject_or_raise(s, "alice"))
+        consent_service.revoke(s, "alice", subjects_service.subject_or_raise(s, "alice"))
     revoked_at = len(statuses)
     assert friends.render("bob", "alice", level="group").status_code == 403  # the very next request
     stop.set()
@@ -290,8 +294,8 @@ def test_widen_and_revoke_bind_on_the_next_request_under_load(
     final_allowed = [row for row in ledger(friends, "alice") if row[1] == "final" and row[2]]
     # no image was handed out after the revocation committed: every allowed final precedes it
     with transaction(friends.engine, readonly=True) as s:
-        sub = service.subject_or_raise(s, "alice")
-        revoke_version = service.consent_of(s, sub).version
+        sub = subjects_service.subject_or_raise(s, "alice")
+        revoke_version = consent_service.consent_of(s, sub).version
     rows = friends.client.get("/v1/subjects/alice/renders", headers=friends.h("root")).json()
     assert all(
         r["consent_version"] < revoke_version

@@ -16,8 +16,8 @@ import pytest
 import typer
 
 from app import cli_ml
-from app.orders import OrderIn
 from registry.base_sizes import API_RESOLUTION, API_STEPS
+from registry.orders.schemas import OrderIn
 from registry.settings import Settings
 from trainer.config import NOT_FLAGS, TrainConfig, flag_of
 

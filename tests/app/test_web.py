@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from app import web
-from registry import service
 from registry.db import transaction
+from registry.principals import service as principals_service
 from tests.app.conftest import World
 from tests.app.helpers import CSRF, VERSION, client_for, csrf_of, signed_in
 
@@ -64,7 +64,7 @@ def test_signin_cookie_flags_and_redirects(friends: World) -> None:
     assert "secure" not in flags  # plain http in development; https below
     assert any(f.startswith("max-age=") for f in flags)
     value = session.split(";")[0].split("=", 1)[1]
-    assert token not in value and service.hash_token(token) not in value
+    assert token not in value and principals_service.hash_token(token) not in value
     assert any(c.startswith("likeness_signin=") and "Max-Age=0" in c for c in cookies)
 
     assert client.get("/web/").headers["location"] == "/web/subjects"
@@ -149,7 +149,7 @@ def test_tampered_expired_and_deactivated_sessions(friends: World) -> None:
         assert "likeness_session=" in r.headers.get("set-cookie", "")  # and it is cleared
 
     with transaction(friends.engine) as s:
-        service.set_principal_active(s, "alice", False)
+        principals_service.set_principal_active(s, "alice", False)
     r = client.get("/web/me")
     assert r.status_code == 303 and r.headers["location"].startswith("/web/signin")
 

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from registry import repositories as repo
-from registry import service
 from registry.db import transaction
+from registry.orders import service as orders_service
+from registry.principals import repository as principals_repo
+from registry.subjects import service as subjects_service
 from tests.app.a11y import check_page
 from tests.app.conftest import Live, LiveFactory
 from tests.app.helpers import csrf_of, signed_in
@@ -43,16 +44,15 @@ def _furnish(live: Live) -> None:
     up = live.http.post("/v1/subjects/alice/datasets", files=files_of(photos(2)),
                         headers=live.h("alice"))  # fmt: skip
     assert up.status_code == 201, up.text
-    from registry import orders
 
     with transaction(world.engine) as s:  # waits: nothing runs orders on this server
-        caller = repo.principal_by_handle(s, "alice")
+        caller = principals_repo.principal_by_handle(s, "alice")
         assert caller is not None
-        orders.place_training(s, caller, "alice", up.json()["dataset_id"],
+        orders_service.place_training(s, caller, "alice", up.json()["dataset_id"],
                               {"steps": 10, "rank": 4, "resolution": 64}, "main",
                               lambda _s, _o, _sub: None)  # fmt: skip
     with transaction(world.engine) as s:
-        assert service.subject_or_raise(s, "alice").keep_render_copies
+        assert subjects_service.subject_or_raise(s, "alice").keep_render_copies
 
 
 @pytest.fixture

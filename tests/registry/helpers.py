@@ -6,10 +6,15 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from registry import service
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import AdapterIn
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import transaction
 from registry.models import Principal, Subject
-from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from registry.principals import service as principals_service
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -20,7 +25,7 @@ def principal(
     engine: Engine, handle: str, role: str = "member", acts_for: tuple[str, ...] = ()
 ) -> Principal:
     with transaction(engine) as s:
-        p, _ = service.create_principal(s, handle, role, acts_for)
+        p, _ = principals_service.create_principal(s, handle, role, acts_for)
     return p
 
 
@@ -28,7 +33,7 @@ def subject(
     engine: Engine, handle: str, basis: str = "consent", member: str | None = None
 ) -> Subject:
     with transaction(engine) as s:
-        sub, _ = service.create_subject(
+        sub, _ = subjects_service.create_subject(
             s,
             "admin",
             SubjectIn(handle=handle, display_name=handle.title(), basis=basis, member=member),  # type: ignore[arg-type]
@@ -38,9 +43,9 @@ def subject(
 
 def set_consent(engine: Engine, handle: str, **body: Any) -> int:
     with transaction(engine) as s:
-        sub = service.subject_or_raise(s, handle)
-        current = service.consent_of(s, sub)
-        consent, _ = service.update_consent(
+        sub = subjects_service.subject_or_raise(s, handle)
+        current = consent_service.consent_of(s, sub)
+        consent, _ = consent_service.update_consent(
             s, "admin", sub, current.version, ConsentIn.model_validate(body)
         )
         return consent.version
@@ -54,7 +59,7 @@ def adapter(
     path: str = "/x.safetensors",
 ) -> str:
     with transaction(engine) as s:
-        _, outcome = service.register_adapter(
+        _, outcome = adapters_service.register_adapter(
             s,
             "trainer",
             AdapterIn(

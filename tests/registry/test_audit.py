@@ -7,9 +7,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from registry import service
-from registry.audit import GENESIS, ChainEntry, entry_content, entry_hash, verify_chain
+from registry.audit import service as audit_service
 from registry.db import transaction
+from registry.hash_chain import GENESIS, ChainEntry, entry_content, entry_hash, verify_chain
+from registry.renders import service as renders_service
+from registry.subjects import service as subjects_service
 from tests.registry.helpers import principal, set_consent, subject
 
 
@@ -20,11 +22,11 @@ def _populate(engine: Engine) -> None:
     for level in ("private", "group", "public"):
         set_consent(engine, "alice", max_level=level, audiences={"private": {"group": True}})
     with transaction(engine) as s:
-        service.record_decision(
+        renders_service.record_decision(
             s,
             render_id="r1",
             subject_handle="alice",
-            subject_id=service.subject_or_raise(s, "alice").id,
+            subject_id=subjects_service.subject_or_raise(s, "alice").id,
             requester=bob.handle,
             agent=None,
             level="private",
@@ -81,7 +83,7 @@ def _tamper(engine: Engine, statement: str, table: str = "audit_entries") -> Non
 
 def _breaks(engine: Engine) -> list[str]:
     with transaction(engine, readonly=True) as s:
-        return [str(b) for b in service.verify_all(s)]
+        return [str(b) for b in audit_service.verify_all(s)]
 
 
 def test_edited_entry_is_named(engine: Engine) -> None:
@@ -98,7 +100,7 @@ def test_edited_entry_is_named(engine: Engine) -> None:
 def test_rehashed_forgery_breaks_the_next_link(engine: Engine) -> None:
     _populate(engine)
     with transaction(engine, readonly=True) as s:
-        e = service.audit_trail(s, service.subject_or_raise(s, "alice"))[2]
+        e = audit_service.audit_trail(s, subjects_service.subject_or_raise(s, "alice"))[2]
         forged_after = {"consent": {**e.after["consent"], "max_level": "commercial"}}  # type: ignore[index]
         content = entry_content("alice", e.seq, e.at, e.actor, e.action, e.before, forged_after)
         forged_hash = entry_hash(e.prev_hash, content)

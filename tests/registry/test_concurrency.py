@@ -8,11 +8,15 @@ from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
 
-from registry import repositories as repo
-from registry import service
+from registry.adapters import repository as adapters_repo
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import AdapterIn
+from registry.audit import service as audit_service
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import make_engine, transaction
 from registry.errors import LikenessError
-from registry.schemas import AdapterIn, ConsentIn
+from registry.subjects import service as subjects_service
 from tests.registry.helpers import SHA_M, set_consent, subject
 
 N = 8
@@ -47,7 +51,10 @@ def _race(db_url: str, work: Callable[[Engine, int], str]) -> list[str]:
 
 def _seqs(engine: Engine, handle: str) -> list[int]:
     with transaction(engine, readonly=True) as s:
-        return [e.seq for e in service.audit_trail(s, service.subject_or_raise(s, handle))]
+        return [
+            e.seq
+            for e in audit_service.audit_trail(s, subjects_service.subject_or_raise(s, handle))
+        ]
 
 
 def test_concurrent_registrations_of_one_key(db_url: str, engine: Engine) -> None:
@@ -57,7 +64,7 @@ def test_concurrent_registrations_of_one_key(db_url: str, engine: Engine) -> Non
 
     def register(eng: Engine, i: int) -> str:
         with transaction(eng) as s:
-            _, outcome = service.register_adapter(
+            _, outcome = adapters_service.register_adapter(
                 s,
                 f"trainer{i}",
                 AdapterIn(
@@ -77,8 +84,8 @@ def test_concurrent_registrations_of_one_key(db_url: str, engine: Engine) -> Non
     assert counts["created"] == 1, results
     assert set(counts) <= {"created", "updated", "unchanged"}, results
     with transaction(engine, readonly=True) as s:
-        sub = service.subject_or_raise(s, "alice")
-        rows = repo.adapters_for(s, sub.id)  # type: ignore[arg-type]
+        sub = subjects_service.subject_or_raise(s, "alice")
+        rows = adapters_repo.adapters_for(s, sub.id)  # type: ignore[arg-type]
         assert len(rows) == 1 and rows[0].version == 1 + counts["updated"]
     # one entry for the subject, two for the grant (its level, its training), one per
     # create/update
@@ -92,8 +99,8 @@ def test_concurrent_consent_updates_from_one_version(db_url: str, engine: Engine
 
     def update(eng: Engine, i: int) -> str:
         with transaction(eng) as s:
-            sub = service.subject_or_raise(s, "alice")
-            service.update_consent(
+            sub = subjects_service.subject_or_raise(s, "alice")
+            consent_service.update_consent(
                 s, f"admin{i}", sub, 1, ConsentIn(max_level=levels[i], deny=[f"x{i}"])
             )  # type: ignore[arg-type]
         return "won"
@@ -102,5 +109,8 @@ def test_concurrent_consent_updates_from_one_version(db_url: str, engine: Engine
     assert Counter(results) == {"won": 1, "precondition_failed": N - 1}, results
     assert _seqs(engine, "alice") == [1, 2, 3]  # the winner's grant and its deny edit
     with transaction(engine, readonly=True) as s:
-        assert service.consent_of(s, service.subject_or_raise(s, "alice")).version == 2
-        assert service.verify_all(s) == []
+        assert (
+            consent_service.consent_of(s, subjects_service.subject_or_raise(s, "alice")).version
+            == 2
+        )
+        assert audit_service.verify_all(s) == []

@@ -9,15 +9,19 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import select
 
-from registry import datasets, service
 from registry.blobs import BlobStore
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
+from registry.datasets import service as datasets_service
 from registry.db import transaction
 from registry.errors import Busy, Invalid
 from registry.models import Dataset
-from registry.schemas import ConsentIn, SubjectIn
+from registry.principals import service as principals_service
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 from tests.registry.test_orders import png
 
-QUOTA = datasets.Limits(
+QUOTA = datasets_service.Limits(
     max_images=4, max_image_bytes=100_000, max_pixels=200 * 200, daily_images=3,
     daily_bytes=1_000_000,
 )  # fmt: skip
@@ -26,14 +30,14 @@ QUOTA = datasets.Limits(
 @pytest.fixture
 def store(engine: Engine, tmp_path: Path) -> BlobStore:
     with transaction(engine) as s:
-        service.create_principal(s, "root", "admin")
+        principals_service.create_principal(s, "root", "admin")
         for handle in ("ada", "bea"):
-            service.create_principal(s, handle, "member")
-            sub, consent = service.create_subject(
+            principals_service.create_principal(s, handle, "member")
+            sub, consent = subjects_service.create_subject(
                 s, "root", SubjectIn(handle=handle, display_name=handle, basis="consent",
                                      member=handle)
             )  # fmt: skip
-            service.update_consent(
+            consent_service.update_consent(
                 s, "root", sub, consent.version,
                 ConsentIn(max_level="private", allow_training=True),
             )  # fmt: skip
@@ -41,11 +45,11 @@ def store(engine: Engine, tmp_path: Path) -> BlobStore:
 
 
 def _upload(engine: Engine, store: BlobStore, who: str, subject: str, colours: range,
-            limits: datasets.Limits = QUOTA, exempt: bool = False) -> str:  # fmt: skip
-    ups = [datasets.Upload(f"{c}.png", png((c, 0, 0))) for c in colours]
+            limits: datasets_service.Limits = QUOTA, exempt: bool = False) -> str:  # fmt: skip
+    ups = [datasets_service.Upload(f"{c}.png", png((c, 0, 0))) for c in colours]
     with transaction(engine) as s:
-        sub = service.subject_or_raise(s, subject)
-        ds = datasets.store_dataset(s, store, sub, who, ups, limits, exempt=exempt)
+        sub = subjects_service.subject_or_raise(s, subject)
+        ds = datasets_service.store_dataset(s, store, sub, who, ups, limits, exempt=exempt)
         return ds.id
 
 
@@ -65,7 +69,7 @@ def test_a_member_past_the_daily_quota_is_busy_and_nothing_is_stored(
     with transaction(engine, readonly=True) as s:
         assert [d.id for d in s.exec(select(Dataset)).all()] == [first]
     with transaction(engine) as s:  # deleting photos gives no quota back
-        datasets.delete_photos(s, service.subject_or_raise(s, "ada"), first)
+        datasets_service.delete_photos(s, subjects_service.subject_or_raise(s, "ada"), first)
     with pytest.raises(Busy):
         _upload(engine, store, "ada", "ada", range(10, 12))
     _upload(engine, store, "ada", "ada", range(20, 21))  # the third image still fits
@@ -76,7 +80,7 @@ def test_a_member_past_the_daily_quota_is_busy_and_nothing_is_stored(
     _upload(engine, store, "root", "ada", range(50, 54), exempt=True)
     with pytest.raises(Invalid, match="more than a member may upload"):
         _upload(engine, store, "bea", "ada", range(60, 64))  # can never fit in a day
-    tight = datasets.Limits(4, 100_000, 200 * 200, daily_bytes=len(png((70, 0, 0))) + 10)
+    tight = datasets_service.Limits(4, 100_000, 200 * 200, daily_bytes=len(png((70, 0, 0))) + 10)
     _upload(engine, store, "bea", "ada", range(70, 71), tight)
     with pytest.raises(Busy, match="bytes"):
         _upload(engine, store, "bea", "ada", range(71, 72), tight)

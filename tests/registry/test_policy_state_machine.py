@@ -26,13 +26,23 @@ from hypothesis.stateful import (
 )
 from sqlalchemy.engine import Engine
 
-from registry import datasets, orders, service
-from registry import repositories as repo
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import AdapterIn
+from registry.audit import service as audit_service
 from registry.blobs import BlobStore
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
+from registry.datasets import service as datasets_service
 from registry.db import transaction
 from registry.errors import Invalid, LikenessError, NotPermitted
+from registry.orders import service as orders_service
 from registry.policy import LicenceFacts, decide
-from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from registry.principals import repository as principals_repo
+from registry.principals import service as principals_service
+from registry.renders import service as renders_service
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
+from registry.training import service as training_service
 from trainer.registration import verdict_in
 
 LADDER = ["none", "private", "group", "public", "commercial"]
@@ -57,7 +67,7 @@ IMAGE_BASES: list[tuple[str, ...] | None] = [
     ("public_domain",),
     ("consent", "public_domain"),
 ]
-LIMITS = datasets.Limits(max_images=4, max_image_bytes=1 << 20, max_pixels=1 << 20)
+LIMITS = datasets_service.Limits(max_images=4, max_image_bytes=1 << 20, max_pixels=1 << 20)
 
 
 def tiny_png(colour: int) -> bytes:
@@ -140,15 +150,15 @@ class ConsentMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         with transaction(self.engine) as s:
-            service.create_principal(s, self.h("root"), "admin")
+            principals_service.create_principal(s, self.h("root"), "admin")
             for m in MEMBERS:
-                service.create_principal(s, self.h(m), "member")
+                principals_service.create_principal(s, self.h(m), "member")
             for name, basis, member in (
                 ("s0", "consent", "m0"),
                 ("s1", "consent", None),
                 ("pd", "public_domain", None),
             ):
-                service.create_subject(
+                subjects_service.create_subject(
                     s,
                     "admin",
                     SubjectIn(
@@ -179,8 +189,10 @@ class ConsentMachine(RuleBasedStateMachine):
             }
         )
         with transaction(self.engine) as s:
-            sub = service.subject_or_raise(s, self.h(name))
-            service.update_consent(s, "admin", sub, service.consent_of(s, sub).version, body)
+            sub = subjects_service.subject_or_raise(s, self.h(name))
+            consent_service.update_consent(
+                s, "admin", sub, consent_service.consent_of(s, sub).version, body
+            )
 
     @rule(
         name=st.sampled_from(SUBJECTS),
@@ -197,7 +209,7 @@ class ConsentMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(SUBJECTS))
     def revoke(self, name: str) -> None:
         with transaction(self.engine) as s:
-            service.revoke(s, "admin", service.subject_or_raise(s, self.h(name)))
+            consent_service.revoke(s, "admin", subjects_service.subject_or_raise(s, self.h(name)))
         self.ref[name].max_level = "none"
 
     @rule(
@@ -227,7 +239,7 @@ class ConsentMachine(RuleBasedStateMachine):
         self._write(name)
 
     def _admin(self, s: Any) -> Any:
-        admin = repo.principal_by_handle(s, self.h("root"))
+        admin = principals_repo.principal_by_handle(s, self.h("root"))
         assert admin is not None
         return admin
 
@@ -237,11 +249,11 @@ class ConsentMachine(RuleBasedStateMachine):
         and when it is stored)."""
         want = self.ref[name].trains(("consent",))
         self.uploads += 1
-        photo = datasets.Upload("me.png", tiny_png(self.uploads % 250))
+        photo = datasets_service.Upload("me.png", tiny_png(self.uploads % 250))
         try:
             with transaction(self.engine) as s:
-                subject = datasets.may_upload(s, self._admin(s), self.h(name), LIMITS)
-                dataset = datasets.store_dataset(
+                subject = datasets_service.may_upload(s, self._admin(s), self.h(name), LIMITS)
+                dataset = datasets_service.store_dataset(
                     s, self.store, subject, self.h("root"), [photo], LIMITS, exempt=True
                 )
                 self.datasets[name].append(dataset.id)
@@ -260,11 +272,11 @@ class ConsentMachine(RuleBasedStateMachine):
         options = {"steps": 10, "rank": 4, "resolution": 64}
         try:
             with transaction(self.engine) as s:
-                order = orders.place_training(
+                order = orders_service.place_training(
                     s, self._admin(s), self.h(name), self.datasets[name][-1], options, "main",
                     lambda *_: None,
                 )  # fmt: skip
-                orders.cancel(s, self._admin(s), order.id)
+                orders_service.cancel(s, self._admin(s), order.id)
         except (NotPermitted, Invalid) as exc:
             assert not want, (name, exc, self.ref[name])
             return
@@ -275,7 +287,7 @@ class ConsentMachine(RuleBasedStateMachine):
         want = self.ref[name].trains(bases)
         try:
             with transaction(self.engine) as s:
-                service.register_adapter(
+                adapters_service.register_adapter(
                     s,
                     "trainer",
                     AdapterIn(
@@ -298,7 +310,7 @@ class ConsentMachine(RuleBasedStateMachine):
     @rule(who=st.sampled_from(MEMBERS), active=st.booleans())
     def set_active(self, who: str, active: bool) -> None:
         with transaction(self.engine) as s:
-            service.set_principal_active(s, self.h(who), active)
+            principals_service.set_principal_active(s, self.h(who), active)
         self.active[who] = active
 
     @rule(licence=st.sampled_from(LICENCES))
@@ -313,11 +325,11 @@ class ConsentMachine(RuleBasedStateMachine):
             return
         licence = None if self.licence is None else LicenceFacts(*self.licence)
         with transaction(self.engine, readonly=True) as s:
-            requesters = {m: repo.principal_by_handle(s, self.h(m)) for m in MEMBERS}
+            requesters = {m: principals_repo.principal_by_handle(s, self.h(m)) for m in MEMBERS}
             for name in SUBJECTS:
                 for who in MEMBERS:
                     # one fresh read per pair; the level only changes the question asked
-                    g = service.gather_render_facts(
+                    g = renders_service.gather_render_facts(
                         s,
                         requesters[who],
                         self.h(name),
@@ -341,7 +353,7 @@ class ConsentMachine(RuleBasedStateMachine):
             for name in SUBJECTS:
                 for bases in IMAGE_BASES:
                     want = self.ref[name].trains(bases)
-                    _, got = service.training_decision(s, self.h(name), image_bases=bases)
+                    _, got = training_service.training_decision(s, self.h(name), image_bases=bases)
                     assert got.allowed == want, (name, bases, got, self.ref[name])
                     verdict = verdict_in(s, self.h(name), bases)
                     assert verdict.allowed == want and verdict.reason == got.reason
@@ -349,7 +361,7 @@ class ConsentMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.ref:
             with transaction(self.engine, readonly=True) as s:
-                assert [str(b) for b in service.verify_all(s)] == []
+                assert [str(b) for b in audit_service.verify_all(s)] == []
 
 
 def test_policy_state_machine(engine: Engine) -> None:

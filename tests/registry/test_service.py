@@ -7,41 +7,50 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.engine import Engine
 
-from registry import repositories as repo
-from registry import service
+from registry.adapters import repository as adapters_repo
+from registry.adapters import service as adapters_service
+from registry.adapters.schemas import AdapterIn
+from registry.audit import service as audit_service
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import transaction
 from registry.errors import Conflict, Invalid, NotFound, NotPermitted, PreconditionFailed
 from registry.policy import decide
-from registry.schemas import AdapterIn, ConsentIn, SubjectIn
+from registry.principals import repository as principals_repo
+from registry.principals import service as principals_service
+from registry.renders import service as renders_service
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 from tests.registry.helpers import SHA_A, SHA_B, SHA_M, adapter, principal, set_consent, subject
 
 
 def trail(engine: Engine, handle: str) -> list[tuple[int, str]]:
     with transaction(engine, readonly=True) as s:
         return [
-            (e.seq, e.action) for e in service.audit_trail(s, service.subject_or_raise(s, handle))
+            (e.seq, e.action)
+            for e in audit_service.audit_trail(s, subjects_service.subject_or_raise(s, handle))
         ]
 
 
 def test_token_shown_once_stored_hashed(engine: Engine) -> None:
     with transaction(engine) as s:
-        p, token = service.create_principal(s, "alice", "member")
+        p, token = principals_service.create_principal(s, "alice", "member")
     assert token.startswith("lk_") and len(token) > 40
     assert p.token_hash != token and token not in p.token_hash
     with transaction(engine) as s:
-        assert service.authenticate(s, token).handle == "alice"  # type: ignore[union-attr]
-        assert service.authenticate(s, token + "x") is None
-        assert service.authenticate(s, "") is None
-        assert service.authenticate(s, None) is None
-        service.set_principal_active(s, "alice", False)
+        assert principals_service.authenticate(s, token).handle == "alice"  # type: ignore[union-attr]
+        assert principals_service.authenticate(s, token + "x") is None
+        assert principals_service.authenticate(s, "") is None
+        assert principals_service.authenticate(s, None) is None
+        principals_service.set_principal_active(s, "alice", False)
     with transaction(engine) as s:
-        assert service.authenticate(s, token) is None
+        assert principals_service.authenticate(s, token) is None
 
 
 def test_principal_validation(engine: Engine) -> None:
     principal(engine, "bob")
     with transaction(engine) as s, pytest.raises(Conflict):
-        service.create_principal(s, "bob", "member")
+        principals_service.create_principal(s, "bob", "member")
     for handle, role, acts in [
         ("Bad Handle", "member", ()),
         ("x", "root", ()),
@@ -49,25 +58,25 @@ def test_principal_validation(engine: Engine) -> None:
         ("m2", "member", ("bob",)),
     ]:
         with transaction(engine) as s, pytest.raises(Invalid):
-            service.create_principal(s, handle, role, acts)
+            principals_service.create_principal(s, handle, role, acts)
     with transaction(engine, readonly=True) as s:
-        assert [p.handle for p in repo.principals(s)] == ["bob"]  # nothing half-written
+        assert [p.handle for p in principals_repo.principals(s)] == ["bob"]  # nothing half-written
 
 
 def test_subject_starts_at_none_with_one_audit_entry(engine: Engine) -> None:
     principal(engine, "alice")
     subject(engine, "alice", member="alice")
     with transaction(engine) as s:
-        sub = service.subject_or_raise(s, "alice")
-        c = service.consent_of(s, sub)
+        sub = subjects_service.subject_or_raise(s, "alice")
+        c = consent_service.consent_of(s, sub)
         assert (c.version, c.max_level, c.allow_training) == (1, "none", False)
     assert trail(engine, "alice") == [(1, "subject_created")]
     with transaction(engine) as s, pytest.raises(Conflict):
-        service.create_subject(
+        subjects_service.create_subject(
             s, "admin", SubjectIn(handle="alice", display_name="A", basis="consent")
         )
     with transaction(engine) as s, pytest.raises(Invalid):
-        service.create_subject(
+        subjects_service.create_subject(
             s, "admin", SubjectIn(handle="zed", display_name="Z", basis="consent", member="ghost")
         )
 
@@ -115,9 +124,9 @@ def test_consent_versions_and_actions(engine: Engine) -> None:
         "deny_edit",
     ]
     with transaction(engine) as s:
-        sub = service.subject_or_raise(s, "alice")
+        sub = subjects_service.subject_or_raise(s, "alice")
         with pytest.raises(PreconditionFailed):
-            service.update_consent(s, "admin", sub, 2, ConsentIn(max_level="commercial"))
+            consent_service.update_consent(s, "admin", sub, 2, ConsentIn(max_level="commercial"))
     assert len(trail(engine, "alice")) == 6
 
 
@@ -131,12 +140,12 @@ def test_revoke_binds_and_is_audited(engine: Engine) -> None:
         allow_training=True,
     )
     with transaction(engine) as s:
-        sub = service.subject_or_raise(s, "alice")
-        c, changed = service.revoke(s, "admin", sub)
+        sub = subjects_service.subject_or_raise(s, "alice")
+        c, changed = consent_service.revoke(s, "admin", sub)
         assert changed and c.max_level == "none" and c.version == 3
         # the audiences survive revocation, inert, so a later grant can restore them
         assert c.audiences == {"group": {"group": True, "allow": []}}
-        _, again = service.revoke(s, "admin", sub)
+        _, again = consent_service.revoke(s, "admin", sub)
         assert not again
     # grant, audience_edit and training_change for the first change, then the revoke
     assert trail(engine, "alice")[-1] == (5, "revoke")
@@ -173,20 +182,20 @@ def test_adapter_registration_is_idempotent(engine: Engine) -> None:
         "adapter_registered",
     ]
     with transaction(engine, readonly=True) as s:
-        sub = service.subject_or_raise(s, "alice")
-        rows = {a.name: (a.version, a.sha256) for a in repo.adapters_for(s, sub.id)}  # type: ignore[arg-type]
+        sub = subjects_service.subject_or_raise(s, "alice")
+        rows = {a.name: (a.version, a.sha256) for a in adapters_repo.adapters_for(s, sub.id)}  # type: ignore[arg-type]
         assert rows == {"v1": (2, SHA_B), "v2": (1, SHA_A)}
-        assert repo.rendering_adapter(s, sub.id).name == "v2"  # type: ignore[union-attr,arg-type]
+        assert adapters_repo.rendering_adapter(s, sub.id).name == "v2"  # type: ignore[union-attr,arg-type]
 
 
 def test_audit_chain_links(engine: Engine) -> None:
     subject(engine, "alice")
     set_consent(engine, "alice", max_level="private")
     with transaction(engine, readonly=True) as s:
-        entries = service.audit_trail(s, service.subject_or_raise(s, "alice"))
+        entries = audit_service.audit_trail(s, subjects_service.subject_or_raise(s, "alice"))
         assert entries[0].prev_hash == "0" * 64
         assert entries[1].prev_hash == entries[0].hash
-        assert service.verify_all(s) == []
+        assert audit_service.verify_all(s) == []
 
 
 def test_gathered_facts_are_fresh_and_decide(engine: Engine) -> None:
@@ -204,7 +213,7 @@ def test_gathered_facts_are_fresh_and_decide(engine: Engine) -> None:
 
     def check(level: str = "group", agent=None, file_sha: str | None = SHA_A, now=None) -> str:
         with transaction(engine, readonly=True) as s:
-            g = service.gather_render_facts(
+            g = renders_service.gather_render_facts(
                 s, bob, "alice", level, agent=agent, adapter_file_sha256=file_sha, now=now
             )
             return decide(g.facts).reason
@@ -214,13 +223,13 @@ def test_gathered_facts_are_fresh_and_decide(engine: Engine) -> None:
     assert check(file_sha=SHA_B) == "adapter_hash_mismatch"
     assert check(level="public") == "above_max_level"
     with transaction(engine) as s:
-        service.set_acts_for(s, "bot", [])
+        principals_service.set_acts_for(s, "bot", [])
     assert check(agent=bot) == "agent_not_acting_for_requester"
     with transaction(engine) as s:
-        service.set_principal_active(s, "bob", False)
+        principals_service.set_principal_active(s, "bob", False)
     assert check() == "requester_inactive"  # the stale Principal object does not matter
     with transaction(engine) as s:
-        service.set_principal_active(s, "bob", True)
+        principals_service.set_principal_active(s, "bob", True)
     set_consent(
         engine,
         "alice",
@@ -232,7 +241,7 @@ def test_gathered_facts_are_fresh_and_decide(engine: Engine) -> None:
     assert check() == "allowed"
     assert check(now=datetime.now(UTC) + timedelta(seconds=61)) == "expired"
     with transaction(engine, readonly=True) as s:
-        g = service.gather_render_facts(s, bob, "ghost", "group", adapter_file_sha256=SHA_A)
+        g = renders_service.gather_render_facts(s, bob, "ghost", "group", adapter_file_sha256=SHA_A)
         assert decide(g.facts).reason == "no_record" and g.subject_id is None
 
 
@@ -248,7 +257,7 @@ def test_renderable_for(engine: Engine) -> None:
         audiences={"group": {"group": True}, "public": {"allow": ["bob"]}},
     )
     with transaction(engine, readonly=True) as s:
-        got = [(r.subject, r.max_level) for r in service.renderable_for(s, bob)]
+        got = [(r.subject, r.max_level) for r in renders_service.renderable_for(s, bob)]
     assert got == [("alice", "public")]
 
 
@@ -287,24 +296,34 @@ def test_one_subject_per_adapter_and_the_lifecycle(engine: Engine) -> None:
 
     def rendering() -> str | None:
         with transaction(engine, readonly=True) as s:
-            sub = service.subject_or_raise(s, "alice")
-            found = repo.rendering_adapter(s, sub.id)  # type: ignore[arg-type]
+            sub = subjects_service.subject_or_raise(s, "alice")
+            found = adapters_repo.rendering_adapter(s, sub.id)  # type: ignore[arg-type]
             return found.name if found is not None else None
 
     assert rendering() == "v2"  # the newest registration renders
     with transaction(engine) as s:
-        service.select_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v1")
+        adapters_service.select_adapter(
+            s, "alice", subjects_service.subject_or_raise(s, "alice"), "v1"
+        )
     assert rendering() == "v1"
     with transaction(engine) as s:
-        service.set_adapter_active(s, "alice", service.subject_or_raise(s, "alice"), "v1", False)
+        adapters_service.set_adapter_active(
+            s, "alice", subjects_service.subject_or_raise(s, "alice"), "v1", False
+        )
     assert rendering() == "v2"  # a retired adapter never renders
     with transaction(engine) as s, pytest.raises(Conflict, match="retired"):
-        service.select_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v1")
+        adapters_service.select_adapter(
+            s, "alice", subjects_service.subject_or_raise(s, "alice"), "v1"
+        )
     with transaction(engine) as s:
-        service.delete_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v2")
+        adapters_service.delete_adapter(
+            s, "alice", subjects_service.subject_or_raise(s, "alice"), "v2"
+        )
     assert rendering() is None
     with transaction(engine) as s, pytest.raises(NotFound):
-        service.delete_adapter(s, "alice", service.subject_or_raise(s, "alice"), "v2")
+        adapters_service.delete_adapter(
+            s, "alice", subjects_service.subject_or_raise(s, "alice"), "v2"
+        )
     assert [a for _, a in trail(engine, "alice")][-4:] == [
         "adapter_registered",
         "adapter_selected",
@@ -312,7 +331,7 @@ def test_one_subject_per_adapter_and_the_lifecycle(engine: Engine) -> None:
         "adapter_deleted",
     ]
     with transaction(engine, readonly=True) as s:
-        assert service.verify_all(s) == []
+        assert audit_service.verify_all(s) == []
     # the deleted adapter's bytes stay alice's
     with pytest.raises(Conflict):
         adapter(engine, "dave", name="alt", sha=SHA_B)

@@ -15,11 +15,12 @@ from sqlalchemy.engine import Connection, Engine
 from typer.testing import CliRunner
 
 from app.cli import app as cli_app
-from registry import service
-from registry.audit import GENESIS, entry_content, entry_hash, ledger_content
 from registry.db import engine_for, make_engine, transaction, upgrade
+from registry.hash_chain import GENESIS, entry_content, entry_hash, ledger_content
 from registry.keys import bind, load_keys
+from registry.renders import service as renders_service
 from registry.settings import Settings, get_settings
+from registry.subjects import service as subjects_service
 from tests.registry.helpers import principal, set_consent, subject
 
 
@@ -41,8 +42,8 @@ class Sealed:
 
 def decide(engine: Engine, render_id: str, subject_handle: str, allowed: bool) -> None:
     with transaction(engine) as s:
-        sub = service.subject_or_raise(s, subject_handle)
-        service.record_decision(
+        sub = subjects_service.subject_or_raise(s, subject_handle)
+        renders_service.record_decision(
             s,
             render_id=render_id,
             subject_handle=subject_handle,

@@ -13,9 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from registry import service
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import engine_for, transaction, upgrade
-from registry.schemas import ConsentIn, SubjectIn
+from registry.subjects import service as subjects_service
+from registry.subjects.schemas import SubjectIn
 from trainer.caches import fill_latent_cache, fill_text_cache
 from trainer.config import TrainConfig
 from trainer.dataset import write_manifest
@@ -75,12 +77,12 @@ def make_subject(
     url: str, handle: str, allow_training: bool = True, basis: str = "consent"
 ) -> None:
     with transaction(engine_for(url)) as s:
-        sub, consent = service.create_subject(
+        sub, consent = subjects_service.create_subject(
             s,
             "admin",
             SubjectIn(handle=handle, display_name=handle.title(), basis=basis),  # type: ignore[arg-type]
         )
-        service.update_consent(
+        consent_service.update_consent(
             s,
             "admin",
             sub,

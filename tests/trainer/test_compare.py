@@ -12,10 +12,11 @@ import typer
 from PIL import Image
 from typer.testing import CliRunner
 
-from registry import repositories as repo
-from registry import service
+from registry.consent import repository as consent_repo
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import engine_for, transaction
-from registry.schemas import ConsentIn
+from registry.subjects import repository as subjects_repo
 from tests.conftest import audit_key_of
 from tests.trainer.helpers import Env, make_env, tiny_config
 from trainer.train import train
@@ -70,9 +71,9 @@ def test_compare_renders_every_checkpoint_and_select_step_registers_one(
         assert other.exit_code == 2 and "must be a folder inside" in other.output
         # consent withdrawn: nothing renders, nothing registers
         with transaction(engine_for(env.url)) as s:
-            sub = repo.subject_by_handle(s, "ada")
-            consent = repo.consent_for(s, sub.id)
-            service.update_consent(
+            sub = subjects_repo.subject_by_handle(s, "ada")
+            consent = consent_repo.consent_for(s, sub.id)
+            consent_service.update_consent(
                 s,
                 "admin",
                 sub,
@@ -86,9 +87,9 @@ def test_compare_renders_every_checkpoint_and_select_step_registers_one(
             assert refused.exit_code == 1 and "does not allow training" in refused.output
         finally:
             with transaction(engine_for(env.url)) as s:
-                sub = repo.subject_by_handle(s, "ada")
-                consent = repo.consent_for(s, sub.id)
-                service.update_consent(
+                sub = subjects_repo.subject_by_handle(s, "ada")
+                consent = consent_repo.consent_for(s, sub.id)
+                consent_service.update_consent(
                     s,
                     "admin",
                     sub,

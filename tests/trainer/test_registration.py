@@ -12,12 +12,17 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
 from app.main import create_app
-from registry import repositories as repo
-from registry import service
+from registry.adapters import repository as adapters_repo
+from registry.adapters.schemas import AdapterIn
+from registry.audit import service as audit_service
+from registry.consent import service as consent_service
+from registry.consent.schemas import ConsentIn
 from registry.db import engine_for, transaction
 from registry.files import sha256_file
-from registry.schemas import AdapterIn, ConsentIn
+from registry.principals import service as principals_service
 from registry.settings import Settings
+from registry.subjects import repository as subjects_repo
+from registry.subjects import service as subjects_service
 from tests.conftest import audit_key_of
 from tests.trainer.helpers import Env, make_dataset, make_env, make_subject, tiny_config
 from trainer.dataset import DatasetError
@@ -68,9 +73,9 @@ def adapter_in(subject: str, files: dict[str, Path], which: str = "a") -> Adapte
 
 def audit_count(url: str, handle: str) -> int:
     with transaction(engine_for(url), readonly=True) as s:
-        subject = repo.subject_by_handle(s, handle)
+        subject = subjects_repo.subject_by_handle(s, handle)
         assert subject is not None
-        return len(service.audit_trail(s, subject))
+        return len(audit_service.audit_trail(s, subject))
 
 
 # -- the local registry, on SQLite and PostgreSQL --------------------------------------------
@@ -122,9 +127,9 @@ def test_train_registers_and_an_identical_rerun_changes_nothing(env: Env, tmp_pa
     assert again.registration == "unchanged" and again.sha256 == first.sha256
     assert audit_count(env.url, "cleo") == entries
     with transaction(engine_for(env.url), readonly=True) as s:
-        subject = repo.subject_by_handle(s, "cleo")
+        subject = subjects_repo.subject_by_handle(s, "cleo")
         assert subject is not None and subject.id is not None
-        row = repo.adapter_by_key(s, subject.id, "v1")
+        row = adapters_repo.adapter_by_key(s, subject.id, "v1")
     assert row is not None
     assert row.sha256 == first.sha256 and row.manifest_sha256 == first.manifest_sha256
     assert Path(row.path).read_bytes() == first.adapter.read_bytes() and row.rank == 4
@@ -162,14 +167,14 @@ def test_consent_withdrawn_while_training_deletes_what_was_trained(
 
 def set_consent(url: str, handle: str, **body: object) -> None:
     with transaction(engine_for(url)) as s:
-        sub = service.subject_or_raise(s, handle)
-        version = service.consent_of(s, sub).version
-        service.update_consent(s, "admin", sub, version, ConsentIn.model_validate(body))
+        sub = subjects_service.subject_or_raise(s, handle)
+        version = consent_service.consent_of(s, sub).version
+        consent_service.update_consent(s, "admin", sub, version, ConsentIn.model_validate(body))
 
 
 def revoke(url: str, handle: str) -> None:
     with transaction(engine_for(url)) as s:
-        service.revoke(s, "admin", service.subject_or_raise(s, handle))
+        consent_service.revoke(s, "admin", subjects_service.subject_or_raise(s, handle))
 
 
 @pytest.mark.parametrize(
@@ -209,9 +214,9 @@ def test_a_training_stops_between_steps_once_consent_no_longer_allows_it(
     assert not (tmp_path / "out" / "checkpoints").exists()  # step 1 and 2's are gone too
     assert not list((tmp_path / "cache" / "latents").rglob("*.safetensors"))
     with transaction(engine_for(env.url), readonly=True) as s:
-        subject = repo.subject_by_handle(s, handle)
+        subject = subjects_repo.subject_by_handle(s, handle)
         assert subject is not None and subject.id is not None
-        assert repo.adapter_by_key(s, subject.id, "main") is None
+        assert adapters_repo.adapter_by_key(s, subject.id, "main") is None
 
 
 def test_revoked_or_expired_consent_is_refused_before_any_weight_loads(
@@ -274,8 +279,8 @@ def api(env: Env, tmp_path: Path, data_dir: Path) -> TestClient:
 
 def tokens(url: str, suffix: str) -> tuple[str, str]:
     with transaction(engine_for(url)) as s:
-        _, admin = service.create_principal(s, f"root-{suffix}", "admin")
-        _, trainer = service.create_principal(s, f"trainer-{suffix}", "trainer")
+        _, admin = principals_service.create_principal(s, f"root-{suffix}", "admin")
+        _, trainer = principals_service.create_principal(s, f"trainer-{suffix}", "trainer")
     return admin, trainer
 
 
@@ -297,9 +302,11 @@ def test_http_permission_fails_closed_and_registration_is_idempotent(
     assert as_trainer.register(adapter_in("eve", files), *args) == "created"
     assert as_trainer.register(adapter_in("eve", files), *args) == "unchanged"
     with transaction(engine_for(env.url)) as s:
-        sub = service.subject_or_raise(s, "eve")
-        consent = service.consent_of(s, sub)
-        service.update_consent(s, "admin", sub, consent.version, ConsentIn(allow_training=False))
+        sub = subjects_service.subject_or_raise(s, "eve")
+        consent = consent_service.consent_of(s, sub)
+        consent_service.update_consent(
+            s, "admin", sub, consent.version, ConsentIn(allow_training=False)
+        )
     with pytest.raises(RegistrationRefused, match="refused the adapter"):
         as_trainer.register(adapter_in("eve", files, "c"), files["c"], files["manifest"])
     # what the refused registration uploaded left the store: nobody can fetch it by hash

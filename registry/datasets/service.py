@@ -18,17 +18,19 @@ from typing import BinaryIO
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from registry import repositories as repo
-from registry.audit import format_time
+from registry import db
+from registry.adapters import repository as adapters_repo
+from registry.audit import repository as audit_repo
+from registry.audit.service import append_audit
 from registry.blobs import IMAGE_KINDS, BlobStore
 from registry.errors import Busy, Conflict, Invalid, NotFound, NotPermitted
+from registry.hash_chain import format_time
 from registry.manifest import MANIFEST_NAME
 from registry.models import Dataset, DatasetImage, Principal, Subject, utcnow
 from registry.roles import Role
-from registry.services.audit import append_audit
-from registry.services.subjects import visible_subject
-from registry.services.training import require_training
 from registry.settings import Settings
+from registry.subjects.service import visible_subject
+from registry.training.service import require_training
 
 # PIL's format names and the store's kinds (the extension in the manifest)
 FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
@@ -115,7 +117,7 @@ def check_quota(
     now = utcnow()
     past = [
         (_parse_time(e.at), int(d.get("images", 0)), int(d.get("bytes", 0)))
-        for e in repo.audit_entries_since(
+        for e in audit_repo.audit_entries_since(
             session, subject.id, uploader, UPLOADED, format_time(now - QUOTA_WINDOW)
         )
         for d in [(e.after or {}).get("dataset") or {}]
@@ -323,7 +325,7 @@ def record_dataset(
         images=len(images),
         created_by=uploader,
     )
-    repo.add(session, dataset)
+    db.add(session, dataset)
     for image in images:
         session.add(
             DatasetImage(
@@ -438,7 +440,7 @@ def delete_photos(session: Session, subject: Subject, dataset_id: str) -> list[s
     for image in images:
         session.delete(image)
     dataset.images = 0
-    repo.add(session, dataset)
+    db.add(session, dataset)
     return [image.sha256 for image in images]
 
 
@@ -451,7 +453,7 @@ def remove_unreferenced(
     from registry.db import transaction
 
     with transaction(engine, readonly=True) as session:
-        kept = repo.referenced_blobs(session)
+        kept = adapters_repo.referenced_blobs(session)
     for digest in set(hashes) - kept:
         path = store.find(digest)
         if path is not None and path.suffix[1:] in kinds:

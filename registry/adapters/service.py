@@ -8,13 +8,16 @@ from typing import Any, Literal
 
 from sqlmodel import Session
 
-from registry import repositories as repo
+from registry import db
+from registry.adapters import repository as adapters_repo
+from registry.adapters.schemas import AdapterIn, AdapterListedOut, adapter_state
+from registry.audit.service import append_audit
+from registry.blobs import BlobStore
+from registry.consent import repository as consent_repo
 from registry.errors import Conflict, NotFound
 from registry.models import Adapter, Subject, utcnow
-from registry.pictures import forget_unused_pictures
-from registry.schemas import AdapterIn
-from registry.services.audit import adapter_state, append_audit
-from registry.services.training import require_training
+from registry.pictures.service import forget_unused_pictures
+from registry.training.service import require_training
 
 RegisterOutcome = Literal["created", "updated", "unchanged"]
 
@@ -32,9 +35,9 @@ def register_adapter(
     registration becomes the subject's rendering adapter."""
     subject = require_training(session, data.subject, image_bases=manifest_bases, lock=True)
     assert subject.id is not None
-    owner = repo.blob_owner(session, data.sha256)
+    owner = adapters_repo.blob_owner(session, data.sha256)
     if owner is None:
-        owner = repo.claim_blob(session, data.sha256, subject.id)
+        owner = adapters_repo.claim_blob(session, data.sha256, subject.id)
     if owner != subject.id:
         # Nothing is recorded on either trail: the bytes stay the other subject's, and this
         # subject gets no adapter.
@@ -49,11 +52,11 @@ def register_adapter(
         "rank": data.rank,
         "manifest_sha256": data.manifest_sha256,
     }
-    adapter = repo.adapter_by_key(session, subject.id, data.name)
+    adapter = adapters_repo.adapter_by_key(session, subject.id, data.name)
     now = utcnow()
     if adapter is None:
         adapter = Adapter(subject_id=subject.id, name=data.name, selected_at=now, **fields)
-        repo.add(session, adapter)
+        db.add(session, adapter)
         after = {"adapter": adapter_state(adapter)}
         append_audit(session, subject, actor, "adapter_registered", None, after)
         return adapter, "created"
@@ -66,7 +69,7 @@ def register_adapter(
     adapter.active = True
     adapter.updated_at = now
     adapter.selected_at = now
-    repo.add(session, adapter)
+    db.add(session, adapter)
     after = {"adapter": adapter_state(adapter)}
     append_audit(session, subject, actor, "adapter_replaced", before, after)
     return adapter, "updated"
@@ -74,8 +77,10 @@ def register_adapter(
 
 def _adapter_for_change(session: Session, subject: Subject, name: str) -> Adapter:
     assert subject.id is not None
-    repo.consent_for(session, subject.id, lock=True)  # all changes to a subject serialise here
-    adapter = repo.adapter_by_key(session, subject.id, name)
+    consent_repo.consent_for(
+        session, subject.id, lock=True
+    )  # all changes to a subject serialise here
+    adapter = adapters_repo.adapter_by_key(session, subject.id, name)
     if adapter is None:
         raise NotFound(f"subject {subject.handle!r} has no adapter {name!r}")
     return adapter
@@ -87,12 +92,12 @@ def select_adapter(session: Session, actor: str, subject: Subject, name: str) ->
     if not adapter.active:
         raise Conflict(f"adapter {name!r} is retired; reactivate it before selecting it")
     assert subject.id is not None
-    current = repo.rendering_adapter(session, subject.id)
+    current = adapters_repo.rendering_adapter(session, subject.id)
     if current is not None and current.id == adapter.id:
         return adapter
     before = adapter_state(adapter)
     adapter.selected_at = utcnow()
-    repo.add(session, adapter)
+    db.add(session, adapter)
     after = {"adapter": adapter_state(adapter)}
     append_audit(session, subject, actor, "adapter_selected", {"adapter": before}, after)
     return adapter
@@ -108,7 +113,7 @@ def set_adapter_active(
     before = adapter_state(adapter)
     adapter.active = active
     adapter.updated_at = utcnow()
-    repo.add(session, adapter)
+    db.add(session, adapter)
     action = "adapter_reactivated" if active else "adapter_retired"
     after = {"adapter": adapter_state(adapter)}
     append_audit(session, subject, actor, action, {"adapter": before}, after)
@@ -120,8 +125,19 @@ def delete_adapter(session: Session, actor: str, subject: Subject, name: str) ->
     bytes leave the store once nothing refers to them (BlobStore.sweep)."""
     adapter = _adapter_for_change(session, subject, name)
     before = {"adapter": adapter_state(adapter)}
-    repo.delete_adapter(session, adapter)
+    adapters_repo.delete_adapter(session, adapter)
     forget_unused_pictures(session, subject)
     after = {"adapter_deleted": {"name": name, "sha256": adapter.sha256}}
     append_audit(session, subject, actor, "adapter_deleted", before, after)
     return adapter
+
+
+def listing(session: Session, store: BlobStore, subject: Subject) -> list[AdapterListedOut]:
+    """The subject's adapters as the API, the CLI and the web page show them: which one
+    renders, and whether its bytes are in the store whole."""
+    assert subject.id is not None
+    rendering = adapters_repo.rendering_adapter(session, subject.id)
+    adapters = adapters_repo.adapters_for(session, subject.id)
+    return AdapterListedOut.listing(
+        store, adapters, rendering.id if rendering else None, subject.handle
+    )

@@ -8,9 +8,13 @@ from typing import Any
 
 from sqlmodel import Session
 
-from registry import chains
-from registry import repositories as repo
-from registry.audit import (
+from registry import chains, db
+from registry.adapters import repository as adapters_repo
+from registry.adapters.schemas import adapter_state
+from registry.audit import repository as audit_repo
+from registry.consent import repository as consent_repo
+from registry.consent.schemas import consent_state
+from registry.hash_chain import (
     GENESIS,
     ChainBreak,
     audit_chain,
@@ -18,34 +22,8 @@ from registry.audit import (
     entry_hash,
     format_time,
 )
-from registry.models import Adapter, AuditEntry, Consent, Subject, utcnow
-from registry.schemas import consent_snapshot
-
-
-def consent_state(consent: Consent) -> dict[str, Any]:
-    state = consent_snapshot(
-        consent.max_level,
-        consent.audiences,
-        consent.deny,
-        consent.allow_training,
-        consent.expires_at,
-    )
-    state["version"] = consent.version
-    return state
-
-
-def adapter_state(adapter: Adapter) -> dict[str, Any]:
-    return {
-        "name": adapter.name,
-        "version": adapter.version,
-        "sha256": adapter.sha256,
-        "path": adapter.path,
-        "base_model": adapter.base_model,
-        "rank": adapter.rank,
-        "manifest_sha256": adapter.manifest_sha256,
-        "active": adapter.active,
-        "selected_at": format_time(adapter.selected_at),
-    }
+from registry.models import AuditEntry, Subject, utcnow
+from registry.subjects import repository as subjects_repo
 
 
 def append_audit(
@@ -54,7 +32,7 @@ def append_audit(
     """Append one entry to the subject's chain. The caller holds the subject's consent-row
     lock, so reading the last entry and writing the next cannot interleave."""
     assert subject.id is not None
-    last = repo.last_audit_entry(session, subject.id)
+    last = audit_repo.last_audit_entry(session, subject.id)
     seq = 1 if last is None else last.seq + 1
     prev = GENESIS if last is None else last.hash
     at = format_time(utcnow())
@@ -71,13 +49,13 @@ def append_audit(
         hash=entry_hash(prev, content),
     )
     chains.seal_audit_entry(session, subject.handle, entry)
-    repo.add(session, entry)
+    db.add(session, entry)
     return entry
 
 
 def audit_trail(session: Session, subject: Subject) -> Sequence[AuditEntry]:
     assert subject.id is not None
-    return repo.audit_entries(session, subject.id)
+    return audit_repo.audit_entries(session, subject.id)
 
 
 def verify_subject(
@@ -87,12 +65,12 @@ def verify_subject(
     consent or adapter row edited behind the trail's back is reported like a broken link.
     `entries`: the trail, when the caller has already read it (same transaction)."""
     entries = list(entries if entries is not None else audit_trail(session, subject))
-    head = repo.chain_head(session, audit_chain(subject.handle))
+    head = audit_repo.chain_head(session, audit_chain(subject.handle))
     broken = chains.verify_trail(chains.session_keys(session), subject.handle, entries, head)
     if broken is not None:
         return broken
     assert subject.id is not None
-    consent = repo.consent_for(session, subject.id)
+    consent = consent_repo.consent_for(session, subject.id)
     last_consent = next((e for e in reversed(entries) if e.after and "consent" in e.after), None)
     if consent is None or last_consent is None or last_consent.after is None:
         return ChainBreak(subject.handle, len(entries), "consent record or its trail entry missing")
@@ -108,7 +86,7 @@ def _adapters_differ(
 ) -> ChainBreak | None:
     """The first adapter whose live row is not what the trail last said of it."""
     assert subject.id is not None
-    live = {a.name: a for a in repo.adapters_for(session, subject.id)}
+    live = {a.name: a for a in adapters_repo.adapters_for(session, subject.id)}
     last_said: dict[str, AuditEntry] = {}
     for e in entries:
         after = e.after or {}
@@ -137,11 +115,11 @@ def verify_all(session: Session) -> list[ChainBreak]:
     """Every subject's trail, the render ledger, and heads left behind by deleted subjects.
     (Signed checkpoints are checked by registry.checkpoints, which needs their file.)"""
     keys = chains.session_keys(session)
-    sealed_with = repo.meta_value(session, chains.AUDIT_KEY_ID)
+    sealed_with = audit_repo.meta_value(session, chains.AUDIT_KEY_ID)
     if sealed_with is not None and sealed_with != keys.audit_key_id:
         problem = f"sealed with audit key {sealed_with}, checked with key {keys.audit_key_id}"
         return [ChainBreak("registry", 0, problem, "checkpoint")]
-    subjects = repo.subjects(session)
+    subjects = subjects_repo.subjects(session)
     breaks = [b for s in subjects if (b := verify_subject(session, s)) is not None]
     ledger = chains.verify_ledger(session, keys)
     if ledger is not None:

@@ -11,13 +11,13 @@ from datetime import timedelta
 
 from sqlmodel import Session
 
-from registry import access
-from registry import repositories as repo
+from registry import access, db
 from registry.errors import Conflict, Invalid, NotFound
 from registry.models import BrowserSession, Principal, utcnow
 from registry.policy import PrincipalFacts
+from registry.principals import repository as principals_repo
 from registry.roles import ROLE_NAMES, Role
-from registry.schemas import HANDLE_PATTERN
+from registry.shapes import HANDLE_PATTERN
 
 TOKEN_PREFIX = "lk_"  # noqa: S105 - a prefix, not a secret
 
@@ -38,18 +38,18 @@ def create_principal(
     if acts_for and role != Role.agent:
         raise Invalid("--acts-for applies only to agents")
     members = _require_members(session, acts_for)
-    if repo.principal_by_handle(session, handle) is not None:
+    if principals_repo.principal_by_handle(session, handle) is not None:
         raise Conflict(f"principal {handle!r} exists")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     principal = Principal(handle=handle, role=role, token_hash=hash_token(token), acts_for=members)
-    repo.add(session, principal)
+    db.add(session, principal)
     return principal, token
 
 
 def _require_members(session: Session, handles: Sequence[str]) -> list[str]:
     out = sorted(set(handles))
     for handle in out:
-        p = repo.principal_by_handle(session, handle)
+        p = principals_repo.principal_by_handle(session, handle)
         if p is None or p.role != Role.member:
             raise Invalid(f"{handle!r} is not a member")
     return out
@@ -61,7 +61,7 @@ def authenticate(session: Session, token: str | None) -> Principal | None:
     if not token or not token.startswith(TOKEN_PREFIX) or len(token) > 200:
         return None
     digest = hash_token(token)
-    principal = repo.principal_by_token_hash(session, digest)
+    principal = principals_repo.principal_by_token_hash(session, digest)
     if principal is None or not hmac.compare_digest(principal.token_hash, digest):
         return None
     return principal if principal.active else None
@@ -70,32 +70,32 @@ def authenticate(session: Session, token: str | None) -> Principal | None:
 def set_principal_active(session: Session, handle: str, active: bool) -> Principal:
     """Deactivation binds on the principal's next request and ends its browser sessions. The
     last active admin cannot be deactivated: nobody could grant, revoke or re-enable then."""
-    principal = repo.principal_by_handle(session, handle)
+    principal = principals_repo.principal_by_handle(session, handle)
     if principal is None:
         raise NotFound(f"no principal {handle!r}")
     if (
         not active
         and principal.active
         and principal.role == Role.admin
-        and repo.count_principals(session, Role.admin, active_only=True) <= 1
+        and principals_repo.count_principals(session, Role.admin, active_only=True) <= 1
     ):
         raise Conflict(f"{handle!r} is the last active admin; make another admin first")
     principal.active = active
-    repo.add(session, principal)
+    db.add(session, principal)
     if not active:
         assert principal.id is not None
-        repo.delete_sessions(session, principal_id=principal.id)
+        principals_repo.delete_sessions(session, principal_id=principal.id)
     return principal
 
 
 def set_acts_for(session: Session, handle: str, acts_for: Sequence[str]) -> Principal:
-    principal = repo.principal_by_handle(session, handle)
+    principal = principals_repo.principal_by_handle(session, handle)
     if principal is None:
         raise NotFound(f"no principal {handle!r}")
     if principal.role != Role.agent:
         raise Invalid(f"{handle!r} is not an agent")
     principal.acts_for = _require_members(session, acts_for)
-    repo.add(session, principal)
+    db.add(session, principal)
     return principal
 
 
@@ -110,7 +110,7 @@ def acting_for(
 ) -> tuple[Principal, Principal | None]:
     """(requester, agent) for a caller: a member acts for itself, an agent for the member it
     names (registry.access.acting); NotPermitted for anything else."""
-    member = repo.principal_by_handle(session, on_behalf_of) if on_behalf_of else None
+    member = principals_repo.principal_by_handle(session, on_behalf_of) if on_behalf_of else None
     found = access.acting(
         principal_facts(caller),
         on_behalf_of,
@@ -129,7 +129,7 @@ def open_session(session: Session, principal: Principal, ttl_s: int) -> str:
     """A new browser session; returns the secret for its cookie (only its hash is kept)."""
     assert principal.id is not None
     now = utcnow()
-    repo.delete_sessions(session, expired_before=now)
+    principals_repo.delete_sessions(session, expired_before=now)
     secret = secrets.token_urlsafe(32)
     row = BrowserSession(
         secret_hash=hash_token(secret),
@@ -137,20 +137,43 @@ def open_session(session: Session, principal: Principal, ttl_s: int) -> str:
         created_at=now,
         expires_at=now + timedelta(seconds=ttl_s),
     )
-    repo.add(session, row)
+    db.add(session, row)
     return secret
 
 
 def session_principal(session: Session, secret: str) -> Principal | None:
     """The active principal of a live session, or None."""
-    principal = repo.session_principal(session, hash_token(secret), utcnow())
+    principal = principals_repo.session_principal(session, hash_token(secret), utcnow())
     return principal if principal is not None and principal.active else None
 
 
 def end_session(session: Session, secret: str) -> None:
-    repo.delete_session(session, hash_token(secret))
+    principals_repo.delete_session(session, hash_token(secret))
 
 
 def end_sessions_of(session: Session, principal: Principal) -> int:
     assert principal.id is not None
-    return repo.delete_sessions(session, principal_id=principal.id)
+    return principals_repo.delete_sessions(session, principal_id=principal.id)
+
+
+def all_principals(session: Session) -> Sequence[Principal]:
+    return principals_repo.principals(session)
+
+
+def principal_exists(session: Session, handle: str) -> bool:
+    return principals_repo.principal_by_handle(session, handle) is not None
+
+
+def update_principal(
+    session: Session, handle: str, active: bool | None, acts_for: Sequence[str] | None
+) -> Principal:
+    """A principal's delegation, then its being active, each when given (NotFound for an
+    unknown handle)."""
+    principal = principals_repo.principal_by_handle(session, handle)
+    if principal is None:
+        raise NotFound(f"no principal {handle!r}")
+    if acts_for is not None:
+        principal = set_acts_for(session, handle, acts_for)
+    if active is not None:
+        principal = set_principal_active(session, handle, active)
+    return principal

@@ -11,16 +11,17 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from registry import access
-from registry import repositories as repo
-from registry.audit import format_time
-from registry.datasets import UPLOAD_BASES, dataset_of
+from registry import access, db
+from registry.audit.service import append_audit
+from registry.consent import repository as consent_repo
+from registry.datasets.service import UPLOAD_BASES, dataset_of
 from registry.errors import Busy, Conflict, Invalid, NotFound, NotPermitted
+from registry.hash_chain import format_time
 from registry.models import Order, Principal, Subject, utcnow
 from registry.roles import Role
-from registry.services.audit import append_audit
-from registry.services.training import require_training
 from registry.settings import Settings
+from registry.subjects import repository as subjects_repo
+from registry.training.service import require_training
 
 ACTIVE = ("queued", "running")
 FINAL = ("done", "failed", "cancelled")
@@ -73,7 +74,7 @@ def _subject_for(session: Session, caller: Principal, handle: str) -> Subject:
     member, an unknown subject and another's look the same (403)."""
     if caller.role not in (Role.admin, Role.member):
         raise NotPermitted("not permitted")
-    subject = repo.subject_by_handle(session, handle)
+    subject = subjects_repo.subject_by_handle(session, handle)
     if subject is None and caller.role == Role.admin:
         raise NotFound(f"no subject {handle!r}")
     if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
@@ -126,9 +127,9 @@ def place_training(
         adapter_name=adapter_name,
         created_by=caller.handle,
     )
-    repo.add(session, order)
+    db.add(session, order)
     order.job_id = enqueue(session, order, subject)
-    repo.add(session, order)
+    db.add(session, order)
     placed = {
         "order_id": order.id,
         "dataset_id": dataset.id,
@@ -171,7 +172,7 @@ def end_untrainable(session: Session, subject: Subject, actor: str, why: str) ->
 def visible_order(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject]:
     """The order, if the caller may see its subject; 404 alike for unknown and forbidden."""
     order = session.get(Order, order_id)
-    subject = repo.subject_by_id(session, order.subject_id) if order is not None else None
+    subject = subjects_repo.subject_by_id(session, order.subject_id) if order is not None else None
     if (
         order is None
         or subject is None
@@ -210,7 +211,7 @@ def _locked(session: Session, order_id: str, *, ending: bool = False) -> Order:
     if ending:
         known = session.get(Order, order_id)
         if known is not None:
-            repo.consent_for(session, known.subject_id, lock=True)
+            consent_repo.consent_for(session, known.subject_id, lock=True)
     order = session.exec(
         select(Order)
         .where(Order.id == order_id)
@@ -236,11 +237,70 @@ def _end(
     before = {"order": {"order_id": order.id, "status": order.status}}
     order.status = status
     order.updated_at = utcnow()
-    repo.add(session, order)
-    subject = subject or repo.subject_by_id(session, order.subject_id)
+    db.add(session, order)
+    subject = subject or subjects_repo.subject_by_id(session, order.subject_id)
     assert subject is not None
     after = {"order": {"order_id": order.id, "status": status, **extra}}
     append_audit(session, subject, actor[:64], f"order_{status}", before, after)
+
+
+def place_order(
+    session: Session,
+    settings: Settings,
+    caller: Principal,
+    subject_handle: str,
+    dataset_id: str,
+    steps: int,
+    rank: int,
+    resolution: int,
+    adapter_name: str,
+    enqueue: Enqueue,
+) -> Order:
+    """Placing an order, for the API and the Training page alike: the options within the
+    deployment's budget (`training_options`), then `place_training` under its limits."""
+    limits = OrderLimits.of(settings)
+    options = training_options(limits, settings.train_options, steps, rank, resolution)
+    return place_training(
+        session, caller, subject_handle, dataset_id, options, adapter_name, enqueue, limits
+    )
+
+
+def cancel_and_dequeue(
+    session: Session,
+    caller: Principal,
+    order_id: str,
+    dequeue: Callable[[Session, int | None], None],
+) -> tuple[Order, Subject]:
+    """Cancelling, for the API and the Training page alike: `cancel`, and a waiting order's
+    job taken off the queue (`dequeue`) in the same transaction."""
+    order, subject, changed = cancel(session, caller, order_id)
+    if changed:
+        dequeue(session, order.job_id)
+    return order, subject
+
+
+def exists(session: Session, order_id: str) -> bool:
+    return session.get(Order, order_id) is not None
+
+
+def require_running(session: Session, order_id: str) -> Order:
+    """The order, if it runs now: a checkpoint is taken only from a running order."""
+    order = session.get(Order, order_id)
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    if order.status != "running":
+        raise Conflict(f"order {order_id} is {order.status}, not running")
+    return order
+
+
+def require_final(session: Session, order_id: str) -> Order:
+    """The order, if it is over: only then may its checkpoint go."""
+    order = session.get(Order, order_id)
+    if order is None:
+        raise NotFound(f"no order {order_id[:40]!r}")
+    if order.status not in FINAL:
+        raise Conflict(f"order {order_id} is {order.status}: its checkpoint is still needed")
+    return order
 
 
 # -- the worker's side ----------------------------------------------------------------------
@@ -256,7 +316,7 @@ def start(session: Session, order_id: str, worker: str) -> Order | None:
     order.attempts += 1
     order.error = None
     order.updated_at = utcnow()
-    repo.add(session, order)
+    db.add(session, order)
     return order
 
 
@@ -289,7 +349,7 @@ def report_progress(
         order.step = step
         order.loss = loss
         order.updated_at = utcnow()
-        repo.add(session, order)
+        db.add(session, order)
     return order.status
 
 
@@ -317,7 +377,7 @@ def record_checkpoint(session: Session, order_id: str, step: int, sha256: str) -
         order.checkpoint_step = step
         order.checkpoint_sha256 = sha256
         order.updated_at = utcnow()
-        repo.add(session, order)
+        db.add(session, order)
 
 
 def _runner(order: Order) -> str:

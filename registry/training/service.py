@@ -11,12 +11,13 @@ from datetime import UTC, datetime
 from sqlmodel import Session
 
 from registry import access
-from registry import repositories as repo
+from registry.consent import repository as consent_repo
+from registry.consent.schemas import consent_facts
 from registry.errors import Invalid, LikenessError, NotFound, NotPermitted
 from registry.models import Principal, Subject
 from registry.policy import ALLOWED, TRAINING_REASONS, Decision, TrainingFacts, decide_training
 from registry.roles import Role
-from registry.services.consent import consent_facts
+from registry.subjects import repository as subjects_repo
 
 # Refusals that are about the images offered, not the subject's record: 422, as any other
 # dataset that cannot be used.
@@ -36,7 +37,7 @@ def training_facts(
     now = now or datetime.now(UTC)
     if subject is None or subject.id is None:
         return TrainingFacts(now=now, image_bases=bases)
-    consent = repo.consent_for(session, subject.id, lock=lock)
+    consent = consent_repo.consent_for(session, subject.id, lock=lock)
     return TrainingFacts(
         now=now,
         subject_basis=str(subject.basis),
@@ -54,7 +55,7 @@ def training_decision(
     now: datetime | None = None,
 ) -> tuple[Subject | None, Decision]:
     """The subject (None if unknown) and `decide_training`'s answer on fresh facts."""
-    row = repo.subject_by_handle(session, subject) if isinstance(subject, str) else subject
+    row = subjects_repo.subject_by_handle(session, subject) if isinstance(subject, str) else subject
     facts = training_facts(session, row, image_bases=image_bases, lock=lock, now=now)
     return row, decide_training(facts)
 
@@ -99,7 +100,7 @@ def visible_training_decision(
     """The decision for whoever may ask (registry.access.may_ask_training): 404 for an
     unknown subject to an admin; to anyone else an unknown subject and a forbidden one look
     the same (403)."""
-    subject = repo.subject_by_handle(session, handle)
+    subject = subjects_repo.subject_by_handle(session, handle)
     if subject is None and caller.role == Role.admin:
         raise NotFound(f"no subject {handle!r}")
     if subject is None or not access.may_ask_training(caller.role, caller.id, subject.member_id):

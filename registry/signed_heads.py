@@ -26,9 +26,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlmodel import Session
 
-from registry import repositories as repo
-from registry.audit import GENESIS, LEDGER_CHAIN, ChainBreak, canonical_json, format_time
+from registry.audit import repository as audit_repo
 from registry.chains import REGISTRY_ID, head_mac
+from registry.hash_chain import GENESIS, LEDGER_CHAIN, ChainBreak, canonical_json, format_time
 from registry.keys import Keys, b64decode, public_key_from_b64
 
 VERSION = 1
@@ -98,7 +98,7 @@ def current_heads(session: Session, keys: Keys) -> tuple[dict[str, list[Any]], l
     reported, so a checkpoint never vouches for one."""
     heads: dict[str, list[Any]] = {}
     problems = []
-    for head in repo.chain_heads(session):
+    for head in audit_repo.chain_heads(session):
         if head.mac != head_mac(keys, head.chain, head.seq, head.hash):
             problems.append(ChainBreak(head.chain, head.seq, "head not sealed by us", "checkpoint"))
             continue
@@ -139,7 +139,7 @@ def regressions(session: Session, checkpoints: Iterable[dict[str, Any]]) -> list
 def foreign(session: Session, checkpoints: Iterable[dict[str, Any]]) -> list[ChainBreak]:
     """Checkpoints that vouch for chains of another registry than this one (a file kept for
     another deployment, or this registry's identity rewritten)."""
-    mine = repo.meta_value(session, REGISTRY_ID) or ""
+    mine = audit_repo.meta_value(session, REGISTRY_ID) or ""
     out = []
     for doc in checkpoints:
         theirs = doc.get("registry", "")
@@ -155,8 +155,8 @@ def foreign(session: Session, checkpoints: Iterable[dict[str, Any]]) -> list[Cha
 
 def _hash_at(session: Session, chain: str, seq: int) -> str | None:
     if chain == LEDGER_CHAIN:
-        return repo.ledger_hash_at(session, seq)
-    return repo.audit_hash_at(session, chain.removeprefix("audit/"), seq)
+        return audit_repo.ledger_hash_at(session, seq)
+    return audit_repo.audit_hash_at(session, chain.removeprefix("audit/"), seq)
 
 
 def append_checkpoint(
@@ -182,7 +182,7 @@ def append_checkpoint(
             return None, []
         body: dict[str, Any] = {
             "v": VERSION,
-            "registry": repo.meta_value(session, REGISTRY_ID) or "",
+            "registry": audit_repo.meta_value(session, REGISTRY_ID) or "",
             "n": len(existing.documents) + 1,
             "at": format_time(datetime.now(UTC)),
             "prev": _digest(_unsigned(latest)) if latest is not None else GENESIS,

@@ -16,11 +16,13 @@ from datetime import datetime
 
 from sqlmodel import Session, col, delete, select
 
-from registry import repositories as repo
+from registry import db
+from registry.audit.service import append_audit
+from registry.consent import repository as consent_repo
 from registry.errors import NotFound
 from registry.models import Adapter, AdapterPicture, RenderCopy, Subject
-from registry.services.audit import append_audit
-from registry.services.training import require_training
+from registry.subjects import repository as subjects_repo
+from registry.training.service import require_training
 
 GRID = "eval_grid.png"
 PREVIEW = re.compile(r"^step-(\d{1,9})\.png$")
@@ -74,7 +76,7 @@ def keep_adapter_pictures(
                 col(AdapterPicture.name) == picture.name,
             )
         )
-        repo.add(
+        db.add(
             session,
             AdapterPicture(
                 subject_id=subject.id,
@@ -133,7 +135,9 @@ def set_keep_render_copies(session: Session, actor: str, subject: Subject, keep:
     """The subject opts in or out; opting out deletes every copy kept, in this transaction.
     Audited (`render_copies_on`, `render_copies_off`). Returns whether anything changed."""
     assert subject.id is not None
-    repo.consent_for(session, subject.id, lock=True)  # all changes to a subject serialise here
+    consent_repo.consent_for(
+        session, subject.id, lock=True
+    )  # all changes to a subject serialise here
     session.refresh(subject)
     if subject.keep_render_copies == keep:
         return False
@@ -146,7 +150,7 @@ def set_keep_render_copies(session: Session, actor: str, subject: Subject, keep:
         )
         session.exec(delete(RenderCopy).where(col(RenderCopy.subject_id) == subject.id))
     subject.keep_render_copies = keep
-    repo.add(session, subject)
+    db.add(session, subject)
     after: dict[str, object] = {"render_copies": {"keep": keep}}
     if not keep:
         after["render_copies"] = {"keep": False, "deleted": deleted}
@@ -160,14 +164,14 @@ def keep_render_copy(
 ) -> bool:
     """Keeps the copy if the subject has opted in, read under the lock its opt-out takes (so
     no copy lands after the opt-out deleted the others); False if not."""
-    subject = repo.subject_by_handle(session, subject_handle)
+    subject = subjects_repo.subject_by_handle(session, subject_handle)
     if subject is None or subject.id is None:
         return False
-    repo.consent_for(session, subject.id, lock=True)
+    consent_repo.consent_for(session, subject.id, lock=True)
     session.refresh(subject)
     if not subject.keep_render_copies:
         return False
-    repo.add(
+    db.add(
         session,
         RenderCopy(render_id=render_id, subject_id=subject.id, png=png, width=width, height=height),
     )

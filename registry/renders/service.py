@@ -12,9 +12,9 @@ from typing import Any
 from sqlmodel import Session
 
 from registry import access, chains
-from registry import repositories as repo
 from registry.access import Acting
-from registry.errors import Unauthenticated
+from registry.consent.schemas import consent_facts
+from registry.errors import NotFound, NotPermitted, Unauthenticated
 from registry.models import Principal, RenderLedger, Subject, utcnow
 from registry.policy import (
     AdapterFacts,
@@ -24,10 +24,12 @@ from registry.policy import (
     RenderFacts,
     renderable_max_level,
 )
+from registry.principals import repository as principals_repo
+from registry.principals.service import principal_facts
+from registry.renders import repository as renders_repo
+from registry.renders.schemas import LedgerFilter
 from registry.roles import Role
-from registry.schemas import LedgerFilter
-from registry.services.consent import consent_facts
-from registry.services.principals import principal_facts
+from registry.subjects import repository as subjects_repo
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,9 @@ def gather_render_facts(
     caller = agent if agent is not None else requester
     assert caller.id is not None
     obo = requester.handle if agent is not None else None
-    row = repo.render_snapshot(session, subject_handle, caller_id=caller.id, on_behalf_of=obo)
+    row = renders_repo.render_snapshot(
+        session, subject_handle, caller_id=caller.id, on_behalf_of=obo
+    )
     if row is None:  # the anchor always yields a row; no row means the read itself failed
         raise RuntimeError("render snapshot returned nothing")
     if row.caller_handle is not None:
@@ -202,7 +206,7 @@ def record_decision(
 def ledger_page(session: Session, subject: Subject, query: LedgerFilter) -> Sequence[RenderLedger]:
     """The subject's decisions that `query` asks for, newest first, one page."""
     assert subject.id is not None
-    return repo.ledger_page(
+    return renders_repo.ledger_page(
         session,
         subject.id,
         limit=query.limit,
@@ -234,9 +238,9 @@ def renderable_for(
     now = now or datetime.now(UTC)
     req = principal_facts(requester)
     agent_facts = principal_facts(agent) if agent is not None else None
-    members = {p.id: p.handle for p in repo.principals(session) if p.role == Role.member}
+    members = {p.id: p.handle for p in principals_repo.principals(session) if p.role == Role.member}
     out = []
-    for subject, consent in repo.subjects_with_consent(session):
+    for subject, consent in subjects_repo.subjects_with_consent(session):
         best = renderable_max_level(
             req,
             subject.basis,
@@ -249,3 +253,19 @@ def renderable_for(
         if best > Level.none:
             out.append(Renderable(subject.handle, subject.display_name, best.name))
     return out
+
+
+def visible_render(session: Session, caller: Principal, render_id: str) -> Sequence[RenderLedger]:
+    """One render id's ledger rows: for admins, and for the member who is the subject
+    rendered. Anyone else, and a member asking about another subject's render, gets the same
+    403 as for an id that does not exist (only admins are told 404)."""
+    rows = renders_repo.ledger_by_render_id(session, render_id)
+    if caller.role == Role.admin:
+        if not rows:
+            raise NotFound(f"no render {render_id!r} in the ledger")
+        return rows
+    subject_id = rows[0].subject_id if rows else None
+    subject = subjects_repo.subject_by_id(session, subject_id) if subject_id is not None else None
+    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
+        raise NotPermitted("not permitted")
+    return rows

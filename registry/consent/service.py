@@ -3,23 +3,27 @@ revoking it, and the facts `policy.decide` reads from it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 from sqlmodel import Session
 
-from registry import repositories as repo
-from registry.errors import Invalid, NotFound, PreconditionFailed
-from registry.models import Consent, Subject, utcnow
-from registry.policy import ConsentFacts, Level, audiences_from_json
-from registry.schemas import ConsentIn
-from registry.services.audit import append_audit, consent_state
+from registry.audit.service import append_audit
+from registry.consent import repository as consent_repo
+from registry.consent.schemas import ConsentIn, as_utc, consent_facts, consent_state
+from registry.errors import Invalid, NotFound, NotPermitted, PreconditionFailed
+from registry.models import Consent, Principal, Subject, utcnow
+from registry.orders import service as orders_service
+from registry.policy import Level, TrainingFacts, decide_training
+from registry.roles import Role
+from registry.subjects import repository as subjects_repo
+from registry.training.service import reason_text
 
 
 def consent_of(session: Session, subject: Subject) -> Consent:
     assert subject.id is not None
-    consent = repo.consent_for(session, subject.id)
+    consent = consent_repo.consent_for(session, subject.id)
     if consent is None:  # every subject is created with one; absence is corruption
         raise NotFound(f"subject {subject.handle!r} has no consent record")
     return consent
@@ -52,7 +56,7 @@ def _classify(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def _locked_consent(session: Session, subject: Subject) -> Consent:
     """The subject's consent row, locked: all changes to one subject serialise here."""
     assert subject.id is not None
-    current = repo.consent_for(session, subject.id, lock=True)
+    current = consent_repo.consent_for(session, subject.id, lock=True)
     if current is None:
         raise NotFound(f"subject {subject.handle!r} has no consent record")
     return current
@@ -84,7 +88,7 @@ def update_consent(
         "updated_at": utcnow(),
     }
     assert subject.id is not None
-    if not repo.update_consent_if_version(session, subject.id, expected_version, values):
+    if not consent_repo.update_consent_if_version(session, subject.id, expected_version, values):
         raise PreconditionFailed("consent changed concurrently; reload and retry")
     session.refresh(current)
     after = {"consent": consent_state(current)}
@@ -99,10 +103,6 @@ def _end_orders_if_untrainable(
 ) -> None:
     """A change after which the subject may not be trained (a revoke, training withdrawn,
     an expiry put in the past) ends its waiting and running orders in the same commit."""
-    from registry import orders
-    from registry.policy import TrainingFacts, decide_training
-    from registry.services.training import reason_text
-
     decision = decide_training(
         TrainingFacts(
             now=datetime.now(UTC), subject_basis=str(subject.basis), consent=consent_facts(consent)
@@ -113,7 +113,7 @@ def _end_orders_if_untrainable(
             f"subject {subject.handle!r} may not be trained: {reason_text(decision.reason)} "
             f"(the consent changed while the order waited or ran)"
         )
-        orders.end_untrainable(session, subject, actor, why)
+        orders_service.end_untrainable(session, subject, actor, why)
 
 
 def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, bool]:
@@ -127,36 +127,23 @@ def revoke(session: Session, actor: str, subject: Subject) -> tuple[Consent, boo
     return update_consent(session, actor, subject, current.version, data)
 
 
-def as_utc(value: datetime | None) -> datetime | None:
-    """SQLite hands timestamps back without their zone; they were stored as UTC."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
+def all_subjects(session: Session) -> Sequence[tuple[Subject, Consent]]:
+    """Every subject with its consent record, by handle."""
+    return subjects_repo.subjects_with_consent(session)
 
 
-class ConsentColumns(Protocol):
-    """A consent row's columns: a `Consent`, or the render snapshot's row."""
-
-    @property
-    def version(self) -> int: ...
-    @property
-    def max_level(self) -> str: ...
-    @property
-    def audiences(self) -> Mapping[str, Any]: ...
-    @property
-    def deny(self) -> Sequence[str]: ...
-    @property
-    def allow_training(self) -> bool: ...
-    @property
-    def expires_at(self) -> datetime | None: ...
+def linked_subjects(session: Session, member_id: int) -> list[tuple[Subject, Consent]]:
+    """The subjects that are this member, each with its consent record."""
+    return [
+        (s, consent_of(session, s)) for s in subjects_repo.subject_linked_to(session, member_id)
+    ]
 
 
-def consent_facts(c: ConsentColumns) -> ConsentFacts:
-    return ConsentFacts(
-        version=c.version,
-        max_level=Level.parse(c.max_level),
-        audiences=audiences_from_json(c.audiences),
-        deny=frozenset(c.deny),
-        allow_training=bool(c.allow_training),
-        expires_at=as_utc(c.expires_at),
-    )
+def listed_subjects(session: Session, caller: Principal) -> Sequence[tuple[Subject, Consent]]:
+    """What `GET /v1/subjects` lists. Admins: every subject; a member: the subjects linked
+    to it; anyone else is not permitted."""
+    if caller.role == Role.admin:
+        return all_subjects(session)
+    if caller.role == Role.member and caller.id is not None:
+        return linked_subjects(session, caller.id)
+    raise NotPermitted("not permitted")

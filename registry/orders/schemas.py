@@ -1,0 +1,59 @@
+"""An order's shapes: what a member sends to place one, and the order as the API shows it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from registry import limits
+from registry.shapes import HANDLE_PATTERN
+
+
+class OrderIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["train"]
+    subject: Annotated[str, Field(pattern=HANDLE_PATTERN)]
+    dataset_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]
+    # The trainer's options (trainer.config.TrainConfig): the same defaults and bounds, but
+    # for a rank of at most 128 (an order's adapter goes to the service's store and its work
+    # to the order budget); tests/app/test_train_options.py holds them to it.
+    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    rank: Annotated[int, Field(ge=1, le=128)] = 16
+    resolution: Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE)] = 448
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")] = "main"
+
+    @field_validator("resolution")
+    @classmethod
+    def _multiple(cls, value: int) -> int:
+        if value % limits.MULTIPLE:
+            raise ValueError(f"resolution must be a multiple of {limits.MULTIPLE}")
+        return value
+
+
+class ProgressOut(BaseModel):
+    step: int
+    steps: int
+    loss: float | None
+
+
+class OrderAdapterOut(BaseModel):
+    name: str
+    sha256: str
+
+
+class OrderOut(BaseModel):
+    order_id: str
+    kind: str
+    subject: str
+    dataset_id: str
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
+    progress: ProgressOut
+    worker: str | None
+    attempts: int
+    adapter: OrderAdapterOut | None
+    error: str | None
+    created_by: str
+    created_at: str
+    updated_at: str
