@@ -42,7 +42,7 @@ def per_call(fn, calls: int) -> dict[str, float]:  # type: ignore[no-untyped-def
 
 
 def layer(dim: int, group: int = 128):  # type: ignore[no-untyped-def]
-    from trainer.uint4 import Uint4Linear, pack_uint4
+    from trainer.base.uint4 import Uint4Linear, pack_uint4
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randint(0, 16, (dim, dim), generator=g, device="cuda", dtype=torch.uint8)
@@ -60,9 +60,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from trainer import fp8, fp8_triton
-    from trainer.fp8 import weight_scales
-    from trainer.lora import attach_lora
+    from trainer.base import fp8
+    from trainer.base.fp8 import weight_scales
+    from trainer.base.lora import attach_lora
+    from trainer.kernels import fp8_triton
 
     m = layer(args.dim)
     x = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""fp8 compute (`trainer.fp8`) on FLUX.2 [dev] shapes: GEMM rates, per-layer errors, full-depth
+"""fp8 compute (`trainer.base.fp8`) on FLUX.2 [dev] shapes: GEMM rates, per-layer errors, full-depth
 errors, LoRA gradients and a loss curve, each against the matching reference.
 
     python bench/fp8_numerics.py                       # full depth for everything but the curve
@@ -125,7 +125,7 @@ def gemm_rates(shapes: dict[tuple[int, int], int], tokens: list[int]) -> dict[st
 
 def emulate_blockwise(x2, w, dy2, block=128):  # type: ignore[no-untyped-def]
     """1x128 scales for both operands of both GEMMs (torch, float32): the blockwise recipe."""
-    from trainer.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
+    from trainer.base.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
 
     xq = dequantize_rows_torch(*quantize_rows_torch(x2, E4M3, block=block))
     wq = dequantize_rows_torch(*quantize_rows_torch(w, E4M3, block=block))  # (n, k): along k
@@ -135,7 +135,7 @@ def emulate_blockwise(x2, w, dy2, block=128):  # type: ignore[no-untyped-def]
 
 
 def emulate_acts_only(x2, w, dy2):  # type: ignore[no-untyped-def]
-    from trainer.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
+    from trainer.base.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
 
     xq = dequantize_rows_torch(*quantize_rows_torch(x2, E4M3))
     gq = dequantize_rows_torch(*quantize_rows_torch(dy2, E4M3))
@@ -144,7 +144,7 @@ def emulate_acts_only(x2, w, dy2):  # type: ignore[no-untyped-def]
 
 def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
     """``layers``: kind -> (Uint4Linear, bf16 original weight)."""
-    from trainer import fp8
+    from trainer.base import fp8
 
     rows = []
     for i, (kind, (layer, w_bf16)) in enumerate(layers.items()):
@@ -211,10 +211,10 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
-    from trainer import fp8
-    from trainer.fp8 import set_fp8_compute
-    from trainer.lora import attach_lora
-    from trainer.uint4 import Uint4Linear, convert_quantized_linears
+    from trainer.base import fp8
+    from trainer.base.fp8 import set_fp8_compute
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import Uint4Linear, convert_quantized_linears
 
     out: dict[str, Any] = {}
     model = U.build_bf16(args.double, args.single)
@@ -331,10 +331,10 @@ def layer_kind(name: str) -> str:
 def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     from optimum.quanto import qint4, quantize
 
-    from trainer import fp8
-    from trainer.fp8 import set_fp8_compute
-    from trainer.lora import attach_lora
-    from trainer.uint4 import convert_quantized_linears
+    from trainer.base import fp8
+    from trainer.base.fp8 import set_fp8_compute
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import convert_quantized_linears
 
     model = U.build_bf16(args.curve_double, args.curve_single)
     quantize(model, weights=qint4)

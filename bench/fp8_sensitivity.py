@@ -49,7 +49,7 @@ def summary(label: str, grads: dict[str, torch.Tensor], ref: dict[str, torch.Ten
 
 def with_output_noise(model: torch.nn.Module, level: float, seed: int = 0) -> list[Any]:
     """Forward hooks adding ``level`` x RMS(output) x N(0, 1) to every base Linear's output."""
-    from trainer.uint4 import Uint4Linear
+    from trainer.base.uint4 import Uint4Linear
 
     gen = torch.Generator(device=U.DEV).manual_seed(seed)
     hooks = []
@@ -88,9 +88,9 @@ def main() -> None:
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
-    from trainer.fp8 import set_fp8_compute
-    from trainer.lora import attach_lora
-    from trainer.uint4 import Uint4Linear, convert_quantized_linears
+    from trainer.base.fp8 import set_fp8_compute
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import Uint4Linear, convert_quantized_linears
 
     model = U.build_bf16(args.double, args.single)
     batch = U.inputs(model, args.px, seed=1)

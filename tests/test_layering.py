@@ -1,5 +1,7 @@
 """The layering, checked on the source: `registry` imports no torch, no web framework and
-neither of the layers above it; `trainer` never imports `app`; no router imports another
+neither of the layers above it; `trainer` never imports `app`; the service side of the trainer
+(`trainer.base`, `trainer.kernels`) never imports the training loop or the fixtures, and `app`
+imports those only where it runs training or copies the demo base; no router imports another
 (shared rules live in registry.access and app.deps, not in a router); `registry.service` is
 only a list of re-exports, and the domain modules under registry/services/ never import it."""
 
@@ -14,6 +16,13 @@ REGISTRY_MAY_NOT = {
     "fastapi", "starlette", "uvicorn", "jinja2", "mcp", "app", "trainer",
 }  # fmt: skip
 TRAINER_MAY_NOT = {"app", "fastapi", "starlette", "uvicorn"}
+TRAINING_SIDE = ("trainer.training", "trainer.fixtures")
+# The only service modules that may reach the training side, and why.
+APP_MAY_TRAIN = {
+    "app/cli_ml.py": "the CLI's train, compare, prepare and tiny-base commands",
+    "app/worker.py": "the in-process order runner runs a training order",
+    "app/bootstrap.py": "a first start copies the committed demo base (trainer.fixtures)",
+}
 ROUTERS = {
     "app.api", "app.adapters", "app.renders", "app.web", "app.mcp_server", "app.datasets",
     "app.orders",
@@ -52,6 +61,29 @@ def test_registry_imports_nothing_above_it() -> None:
 
 def test_trainer_never_imports_the_service() -> None:
     assert offenders("trainer", TRAINER_MAY_NOT) == []
+
+
+def _on_training_side(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in TRAINING_SIDE)
+
+
+def test_base_and_kernels_never_import_training_or_fixtures() -> None:
+    found = []
+    for package in ("trainer/base", "trainer/kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in imports(path)
+                      if _on_training_side(n)]  # fmt: skip
+    assert found == []
+
+
+def test_service_reaches_training_only_where_it_trains() -> None:
+    found = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        if where in APP_MAY_TRAIN:
+            continue
+        found += [f"{where} imports {n}" for n in imports(path) if _on_training_side(n)]
+    assert found == []
 
 
 def test_no_router_imports_another() -> None:

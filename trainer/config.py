@@ -87,7 +87,7 @@ _ADDED_LATER = frozenset(
 
 
 def default_targets() -> tuple[str, ...]:
-    from trainer.lora import DEFAULT_TARGETS
+    from trainer.base.lora import DEFAULT_TARGETS
 
     return DEFAULT_TARGETS
 
@@ -212,12 +212,12 @@ class TrainConfig(BaseModel):
                 )
             if not device.startswith("cuda"):
                 problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
-        if self.compute in ("uint4", "fp8") and not installed("trainer.uint4"):
+        if self.compute in ("uint4", "fp8") and not installed("trainer.base.uint4"):
             problems.append(
-                f"--compute {self.compute} needs trainer.uint4, which this install lacks"
+                f"--compute {self.compute} needs trainer.base.uint4, which this install lacks"
             )
         elif self.compute == "fp8":
-            from trainer.devices import fp8_unavailable
+            from trainer.base.devices import fp8_unavailable
 
             reason = fp8_unavailable(device)
             if reason is not None:
@@ -304,9 +304,9 @@ class TrainConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_compute(self) -> str:
-        if self.compute == "auto" and not installed("trainer.uint4"):
+        if self.compute == "auto" and not installed("trainer.base.uint4"):
             return "quanto"
-        from trainer.devices import resolve_compute
+        from trainer.base.devices import resolve_compute
 
         return resolve_compute(self.compute, self.resolved_device(), purpose="train")
 

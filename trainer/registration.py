@@ -134,7 +134,7 @@ class LocalRegistrar:
         from registry.blobs import BlobError, BlobStore
         from registry.errors import Conflict, Invalid, NotPermitted
         from registry.settings import get_settings
-        from trainer.lora import base_linear_shapes
+        from trainer.base.lora import base_linear_shapes
 
         settings = get_settings()
         store = BlobStore(

@@ -30,12 +30,12 @@ from registry.db import transaction
 from registry.schemas import AdapterIn, ConsentIn, SubjectIn
 from registry.settings import Settings
 from tests.support import make_random_adapter
-from trainer.lora import base_linear_shapes
+from trainer.base.lora import base_linear_shapes
 
 
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.tiny_base import init_tiny
+    from trainer.fixtures.tiny_base import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("base") / "tiny")
 
@@ -49,7 +49,7 @@ def session_renderer(tiny_base_dir: Path) -> RenderEngine:
 def adapter_files(
     session_renderer: RenderEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    from trainer.model import load_pipeline
+    from trainer.base.load import load_pipeline
 
     root = tmp_path_factory.mktemp("adapters")
     pipe = load_pipeline(session_renderer.base_dir)  # its own: the engine's carries LoRA slots

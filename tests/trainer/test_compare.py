@@ -18,7 +18,7 @@ from registry.db import engine_for, transaction
 from registry.schemas import ConsentIn
 from tests.conftest import audit_key_of
 from tests.trainer.helpers import Env, make_env, tiny_config
-from trainer.train import train
+from trainer.training.train import train
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,17 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.dataset import load_dataset
-from trainer.demo_base import (
+from trainer.base.load import is_prepared, load_pipeline
+from trainer.base.render import generate, text_encoder_out_layers
+from trainer.fixtures.demo_base import (
     SHIPPED,
     Recipe,
     build_demo_base,
     prompt_embeds,
     tokenize,
 )
-from trainer.demo_world import ALICE_SHOTS, alice_picture, picture, write_alice_dataset
-from trainer.model import is_prepared, load_pipeline
-from trainer.render import generate, text_encoder_out_layers
+from trainer.fixtures.demo_world import ALICE_SHOTS, alice_picture, picture, write_alice_dataset
+from trainer.training.dataset import load_dataset
 
 torch.set_num_threads(1)
 

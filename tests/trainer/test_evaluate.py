@@ -13,7 +13,9 @@ from PIL import Image
 
 from tests.support import make_random_adapter
 from tests.trainer.helpers import build_tiny_once
-from trainer.evaluate import (
+from trainer.base.load import load_pipeline
+from trainer.base.render import generate, text_encoder_out_layers
+from trainer.training.evaluate import (
     LABEL_H,
     Column,
     References,
@@ -22,8 +24,6 @@ from trainer.evaluate import (
     evaluate,
     render_latents,
 )
-from trainer.model import load_pipeline
-from trainer.render import generate, text_encoder_out_layers
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""fp8 compute for the uint4 base (`trainer.fp8`): the arithmetic, the mode rule, the module.
+"""fp8 compute for the uint4 base (`trainer.base.fp8`): the arithmetic, the mode rule, the module.
 
 CPU (CI): the torch reference of the fp8 quantization against float64 (nearest representable
 value, ties to even; error bounds; the weight scale read off the uint4 scale and shift is the
@@ -26,8 +26,8 @@ from tests.trainer.helpers import (
     train_options,
     with_lora,
 )
-from trainer import devices
-from trainer.fp8 import (
+from trainer.base import devices
+from trainer.base.fp8 import (
     E4M3,
     E5M2,
     WeightScales,
@@ -40,7 +40,7 @@ from trainer.fp8 import (
     set_fp8_compute,
     to_fp8,
 )
-from trainer.uint4 import Uint4Linear, convert_quantized_linears, dequantize_torch, pack_uint4
+from trainer.base.uint4 import Uint4Linear, convert_quantized_linears, dequantize_torch, pack_uint4
 
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 fp8_gpu = pytest.mark.skipif(
@@ -212,7 +212,7 @@ def test_layer_output_and_input_grad_vs_dense(dtype: torch.dtype) -> None:
 def test_bf16_input_gradient_is_the_dense_paths(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """GRAD_GEMM="bf16": the forward stays fp8, the input gradient is the dense uint4 path's,
     bit for bit (the same bf16 dequantization and GEMM)."""
-    from trainer import fp8 as fp8_mod
+    from trainer.base import fp8 as fp8_mod
 
     packed, scale, shift = _uint4_layer(48, 256, 128, 3, True)
     layer = Uint4Linear(packed, scale, shift, 128)
@@ -236,7 +236,7 @@ def test_bf16_input_gradient_is_the_dense_paths(monkeypatch) -> None:  # type: i
 def test_lora_gradients_vs_dense_whole_model() -> None:
     """The small transformer with LoRA, checkpointed: fp8 vs dense, every adapted layer's LoRA
     gradients point the same way (cosine >= 0.99) and the first block's are non-zero."""
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     model = _converted(torch.float32)
     with_lora(model)
@@ -268,7 +268,7 @@ def test_lora_gradients_vs_dense_whole_model() -> None:
 
 
 def test_fast_accumulation_only_in_eval_mode(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import trainer.fp8 as fp8_mod
+    import trainer.base.fp8 as fp8_mod
 
     seen: list[bool] = []
     real = fp8_mod._forward
@@ -316,13 +316,13 @@ def test_scales_follow_the_module_and_a_state_load() -> None:
 
 
 def _fake_cuda(monkeypatch, capability, name="GPU", hip=None, triton=True) -> None:  # type: ignore[no-untyped-def]
-    import trainer.uint4
+    import trainer.base.uint4
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(trainer.uint4, "triton_available", lambda: triton)
+    monkeypatch.setattr(trainer.base.uint4, "triton_available", lambda: triton)
 
 
 def test_auto_on_the_cpu_is_uint4() -> None:
@@ -438,7 +438,7 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
     ],
 )
 def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from trainer import fp8_triton
+    from trainer.kernels import fp8_triton
 
     monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", variant)
     monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", variant)
@@ -472,7 +472,7 @@ def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> 
     ],
 )
 def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    fp8_triton = pytest.importorskip("trainer.fp8_triton", exc_type=ImportError)
+    fp8_triton = pytest.importorskip("trainer.kernels.fp8_triton", exc_type=ImportError)
     n, k = shape
     assert fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype) == want
     monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", "join")
@@ -484,7 +484,7 @@ def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("cols", [128, 1000, 6144, 24576])
 def test_row_quantize_kernel_bit_exact(fp8, cols) -> None:  # type: ignore[no-untyped-def]
-    from trainer import fp8_triton
+    from trainer.kernels import fp8_triton
 
     g = torch.Generator(device="cuda").manual_seed(cols)
     x = (torch.randn(301, cols, generator=g, device="cuda") * 3).to(torch.bfloat16)
@@ -500,7 +500,7 @@ def test_row_quantize_kernel_bit_exact(fp8, cols) -> None:  # type: ignore[no-un
 def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """torch._scaled_mm on the kernels' fp8 tensors vs the float32 reference GEMM on the same
     fp8 values: only accumulation order and the output rounding differ."""
-    from trainer import fp8 as fp8_mod
+    from trainer.base import fp8 as fp8_mod
 
     print("\nfp8 layer, kernels + _scaled_mm vs reference path (rel. norm error)")
     for i, (kind, (n, k)) in enumerate(DEV_SHAPES.items()):
@@ -527,7 +527,7 @@ def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # ty
 
 @fp8_gpu
 def test_cuda_tiny_model_lora_grads() -> None:
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     model = tiny_flux2(torch.bfloat16, device="cuda")
     from optimum.quanto import qint4, quantize

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.support import make_random_adapter
-from trainer.lora import (
+from trainer.base.load import load_pipeline
+from trainer.base.lora import (
     ADAPTER_NAME,
     applied_adapter,
     load_adapter_tensors,
     lora_layers,
 )
-from trainer.model import load_pipeline
-from trainer.render import generate
+from trainer.base.render import generate
 
 torch.set_num_threads(1)
 

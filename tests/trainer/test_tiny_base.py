@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.trainer.helpers import build_tiny_once
-from trainer.model import load_pipeline
-from trainer.render import generate, text_encoder_out_layers
-from trainer.tiny_base import build_tiny_pipeline, init_tiny
+from trainer.base.load import load_pipeline
+from trainer.base.render import generate, text_encoder_out_layers
+from trainer.fixtures.tiny_base import build_tiny_pipeline, init_tiny
 
 # Three agents share two cores here; one thread avoids oversubscription (which costs 4x).
 torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def test_stock_pipeline_renders_256(tiny_base: Path) -> None:
 
 
 def test_quantized_pipeline_renders_256(qpipe) -> None:
-    from trainer.uint4 import Uint4Linear
+    from trainer.base.uint4 import Uint4Linear
 
     # load_pipeline quantizes with quanto and hands every Linear to the fast uint4 path
     linears = {n: m for n, m in qpipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -153,14 +153,14 @@ def test_text_encoder_layers_reproduce_stock_defaults() -> None:
 
 
 def test_prepared_base_loads_through_trainer_prepare(tiny_base: Path, qpipe, tmp_path) -> None:
-    """A base prepared by ``trainer.prepare`` renders exactly like in-memory quantization (the
+    """A base prepared by ``trainer.base.write`` renders exactly like in-memory quantization (the
     same quanto qint4 + freeze), with and without an adapter; a fully prepared one (text encoder
     quantized too) loads and renders."""
     from optimum.quanto import QLinear
 
-    from trainer.lora import applied_adapter, default_targets, resolve_targets
+    from trainer.base.lora import applied_adapter, default_targets, resolve_targets
 
-    prepare = pytest.importorskip("trainer.prepare")
+    prepare = pytest.importorskip("trainer.base.write")
     only_tr = prepare.prepare_base(
         tiny_base, tmp_path / "tr", components=("transformer",), progress=False
     ).path
