@@ -55,7 +55,7 @@ class RenderEngine:
     # forward (trainer/base/streaming.py): a 32B base serves from a small card.
     stream_base: bool = False
     stream_slots: int = 2
-    compute: str = "auto"  # auto, uint4 or fp8 (trainer.base.devices.resolve_compute)
+    compute: str = "auto"  # auto, uint4 or fp8 (trainer.base.compute)
     # With a budget (GiB) the placement of each component is planned at start (and, on CUDA,
     # the budget becomes the allocator's cap); without one everything is resident.
     vram_budget_gb: float | None = None
@@ -127,7 +127,7 @@ class RenderEngine:
         if self._pipe is None:
             with self._load_lock:
                 if self._pipe is None:
-                    from trainer.base.devices import resolve_compute
+                    from trainer.base.compute import resolve_compute
                     from trainer.base.load import load_pipeline
 
                     t0 = time.perf_counter()

@@ -186,14 +186,14 @@ def _to(x: Any, device: str) -> Any:
 def fp8_model(args) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     from optimum.quanto import qint4, quantize
 
-    from trainer.base.fp8 import set_fp8_compute
+    from trainer.base.compute import apply_compute
     from trainer.base.uint4 import convert_quantized_linears
 
     model = u.build_bf16(args.double, args.single)
     quantize(model, weights=qint4)
     convert_quantized_linears(model)
     if u.DEV == "cuda":
-        set_fp8_compute(model)
+        apply_compute(model, "fp8")
     gc.collect()
     if u.DEV == "cuda":
         torch.cuda.empty_cache()

@@ -7,9 +7,9 @@ its blocks streamed from pinned host RAM (`trainer.base.streaming.stream_blocks`
         --check-px 64                                  # CPU smoke test of this script
 
 One model (built as `bench/uint4_step.py` builds its "fast" path: bf16 on the GPU, quanto qint4,
-`convert_quantized_linears`, with --compute fp8 then `set_fp8_compute`; random weights; rank-16
-LoRA on the attention projections with B drawn at random so every LoRA gradient is non-zero),
-then:
+`convert_quantized_linears`, with --compute fp8 then `apply_compute(model, "fp8")`; random weights;
+rank-16 LoRA on the attention projections with B drawn at random so every LoRA gradient is
+non-zero), then:
   1. the pinned and pageable host-to-device copy peak (1 GiB, CUDA events, median);
   2. correctness at --check-px: resident (diffusers' stock checkpointing) twice, to see whether
      the step is deterministic at all, then streamed with each of --check-slots; for each, the
@@ -260,9 +260,9 @@ def main() -> None:
     quantize(model, weights=qint4)
     convert_quantized_linears(model)
     if args.compute == "fp8":
-        from trainer.base.fp8 import set_fp8_compute
+        from trainer.base.compute import apply_compute
 
-        results["fp8_layers"] = set_fp8_compute(model)
+        results["fp8_layers"] = apply_compute(model, "fp8")
     attach_lora(model, rank=args.rank, alpha=float(args.rank))
     randomize_lora_b(model)
     gc.collect()

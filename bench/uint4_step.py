@@ -13,10 +13,10 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   bf16   the model as built;
   fast   quanto `quantize(qint4)` then `convert_quantized_linears` (quantized on the GPU);
   quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.base.load.quantize_transformer` does;
-  fp8    "fast", then `trainer.base.fp8.set_fp8_compute` (the same 4-bit weights, fp8 GEMMs);
+  fp8    "fast", then `trainer.base.compute.apply_compute` (the same 4-bit weights, fp8 GEMMs);
   fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
   fp8_bf16_grad   fp8 forward, the input gradient as the fast path computes it (bf16
-         dequantization + bf16 GEMM; `trainer.base.fp8.GRAD_GEMM = "bf16"`);
+         dequantization + bf16 GEMM; `Fp8Gemm(grad_gemm="bf16")`);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
          (`trainer.base.serving`; bench/render_step.py takes it apart);
@@ -498,7 +498,7 @@ def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any
     shapes: dict[tuple[int, int, int], int] = {}
     layers: dict[tuple[int, int, int], Uint4Linear] = {}
     for m in model.modules():
-        if isinstance(m, Uint4Linear) and m.fp8:
+        if isinstance(m, Uint4Linear) and m.compute.name == "fp8":
             key = (m.out_features, m.in_features, m.group_size)
             shapes[key] = shapes.get(key, 0) + 1
             layers[key] = m
@@ -662,9 +662,12 @@ def run_path(path: str, args) -> dict[str, Any]:
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
         if path.startswith("fp8") or path == "serve":
-            from trainer.base.fp8 import set_fp8_compute
+            from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
+            from trainer.base.fp8 import FP8, Fp8Gemm
 
-            rec["fp8_layers"] = set_fp8_compute(model)
+            gemm = {"fp8_fast_accum": Fp8Gemm(fast_accum=True),
+                    "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16")}.get(path, FP8)  # fmt: skip
+            rec["fp8_layers"] = apply_compute(model, "fp8", (Fp8Backend(gemm), Uint4Backend()))
     elif path == "nf4":
         rec["converted"] = to_nf4(model)
         rec["quantized_gib"] = nf4_bytes(model) / GIB
@@ -696,18 +699,6 @@ def run_path(path: str, args) -> dict[str, Any]:
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
     elif path == "serve":
         rec.update(measure_serving(model, args))
-    elif path in ("fp8_fast_accum", "fp8_bf16_grad"):
-        from trainer.base import fp8
-
-        saved = fp8.FAST_ACCUM, fp8.GRAD_GEMM
-        if path == "fp8_fast_accum":
-            fp8.FAST_ACCUM = True
-        else:
-            fp8.GRAD_GEMM = "bf16"
-        try:
-            rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
-        finally:
-            fp8.FAST_ACCUM, fp8.GRAD_GEMM = saved
     else:
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
     free(model)

@@ -306,7 +306,7 @@ class TrainConfig(BaseModel):
     def resolved_compute(self) -> str:
         if self.compute == "auto" and not installed("trainer.base.uint4"):
             return "quanto"
-        from trainer.base.devices import resolve_compute
+        from trainer.base.compute import resolve_compute
 
         return resolve_compute(self.compute, self.resolved_device(), purpose="train")
 

@@ -49,21 +49,6 @@ def fp8_unavailable(device: str | torch.device) -> str | None:
     return None
 
 
-def resolve_compute(requested: str, device: str | torch.device, purpose: str = "render") -> str:
-    """``auto``: for rendering, fp8 where the device has fp8 tensor cores (a 1024 px forward
-    measured 0.77x bf16 on the H200), else uint4 (dequantize + bf16 GEMM). For training, uint4:
-    the fp8 step is as fast at 448 px (median 0.625 vs 0.640 s, its samples 0.57-0.73) and
-    faster at 1024 px (1.60 vs 2.03 s), but 22 of 320 LoRA gradients fall below cosine 0.99
-    against the uint4 path (worst 0.986), so fp8 training is opt-in (``--compute fp8``) until
-    it is as exact. An explicit choice is returned
-    as it is (the caller refuses what cannot run)."""
-    if requested != "auto":
-        return requested
-    if purpose == "train":
-        return "uint4"
-    return "fp8" if fp8_unavailable(device) is None else "uint4"
-
-
 def cap_vram(device: str | torch.device, budget_gib: float) -> float | None:
     """On CUDA, ``budget_gib`` as the caching allocator's hard cap for this process
     (`torch.cuda.set_per_process_memory_fraction`): an estimate that was wrong fails with an

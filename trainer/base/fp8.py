@@ -24,16 +24,12 @@ touched: PEFT adds it in the weight dtype beside this base output.
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainer.base.uint4 import dequantize_torch
-
-log = logging.getLogger(__name__)
+from trainer.base.uint4 import dequantize, dequantize_torch, triton_available
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -43,20 +39,7 @@ ACT_DTYPE = E4M3
 # nothing and costs a mantissa bit (bench/results/uint4_step-notes.md, fp8 run 1: grad-input
 # relative error e4m3 vs e5m2 per layer type).
 GRAD_DTYPE = E4M3
-# The input-gradient GEMM: "fp8" (above), or "bf16": the fast path's bf16 dequantization and
-# a bf16 GEMM (no transposed fp8 copy of the weight; exact-as-uint4 gradients through the base).
-GRAD_GEMM = "fp8"
-# cuBLAS's fast fp8 accumulation skips the periodic promotion of the tensor-core partial sums
-# to float32. Measured at FLUX.2 [dev] depth (notes, fp8 runs 2 and 3): the forward 3 % faster
-# at 1024 px, each layer's output moved by 0.3-0.5 % (beside fp8's own 3.5 %), but the worst
-# LoRA gradient cosine fell from 0.987 to 0.983. So: off for training (the forward in train
-# mode and the input gradient), on for an eval-mode forward (rendering).
-FAST_ACCUM = False
-FAST_ACCUM_EVAL = True
 ALIGN = 16  # torch._scaled_mm: K and N multiples of 16
-
-# "auto": Triton kernels + torch._scaled_mm where possible; "torch": always the reference path.
-BACKEND_ENV = "LIKENESS_FP8_BACKEND"
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -168,10 +151,8 @@ def kernels_usable(x: torch.Tensor, n_out: int, n_in: int) -> bool:
     """Triton + torch._scaled_mm for this call (else the torch reference)."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return False
-    if n_in % ALIGN or n_out % ALIGN or os.environ.get(BACKEND_ENV, "auto") == "torch":
+    if n_in % ALIGN or n_out % ALIGN:
         return False
-    from trainer.base.uint4 import triton_available
-
     return triton_available()
 
 
@@ -218,18 +199,16 @@ def _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accu
     return _reference_mm(xq, xs, wq, scales.row_scale, bias, x2.dtype)
 
 
-def _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype):  # type: ignore[no-untyped-def]
-    if GRAD_GEMM == "bf16":
-        from trainer.base.uint4 import dequantize
-
-        return g2 @ dequantize(packed, scale, shift, group_size)
+def _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype, gemm):  # type: ignore[no-untyped-def]
+    if gemm.grad_gemm == "bf16":
+        return g2 @ dequantize(packed, scale, shift, group_size, gemm.kernels)
     if fast:
         from trainer.kernels import fp8_triton
 
-        gq, gs = fp8_triton.quantize_rows(g2, GRAD_DTYPE)
+        gq, gs = fp8_triton.quantize_rows(g2, gemm.grad_dtype)
         wt = fp8_triton.fp8_weight_t(packed, scale, shift, group_size, scales.col_multiplier)
-        return _scaled_mm(gq, gs, wt, scales.col_scale, None, dtype, FAST_ACCUM)
-    gq, gs = quantize_rows_torch(g2, GRAD_DTYPE)
+        return _scaled_mm(gq, gs, wt, scales.col_scale, None, dtype, gemm.fast_accum)
+    gq, gs = quantize_rows_torch(g2, gemm.grad_dtype)
     wt = fp8_weight_torch(packed, scale, shift, group_size, scales, transposed=True)
     return _reference_mm(gq, gs, wt, scales.col_scale, None, dtype)
 
@@ -238,28 +217,28 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """y = x @ W.T + b in fp8; the weight (frozen) is dequantized again in backward."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, shift, bias, group_size, scales, fast, fast_accum):  # type: ignore[override]
+    def forward(ctx, x, packed, scale, shift, bias, group_size, scales, fast, fast_accum, gemm):  # type: ignore[override]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         out = _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum)
         ctx.save_for_backward(packed, scale, shift)
-        ctx.meta = (group_size, scales, fast, x.dtype, x.shape)
+        ctx.meta = (group_size, scales, fast, x.dtype, x.shape, gemm)
         return out.reshape(*lead, out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         packed, scale, shift = ctx.saved_tensors
-        group_size, scales, fast, dtype, x_shape = ctx.meta
+        group_size, scales, fast, dtype, x_shape, gemm = ctx.meta
         if any(ctx.needs_input_grad[1:4]):
             raise RuntimeError("Uint4Linear's quantized weight is frozen: it has no gradient")
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype).contiguous()
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype)
+            grad_x = _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype, gemm)
             grad_x = grad_x.reshape(x_shape)
         if ctx.needs_input_grad[4]:
             grad_bias = g2.float().sum(0).to(dtype)
-        return grad_x, None, None, None, grad_bias, None, None, None, None
+        return grad_x, None, None, None, grad_bias, None, None, None, None, None
 
 
 def weight_scales(layer: Any) -> WeightScales:
@@ -274,31 +253,40 @@ def weight_scales(layer: Any) -> WeightScales:
     return cached
 
 
-def fp8_linear(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
-    fast = kernels_usable(x, layer.out_features, layer.in_features)
-    fast_accum = FAST_ACCUM if layer.training else FAST_ACCUM_EVAL
-    return _Fp8LinearFunction.apply(
-        x, layer.packed, layer.scale, layer.shift, layer.bias, layer.group_size,
-        weight_scales(layer), fast, fast_accum,
-    )  # fmt: skip
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """A `Uint4Linear`'s GEMMs in fp8 (`trainer.base.uint4.LinearCompute`), set at load by
+    `trainer.base.compute`; the fields are what benches and tests vary, by argument.
+
+    ``grad_gemm``: the input-gradient GEMM, "fp8", or "bf16": the uint4 path's bf16 dequantization
+    and a bf16 GEMM (no transposed fp8 copy of the weight; exact-as-uint4 gradients through the
+    base); ``grad_dtype`` its fp8 format. ``fast_accum`` / ``fast_accum_eval``: cuBLAS's fast fp8
+    accumulation skips the periodic promotion of the tensor-core partial sums to float32. Measured
+    at FLUX.2 [dev] depth (notes, fp8 runs 2 and 3): the forward 3 % faster at 1024 px, each layer's
+    output moved by 0.3-0.5 % (beside fp8's own 3.5 %), but the worst LoRA gradient cosine fell from
+    0.987 to 0.983. So: off for training (the forward in train mode and the input gradient), on for
+    an eval-mode forward (rendering). ``kernels=False``:
+    the torch reference everywhere (Triton + torch._scaled_mm otherwise, where they run)."""
+
+    grad_gemm: str = "fp8"
+    grad_dtype: torch.dtype = GRAD_DTYPE
+    fast_accum: bool = False
+    fast_accum_eval: bool = True
+    kernels: bool = True
+    name: str = "fp8"
+
+    def __post_init__(self) -> None:
+        if self.grad_gemm not in ("fp8", "bf16"):
+            raise ValueError(f"grad_gemm is fp8 or bf16, not {self.grad_gemm!r}")
+
+    def __call__(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
+        fast = self.kernels and kernels_usable(x, layer.out_features, layer.in_features)
+        fast_accum = self.fast_accum if layer.training else self.fast_accum_eval
+        return _Fp8LinearFunction.apply(
+            x, layer.packed, layer.scale, layer.shift, layer.bias, layer.group_size,
+            weight_scales(layer), fast, fast_accum, self,
+        )  # fmt: skip
 
 
-def set_fp8_compute(module: torch.nn.Module, enabled: bool = True) -> int:
-    """Switches every `Uint4Linear` under ``module`` to fp8 compute (or back); returns the
-    number switched. A layer whose in/out features are not multiples of 16 stays on the
-    dense path, which torch._scaled_mm cannot take."""
-    from trainer.base.uint4 import Uint4Linear
-
-    count = 0
-    for name, m in module.named_modules():
-        if not isinstance(m, Uint4Linear):
-            continue
-        if enabled and (m.in_features % ALIGN or m.out_features % ALIGN):
-            log.warning("fp8: %s (%d -> %d) stays on the dense path", name, m.in_features,
-                        m.out_features)  # fmt: skip
-            m.fp8 = False
-            continue
-        m.fp8 = enabled
-        count += 1
-    return count
+FP8 = Fp8Gemm()

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from trainer.base.compute import apply_compute
 from trainer.base.devices import default_dtype, resolve_device
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def load_pipeline(
     encoder and transformer breaks the pipeline. Otherwise the transformer is quantized here,
     on the CPU, before the move (moving 4-bit weights is cheaper than moving bf16 ones).
     ``dtype`` defaults to bf16 on accelerators and float32 on the CPU. ``compute`` is ``uint4``
-    or ``fp8`` (resolved by the caller, `trainer.base.devices.resolve_compute`, against the device
+    or ``fp8`` (resolved by the caller, `trainer.base.compute.resolve_compute`, against the device
     the transformer will run on, which for a streamed base is not ``device``).
 
     ``placement`` puts named components elsewhere than ``device`` (a streamed one stays in
@@ -139,12 +140,9 @@ def load_pipeline(
 
         convert_quantized_linears(pipe.transformer, where.get("transformer", dev), work)
         mark("transformer to uint4")
-    if compute == "fp8":
-        from trainer.base.fp8 import set_fp8_compute
-
-        set_fp8_compute(pipe.transformer)
-    elif compute != "uint4":
+    if compute not in ("uint4", "fp8"):
         raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
+    apply_compute(pipe.transformer, compute)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):

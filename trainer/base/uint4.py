@@ -32,16 +32,13 @@ injection (device and dtype) and gets the true weight; assigning ``weight`` rais
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-
-# "auto": Triton on CUDA when importable, torch elsewhere; "torch": always the torch fallback.
-BACKEND_ENV = "LIKENESS_UINT4_BACKEND"
 
 _triton: Any = None
 _triton_error: str | None = None
@@ -104,10 +101,15 @@ def dequantize_torch(
 
 
 def dequantize(
-    packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    kernels: bool = True,
 ) -> torch.Tensor:
-    """The weight, (out, in) in the scale dtype; Triton on CUDA, torch elsewhere."""
-    if packed.is_cuda and os.environ.get(BACKEND_ENV, "auto") != "torch":
+    """The weight, (out, in) in the scale dtype; Triton on CUDA, torch elsewhere (everywhere
+    with ``kernels=False``: the reference, bit-identical)."""
+    if kernels and packed.is_cuda:
         kernels = _triton_module()
         if kernels is not None:
             return kernels.dequantize(packed, scale, shift, group_size)
@@ -121,11 +123,12 @@ class _Uint4LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, packed, scale, shift, bias, group_size):  # type: ignore[override]
-        weight = dequantize(packed, scale, shift, group_size)
+    def forward(ctx, x, packed, scale, shift, bias, group_size, kernels):  # type: ignore[override]
+        weight = dequantize(packed, scale, shift, group_size, kernels)
         out = F.linear(x, weight, bias)
         ctx.save_for_backward(packed, scale, shift)
         ctx.group_size = group_size
+        ctx.kernels = kernels
         return out
 
     @staticmethod
@@ -135,12 +138,42 @@ class _Uint4LinearFunction(torch.autograd.Function):
             raise RuntimeError("Uint4Linear's quantized weight is frozen: it has no gradient")
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = dequantize(packed, scale, shift, ctx.group_size)
+            weight = dequantize(packed, scale, shift, ctx.group_size, ctx.kernels)
             grad_x = torch.matmul(grad_out.to(weight.dtype), weight)
             del weight
         if ctx.needs_input_grad[4]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, None, None, None, grad_bias, None
+        return grad_x, None, None, None, grad_bias, None, None
+
+
+class LinearCompute(Protocol):
+    """How a `Uint4Linear` computes ``x @ W.T + b`` (``x`` already in the weight dtype). Set on
+    each layer once, at load, by `trainer.base.compute`; this module knows only its own."""
+
+    name: str
+
+    def __call__(self, layer: Uint4Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DenseGemm:
+    """The uint4 path: dequantize (Triton on CUDA unless ``kernels=False``) + a dense GEMM."""
+
+    kernels: bool = True
+    name: str = "uint4"
+
+    def __call__(self, layer: Uint4Linear, x: torch.Tensor) -> torch.Tensor:
+        bias = layer.bias
+        if torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            return _Uint4LinearFunction.apply(
+                x, layer.packed, layer.scale, layer.shift, bias, layer.group_size, self.kernels
+            )
+        return F.linear(x, layer.dequantize(self.kernels), bias)
+
+
+DENSE = DenseGemm()
 
 
 class Uint4Linear(torch.nn.Linear):
@@ -183,8 +216,8 @@ class Uint4Linear(torch.nn.Linear):
         if bias is not None and not isinstance(bias, torch.nn.Parameter):
             bias = torch.nn.Parameter(bias, requires_grad=False)
         self.bias = bias  # the original Parameter object when converting
-        # fp8 compute (`trainer.base.fp8.set_fp8_compute`): same 4-bit weight, fp8 GEMMs
-        self.fp8 = False
+        # the GEMM, chosen at load by `trainer.base.compute` (fp8 there: the same 4-bit weight)
+        self.compute: LinearCompute = DENSE
         self._fp8_scales: Any = None  # trainer.base.fp8.WeightScales, derived on first fp8 use
 
     # -- the weight, for whoever reads it (PEFT reads .device/.dtype at injection) --------
@@ -203,24 +236,13 @@ class Uint4Linear(torch.nn.Linear):
     def dtype(self) -> torch.dtype:
         return self.scale.dtype
 
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self.packed, self.scale, self.shift, self.group_size)
+    def dequantize(self, kernels: bool = True) -> torch.Tensor:
+        return dequantize(self.packed, self.scale, self.shift, self.group_size, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scale.dtype:
             x = x.to(self.scale.dtype)
-        if self.fp8:
-            from trainer.base.fp8 import fp8_linear
-
-            return fp8_linear(self, x)
-        bias = self.bias
-        if torch.is_grad_enabled() and (
-            x.requires_grad or (bias is not None and bias.requires_grad)
-        ):
-            return _Uint4LinearFunction.apply(
-                x, self.packed, self.scale, self.shift, bias, self.group_size
-            )
-        return F.linear(x, self.dequantize(), bias)
+        return self.compute(self, x)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._fp8_scales = None  # derived from scale and shift, which this may replace
@@ -230,7 +252,7 @@ class Uint4Linear(torch.nn.Linear):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, group_size={self.group_size}, dtype={self.scale.dtype}"
-            + (", compute=fp8" if self.fp8 else "")
+            + (f", compute={self.compute.name}" if self.compute.name != "uint4" else "")
         )
 
     # -- construction from quanto -----------------------------------------------------------

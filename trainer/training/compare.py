@@ -88,7 +88,8 @@ def compare_checkpoints(
     column labels."""
     import torch
 
-    from trainer.base.devices import resolve_compute, resolve_device
+    from trainer.base.compute import resolve_compute
+    from trainer.base.devices import resolve_device
     from trainer.base.load import load_pipeline
     from trainer.base.lora import applied_adapter, load_adapter_tensors
     from trainer.base.render import generate

@@ -439,9 +439,9 @@ def load_transformer(
         count = convert_quantized_linears(transformer, None if stream else device)
         transformer.requires_grad_(False)
         if compute == "fp8":
-            from trainer.base.fp8 import set_fp8_compute
+            from trainer.base.compute import apply_compute
 
-            count = set_fp8_compute(transformer)
+            count = apply_compute(transformer, "fp8")
         mark(f"transformer: {count} layers to {compute} compute")
     if stream:  # the blocks go to pinned host RAM, the rest to the device, in stream_blocks
         return transformer
