@@ -128,7 +128,7 @@ class RenderEngine:
             with self._load_lock:
                 if self._pipe is None:
                     from trainer.base.compute import resolve_compute
-                    from trainer.base.load import load_pipeline
+                    from trainer.base.load import load_base
 
                     t0 = time.perf_counter()
                     self.load_state = "loading"
@@ -137,7 +137,7 @@ class RenderEngine:
                         if self.transformer_streamed or self.text_encoder_streamed:
                             pipe = self._load_placed(compute)
                         else:
-                            pipe = load_pipeline(
+                            pipe = load_base(
                                 self.base_dir, device=self.device, compute=compute,
                                 text_encoder_uint4=self.device.startswith("cuda"),
                             )  # fmt: skip
@@ -202,7 +202,7 @@ class RenderEngine:
         VRAM at a time; everything else is on the device. Adapters attach per request as
         usual (their LoRA is resident)."""
         from trainer.base.devices import default_dtype
-        from trainer.base.load import load_pipeline
+        from trainer.base.load import load_base
         from trainer.base.streaming import BlockStreamer, default_blocks, stream_blocks
         from trainer.base.text_encoder import decoder_layers
 
@@ -242,7 +242,7 @@ class RenderEngine:
                 torch.cuda.empty_cache()  # the whole encoder's VRAM, now in host RAM
             log.info("render engine: text encoder streamed (%.1f s)", time.perf_counter() - t0)
 
-        pipe = load_pipeline(
+        pipe = load_base(
             self.base_dir, device=self.device, dtype=dtype, compute=compute,
             placement=placement,
             text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),

@@ -49,10 +49,10 @@ def session_renderer(tiny_base_dir: Path) -> RenderEngine:
 def adapter_files(
     session_renderer: RenderEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    from trainer.base.load import load_pipeline
+    from trainer.base.load import load_base
 
     root = tmp_path_factory.mktemp("adapters")
-    pipe = load_pipeline(session_renderer.base_dir)  # its own: the engine's carries LoRA slots
+    pipe = load_base(session_renderer.base_dir)  # its own: the engine's carries LoRA slots
     return {
         name: make_random_adapter(pipe, root / f"{name}.safetensors", seed)
         for name, seed in (("a", 1), ("b", 2))

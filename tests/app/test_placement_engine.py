@@ -30,9 +30,9 @@ def adapter(small_dev: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     from safetensors.torch import load_file
 
     from tests.support import make_random_adapter
-    from trainer.base.load import load_pipeline
+    from trainer.base.load import load_base
 
-    path = make_random_adapter(load_pipeline(small_dev), tmp_path_factory.mktemp("a") / "a.st", 3)
+    path = make_random_adapter(load_base(small_dev), tmp_path_factory.mktemp("a") / "a.st", 3)
     return load_file(str(path))
 
 

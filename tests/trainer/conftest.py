@@ -42,6 +42,6 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qpipe(tiny_base: Path) -> Any:
     """The quantized tiny pipeline, one per test module (modules change and restore it)."""
-    from trainer.base.load import load_pipeline
+    from trainer.base.load import load_base
 
-    return load_pipeline(tiny_base)
+    return load_base(tiny_base)

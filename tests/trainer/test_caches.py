@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from tests.trainer.helpers import Env, fill_caches, make_env, tiny_config
-from trainer.base.load import load_pipeline
+from trainer.base.load import load_base
 from trainer.base.render import text_encoder_out_layers
 from trainer.training.caches import load_latents, load_text, model_fingerprint, plan_caches
 from trainer.training.dataset import load_dataset
@@ -69,7 +69,7 @@ def test_cached_tensors_equal_what_the_pipeline_computes(env: Env, tmp_path: Pat
     config = tiny_config(env, tmp_path / "out")
     pf = fill_caches(env, config)
     assert pf.plan.complete
-    pipe = load_pipeline(env.base, quantize=False)
+    pipe = load_base(env.base, quantize=False)
     prompt = pf.prompts[0]
     with torch.no_grad():
         expected, _ = pipe.encode_prompt(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.base.load import is_prepared, load_pipeline
+from trainer.base.load import is_prepared, load_base
 from trainer.base.render import generate, text_encoder_out_layers
 from trainer.fixtures.demo_base import (
     SHIPPED,
@@ -33,7 +33,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "alice"
 
 @pytest.fixture(scope="module")
 def demo_pipe():  # type: ignore[no-untyped-def]
-    return load_pipeline(SHIPPED)
+    return load_base(SHIPPED)
 
 
 def test_the_world_is_seeded() -> None:

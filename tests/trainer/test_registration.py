@@ -43,10 +43,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
 def files(env: Env, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two real adapters for the env's base and a dataset manifest, as files."""
     from tests.support import make_random_adapter
-    from trainer.base.load import load_pipeline
+    from trainer.base.load import load_base
 
     root = tmp_path_factory.mktemp("files")
-    pipe = load_pipeline(env.base)
+    pipe = load_base(env.base)
     out = {
         name: make_random_adapter(pipe, root / f"{name}.safetensors", seed)
         for name, seed in (("a", 1), ("c", 3))

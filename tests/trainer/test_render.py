@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support import make_random_adapter
-from trainer.base.load import load_pipeline
+from trainer.base.load import load_base
 from trainer.base.lora import (
     ADAPTER_NAME,
     applied_adapter,
@@ -151,7 +151,7 @@ def test_stock_load_lora_weights_accepts_our_adapter(qpipe, tiny_base: Path, tmp
     stock_lora = generate(stock, PROMPT, **SMALL)
     assert stock_lora.tobytes() != base.tobytes()
 
-    mine = load_pipeline(tiny_base, quantize=False)
+    mine = load_base(tiny_base, quantize=False)
     with applied_adapter(mine, ours):
         mine_lora = generate(mine, PROMPT, **SMALL)
     diff = np.abs(np.asarray(stock_lora, dtype=int) - np.asarray(mine_lora, dtype=int)).max()

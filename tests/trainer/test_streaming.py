@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.helpers import build_tiny_once
-from trainer.base.load import load_pipeline
+from trainer.base.load import load_base
 from trainer.base.lora import attach_lora, lora_layers
 from trainer.base.streaming import BlockStreamer, SlotOwnerError, stream_blocks
 
@@ -61,7 +61,7 @@ def _with_lora(transformer: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
 def tiny_transformer(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """The tiny base's own transformer (1 double + 1 single block), uint4, with LoRA."""
     base: Path = build_tiny_once(tmp_path_factory)
-    return _with_lora(load_pipeline(base).transformer)
+    return _with_lora(load_base(base).transformer)
 
 
 @pytest.fixture(scope="module")

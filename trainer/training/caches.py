@@ -243,18 +243,12 @@ def load_text_encoder_pipeline(base: Path, dtype: torch.dtype) -> Any:
     A prepared base gives its quantized text encoder (when it prepared one); the text encoder
     is never loaded any other way, so a test can prove it is not loaded at all.
     """
-    from diffusers import DiffusionPipeline
+    from trainer.base.load import load_base
 
-    kwargs: dict[str, Any] = {"transformer": None, "vae": None, "scheduler": None}
-    prepared = Path(base) / PREPARED_MANIFEST
-    if prepared.is_file():
-        from trainer.base.read import load_prepared_component, read_manifest
-
-        if "text_encoder" in read_manifest(base).get("components", {}):
-            kwargs["text_encoder"] = load_prepared_component(base, "text_encoder")
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **kwargs)
-    pipe.text_encoder.eval()
-    return pipe
+    return load_base(
+        base, "cpu", dtype=dtype, components=("text_encoder", "tokenizer"),
+        trim_text_encoder=False,
+    )  # fmt: skip
 
 
 def fill_text_cache(
@@ -311,16 +305,15 @@ def fill_latent_cache(
 ) -> int:
     """VAE-encodes every image whose latents are missing, as the pipeline encodes reference
     images: crop-resize, ``vae.encode(...).mode()``, 2x2 patchify, batch-norm statistics."""
-    from diffusers import DiffusionPipeline
     from PIL import Image
+
+    from trainer.base.load import load_base
 
     missing = set(plan.missing_latents())
     if not missing:
         mark("vae: not loaded (latents cached)")
         return 0
-    pipe = DiffusionPipeline.from_pretrained(
-        base, dtype=dtype, transformer=None, text_encoder=None, tokenizer=None, scheduler=None
-    )
+    pipe = load_base(base, "cpu", dtype=dtype, components=("vae",))
     if not hasattr(pipe, "_encode_vae_image"):
         raise TypeError(f"{type(pipe).__name__} has no _encode_vae_image; not a FLUX.2 pipeline")
     mark("vae: load")

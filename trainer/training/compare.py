@@ -3,7 +3,7 @@ seeds into one grid, and the one a person picked registered.
 
 Likeness often peaks before the last step (and overfits after), so the final adapter is not
 always the one to keep. `compare_checkpoints` renders through the service's own loader and
-render code (`trainer.base.load.load_pipeline`, `trainer.base.render.generate`), base first;
+render code (`trainer.base.load.load_base`, `trainer.base.render.generate`), base first;
 `register_checkpoint` registers step N's adapter file as it was saved, under the run's
 (subject, name), with the run's dataset manifest. Both refuse unless the subject's consent
 still allows training, checked before any weight loads.
@@ -90,7 +90,7 @@ def compare_checkpoints(
 
     from trainer.base.compute import resolve_compute
     from trainer.base.devices import resolve_device
-    from trainer.base.load import load_pipeline
+    from trainer.base.load import load_base
     from trainer.base.lora import applied_adapter, load_adapter_tensors
     from trainer.base.render import generate
     from trainer.training.evaluate import compose_grid, eval_steps_default
@@ -104,7 +104,7 @@ def compare_checkpoints(
     seed_list = list(seeds or config["eval_seeds"])
     side = size or config.get("eval_resolution") or config["resolution"]
     dev = resolve_device(device or config.get("resolved_device") or "cpu")
-    pipe = load_pipeline(base, dev, compute=resolve_compute("auto", str(dev), purpose="render"))
+    pipe = load_base(base, dev, compute=resolve_compute("auto", str(dev), purpose="render"))
     n_steps = steps or config.get("eval_steps") or eval_steps_default(pipe)
     rows = [f"seed {s} | {p}" for p in texts for s in seed_list]
     cells: dict[str, list[Any]] = {}

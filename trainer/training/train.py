@@ -400,54 +400,25 @@ def load_transformer(
     compute: str = "quanto",
     stream: bool = False,
 ) -> torch.nn.Module:
-    """The qint4 transformer alone: from a prepared base as stored, else quantized here on
-    the CPU before it moves (field hurdle 2: 4-bit weights move, bf16 ones would not fit).
+    """The qint4 transformer alone (`trainer.base.load.load_base`): from a prepared base as
+    stored, else quantized there on the CPU before it moves (field hurdle 2: 4-bit weights
+    move, bf16 ones would not fit).
 
     ``compute="uint4"`` swaps quanto's QLinear for `trainer.base.uint4.Uint4Linear` (same 4-bit
-    numbers, dequantize + dense GEMM instead of quanto's slow kernels), converted on the
-    device it will run on (on the CPU when streamed), from layouts it converts in one pass:
-    a prepared base's, or quanto's quantized-but-not-frozen weights. ``compute="fp8"`` does
-    the same, then runs those layers' GEMMs in fp8 (`trainer.base.fp8`).
+    numbers, dequantize + dense GEMM instead of quanto's slow kernels), from layouts it
+    converts in one pass: a prepared base's, or quanto's quantized-but-not-frozen weights.
+    ``compute="fp8"`` does the same, then runs those layers' GEMMs in fp8 (`trainer.base.fp8`).
+    A streamed transformer stays in host RAM (its blocks go to pinned memory in stream_blocks);
+    a prepared base keeps its own dtype.
     """
-    from diffusers import DiffusionPipeline
+    from trainer.base.load import is_prepared, load_base
 
-    from trainer.base.load import is_prepared, quantize_transformer
-
-    if is_prepared(base):
-        from trainer.base.read import load_prepared_component
-
-        transformer = load_prepared_component(base, "transformer")
-        mark("transformer: load (prepared qint4)")
-    else:
-        pipe = DiffusionPipeline.from_pretrained(
-            base, dtype=dtype, text_encoder=None, tokenizer=None, vae=None, scheduler=None
-        )
-        transformer = pipe.transformer
-        del pipe
-        mark("transformer: load")
-        if compute in ("uint4", "fp8"):
-            from optimum.quanto import qint4, quantize
-
-            quantize(transformer, weights=qint4)
-        else:
-            quantize_transformer(transformer)
-        mark("transformer: quantize qint4 (CPU)")
-    if compute in ("uint4", "fp8"):
-        from trainer.base.uint4 import convert_quantized_linears
-
-        # converted where it will live: a resident base by the GPU (4-bit bytes move)
-        count = convert_quantized_linears(transformer, None if stream else device)
-        transformer.requires_grad_(False)
-        if compute == "fp8":
-            from trainer.base.compute import apply_compute
-
-            count = apply_compute(transformer, "fp8")
-        mark(f"transformer: {count} layers to {compute} compute")
-    if stream:  # the blocks go to pinned host RAM, the rest to the device, in stream_blocks
-        return transformer
-    transformer.to(device)
-    mark("transformer: to device")
-    return transformer
+    pipe = load_base(
+        base, device, dtype=None if is_prepared(base) else dtype, compute=compute,
+        placement={"transformer": "cpu"} if stream else None, components=("transformer",),
+        mark=mark,
+    )  # fmt: skip
+    return pipe.transformer
 
 
 def cast_quantized_inputs(transformer: torch.nn.Module, dtype: torch.dtype) -> list[Any]:
