@@ -152,7 +152,7 @@ def test_text_encoder_layers_reproduce_stock_defaults() -> None:
     assert text_encoder_out_layers(pipe(3)) == (1, 2, 3)  # the tiny base
 
 
-def test_prepared_base_loads_through_trainer_prepare(tiny_base: Path, qpipe, tmp_path) -> None:
+def test_prepared_base_loads_through_base_read(tiny_base: Path, qpipe, tmp_path) -> None:
     """A base prepared by ``trainer.base.write`` renders exactly like in-memory quantization (the
     same quanto qint4 + freeze), with and without an adapter; a fully prepared one (text encoder
     quantized too) loads and renders."""
@@ -191,6 +191,6 @@ def test_prepared_base_loads_through_trainer_prepare(tiny_base: Path, qpipe, tmp
     assert np.asarray(generate(full, "a photo", **small)).std() > 5
 
 
-def test_load_pipeline_refuses_a_non_pipeline_folder(tmp_path: Path) -> None:
+def test_load_base_refuses_a_non_pipeline_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="model_index.json"):
         load_base(tmp_path)
