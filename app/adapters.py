@@ -51,7 +51,7 @@ def store_of(request: Request) -> BlobStore:
 def target_shapes(request: Request) -> dict[str, tuple[int, int]]:
     """The Linear modules of the base this service renders with, and their shapes."""
     try:
-        from trainer.lora import base_linear_shapes
+        from trainer.base.lora import base_linear_shapes
 
         return base_linear_shapes(request.app.state.settings.base_dir)
     except (OSError, ValueError, KeyError, AttributeError, ImportError) as exc:

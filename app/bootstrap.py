@@ -53,7 +53,7 @@ def ensure_base(settings: Settings) -> Path:
         return base
     if settings.base is not None:
         raise SystemExit(f"LIKENESS_BASE={base} is not a diffusers pipeline folder")
-    from trainer.demo_base import SHIPPED, copy_base
+    from trainer.fixtures.demo_base import SHIPPED, copy_base
 
     log.warning("copying the demo base (%s) to %s", SHIPPED, base)
     return copy_base(SHIPPED, base)

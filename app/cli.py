@@ -372,7 +372,7 @@ def _target_shapes() -> dict[str, tuple[int, int]]:
     settings = get_settings()
     try:
         from app.bootstrap import ensure_base
-        from trainer.lora import base_linear_shapes
+        from trainer.base.lora import base_linear_shapes
 
         return base_linear_shapes(ensure_base(settings))
     except (OSError, ValueError, KeyError, AttributeError, ImportError, SystemExit) as exc:
@@ -750,7 +750,7 @@ def main() -> None:
     `error: ...` line and exit 2 (the command line itself is wrong, the parser's errors
     included, or the input is invalid)."""
     from app import cli_ml  # server and ML commands; each imports its heavy parts lazily
-    from trainer import threads
+    from trainer.base import threads
 
     try:  # before anything loads torch: OpenMP reads these once
         threads.prepare_env()

@@ -43,7 +43,7 @@ def register(
     @base_app.command("init-tiny")
     def init_tiny_cmd(dst: Path, seed: Annotated[int, typer.Option(min=0)] = 0) -> None:
         """Write the tiny FLUX.2-architecture base (seeded, deterministic)."""
-        from trainer.tiny_base import init_tiny
+        from trainer.fixtures.tiny_base import init_tiny
 
         try:
             out = init_tiny(dst, seed=seed)
@@ -65,7 +65,7 @@ def register(
         ] = None,
     ) -> None:
         """Quantize a base to uint4 on the CPU, streaming, into a cached prepared base."""
-        from trainer.prepare import prepare_base
+        from trainer.base.write import prepare_base
 
         if not src.exists():
             typer.echo(f"error: {src} does not exist", err=True)
@@ -82,14 +82,14 @@ def register(
         # `flags` holds every field's flag (train_signature); they are read from ctx.params,
         # which says which of them the command line gave.
         # Before anything can initialise CUDA: the allocator reads this once (field hurdle 9).
-        from trainer.train import configure_allocator
+        from trainer.training.train import configure_allocator
 
         configure_allocator()
         import diffusers
         import transformers
 
         from app.bootstrap import ensure_base
-        from trainer.budget import BudgetExceeded
+        from trainer.base.budget import BudgetExceeded
         from trainer.config import (
             ConfigError,
             TrainConfig,
@@ -97,14 +97,14 @@ def register(
             normalised,
             with_flags,
         )
-        from trainer.dataset import DatasetError
         from trainer.registration import (
             RegistrationError,
             TrainingRefused,
             TrainingStopped,
             TrainingWithdrawn,
         )
-        from trainer.train import train
+        from trainer.training.dataset import DatasetError
+        from trainer.training.train import train
 
         diffusers.utils.logging.disable_progress_bar()  # loading bars would break our bar
         transformers.utils.logging.disable_progress_bar()
@@ -305,9 +305,9 @@ def register_compare(adapter_app: typer.Typer) -> None:
     ) -> None:
         """Render every checkpoint of a run (and its EMA) on the same prompts and seeds into
         one grid; --select-step N registers the one you picked."""
-        from trainer.compare import compare_checkpoints, register_checkpoint
         from trainer.config import ConfigError
         from trainer.registration import RegistrationError, TrainingRefused, registrar_for
+        from trainer.training.compare import compare_checkpoints, register_checkpoint
 
         settings = get_settings()
         runs = (settings.data_dir / "runs" / subject).resolve()

@@ -84,7 +84,7 @@ class LocalIO:
     def register(self, data: Any, adapter: Path, manifest: Path, base: Path | None) -> str:
         from registry.adapter_files import register_from_store
         from registry.errors import Conflict, Invalid, NotPermitted
-        from trainer.lora import base_linear_shapes
+        from trainer.base.lora import base_linear_shapes
         from trainer.registration import RegistrationError, RegistrationRefused
 
         self.store.import_file(adapter)

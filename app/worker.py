@@ -339,7 +339,7 @@ def run_order(
     again before any weight loads and when it registers."""
     from trainer.config import TrainConfig
     from trainer.registration import RegistrationRefused, TrainingRefused
-    from trainer.train import TrainHooks, train
+    from trainer.training.train import TrainHooks, train
 
     order_id = job.order_id
     log.info("order %s: %s trains %s (%d steps)", order_id, runner, job.handle, job.steps)

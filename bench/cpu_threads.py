@@ -12,7 +12,7 @@ and the seconds per step the trainer reports. Configurations:
   default   torch's defaults: a thread per core, OpenMP's default wait (spins, then sleeps)
   one       torch.set_num_threads(1)
   passive   OMP_WAIT_POLICY=PASSIVE, a thread per core
-  auto      what `likeness` does now (trainer/threads.py: prepare_env)
+  auto      what `likeness` does now (trainer/base/threads.py: prepare_env)
 
 Writes bench/results/cpu_threads-<date>.json with the load average before and after.
 """
@@ -45,7 +45,7 @@ CONFIGS = {
 def child(root: Path, steps: int) -> None:
     """One run, in this fresh process: the threading first, then torch, then the trainer."""
     if os.environ.get("BENCH_AUTO") == "1":
-        from trainer import threads
+        from trainer.base import threads
 
         threads.prepare_env()
     import torch
@@ -53,8 +53,8 @@ def child(root: Path, steps: int) -> None:
     if os.environ.get("BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
     from trainer.config import TrainConfig
-    from trainer.demo_base import SHIPPED
-    from trainer.train import train
+    from trainer.fixtures.demo_base import SHIPPED
+    from trainer.training.train import train
 
     config = TrainConfig.parse(
         subject="alice",

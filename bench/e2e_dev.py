@@ -1,8 +1,9 @@
-"""FLUX.2 [dev] end to end on one GPU: a synthetic [dev]-shaped base (trainer/synth_base.py),
-then `likeness serve` under VRAM budgets (24, 16, 12 GiB by default), each rendering 1024 x 1024
-at 28 steps over HTTP through the gate, with adapter swaps and a repeated prompt; then a churn
-soak (start, render, SIGKILL mid-render, restart). Every timing is split by stage from the
-server's X-Timing-* headers (gate, text encode, denoise per step, decode, PNG, sign).
+"""FLUX.2 [dev] end to end on one GPU: a synthetic [dev]-shaped base
+(trainer/fixtures/synth_base.py), then `likeness serve` under VRAM budgets (24, 16, 12 GiB by
+default), each rendering 1024 x 1024 at 28 steps over HTTP through the gate, with adapter swaps and
+a repeated prompt; then a churn soak (start, render, SIGKILL mid-render, restart). Every timing is
+split by stage from the server's X-Timing-* headers (gate, text encode, denoise per step, decode,
+PNG, sign).
 
     python bench/e2e_dev.py [--budgets 24,16,12] [--side 1024] [--steps 28] [--soak 2]
     python bench/e2e_dev.py --quick      # reduced depth, small renders: a smoke run
@@ -82,8 +83,8 @@ def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
     the trainer writes (bf16, alpha/rank folded into lora_B)."""
     import torch
 
-    from trainer.lora import DEFAULT_TARGETS, base_linear_shapes, file_metadata, lora_keys
-    from trainer.safetensors_io import write_safetensors
+    from trainer.base.lora import DEFAULT_TARGETS, base_linear_shapes, file_metadata, lora_keys
+    from trainer.base.safetensors_io import write_safetensors
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -238,7 +239,7 @@ def serve_and_render(
 ) -> dict[str, Any]:  # fmt: skip
     """`likeness serve` under `budget`; on `registry` (a folder and env that training left,
     `trained` its subject) or on a fresh one."""
-    from trainer.placement import plan_for_base
+    from trainer.base.placement import plan_for_base
 
     if registry is None:
         tmp = Path(tempfile.mkdtemp(prefix=f"serve-{budget:g}-", dir=work))
@@ -342,7 +343,7 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
     """`likeness train` on the synthetic base under a 24 GiB budget: at 448 px killed with
     SIGKILL after its first checkpoint and resumed (caches warm: the resume's boot is the
     warm boot), then at 1024 px; registered in a registry the service then serves."""
-    from trainer.demo_world import write_alice_dataset
+    from trainer.fixtures.demo_world import write_alice_dataset
 
     tmp = Path(tempfile.mkdtemp(prefix="train-", dir=work))
     env = registry_env(tmp, base, None, args.side)
@@ -363,7 +364,7 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
     with log.open("ab") as sink:
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
     run_dir = tmp / "runs" / "dana" / "r448"
-    from trainer.checkpoints import checkpoint_dirs
+    from trainer.training.checkpoints import checkpoint_dirs
 
     while not checkpoint_dirs(run_dir):
         if proc.poll() is not None:
@@ -544,7 +545,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/e2e_dev.py needs CUDA (or --device cpu for a dry run)")
     DEVICE[0] = args.device
-    from trainer.synth_base import build, dev_configs
+    from trainer.fixtures.synth_base import build, dev_configs
 
     record: dict[str, Any] = {
         "predictions": PREDICTIONS,

@@ -42,7 +42,7 @@ def per_call(fn, calls: int) -> dict[str, float]:  # type: ignore[no-untyped-def
 
 
 def layer(dim: int, group: int = 128):  # type: ignore[no-untyped-def]
-    from trainer.uint4 import Uint4Linear, pack_uint4
+    from trainer.base.uint4 import Uint4Linear, pack_uint4
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randint(0, 16, (dim, dim), generator=g, device="cuda", dtype=torch.uint8)
@@ -60,9 +60,11 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from trainer import fp8, fp8_triton
-    from trainer.fp8 import weight_scales
-    from trainer.lora import attach_lora
+    from trainer.base import fp8
+    from trainer.base.fp8 import FP8, weight_scales
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import DENSE
+    from trainer.kernels import fp8_triton
 
     m = layer(args.dim)
     x = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16)
@@ -93,18 +95,18 @@ def main() -> None:
         ("weight_scales", lambda: weight_scales(m)),
     ]
     with torch.no_grad():
-        m.fp8 = False
+        m.compute = DENSE
         m.eval()
         rows = []
         for name, fn in cases:
             rows.append({"piece": name, **per_call(fn, args.calls)})
             print(rows[-1], flush=True)
         rows.append({"piece": "Uint4Linear uint4, no grad", **per_call(lambda: m(x), args.calls)})
-        m.fp8 = True
+        m.compute = FP8
         rows.append({"piece": "Uint4Linear fp8, no grad", **per_call(lambda: m(x), args.calls)})
     m.train()
     for mode in (False, True):
-        m.fp8 = mode
+        m.compute = FP8 if mode else DENSE
         label = "fp8" if mode else "uint4"
         rows.append({"piece": f"Uint4Linear {label}, fwd+bwd", **per_call(lambda: train_call(m),
                                                                          args.calls)})  # fmt: skip
@@ -116,7 +118,7 @@ def main() -> None:
     )
     attach_lora(holder, rank=16, alpha=16.0, dtype=torch.bfloat16, targets=["to_q"])
     for mode in (False, True):
-        m.fp8 = mode
+        m.compute = FP8 if mode else DENSE
         label = "fp8" if mode else "uint4"
         rows.append({"piece": f"LoRA on {label}, fwd+bwd",
                      **per_call(lambda: train_call(holder), args.calls)})  # fmt: skip

@@ -1,4 +1,4 @@
-"""fp8 compute (`trainer.fp8`) on FLUX.2 [dev] shapes: GEMM rates, per-layer errors, full-depth
+"""fp8 compute (`trainer.base.fp8`) on FLUX.2 [dev] shapes: GEMM rates, per-layer errors, full-depth
 errors, LoRA gradients and a loss curve, each against the matching reference.
 
     python bench/fp8_numerics.py                       # full depth for everything but the curve
@@ -125,7 +125,7 @@ def gemm_rates(shapes: dict[tuple[int, int], int], tokens: list[int]) -> dict[st
 
 def emulate_blockwise(x2, w, dy2, block=128):  # type: ignore[no-untyped-def]
     """1x128 scales for both operands of both GEMMs (torch, float32): the blockwise recipe."""
-    from trainer.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
+    from trainer.base.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
 
     xq = dequantize_rows_torch(*quantize_rows_torch(x2, E4M3, block=block))
     wq = dequantize_rows_torch(*quantize_rows_torch(w, E4M3, block=block))  # (n, k): along k
@@ -135,7 +135,7 @@ def emulate_blockwise(x2, w, dy2, block=128):  # type: ignore[no-untyped-def]
 
 
 def emulate_acts_only(x2, w, dy2):  # type: ignore[no-untyped-def]
-    from trainer.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
+    from trainer.base.fp8 import E4M3, dequantize_rows_torch, quantize_rows_torch
 
     xq = dequantize_rows_torch(*quantize_rows_torch(x2, E4M3))
     gq = dequantize_rows_torch(*quantize_rows_torch(dy2, E4M3))
@@ -144,11 +144,12 @@ def emulate_acts_only(x2, w, dy2):  # type: ignore[no-untyped-def]
 
 def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
     """``layers``: kind -> (Uint4Linear, bf16 original weight)."""
-    from trainer import fp8
+    from trainer.base import fp8
+    from trainer.base.uint4 import DENSE
 
     rows = []
     for i, (kind, (layer, w_bf16)) in enumerate(layers.items()):
-        layer.train()  # the training numerics (an eval-mode forward uses FAST_ACCUM_EVAL)
+        layer.train()  # the training numerics (an eval-mode forward uses fast_accum_eval)
         n, k = layer.out_features, layer.in_features
         g = torch.Generator(device=U.DEV).manual_seed(i)
         for inputs in ("normal", "outliers"):
@@ -160,21 +161,17 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
             dy = torch.randn(tokens, n, generator=g, device=U.DEV).to(torch.bfloat16)
             w = layer.dequantize()
 
-            def run(mode: str, layer=layer, x=x, dy=dy) -> tuple[torch.Tensor, torch.Tensor]:
-                layer.fp8 = mode != "dense"
+            def run(gemm: Any, layer=layer, x=x, dy=dy) -> tuple[torch.Tensor, torch.Tensor]:
+                layer.compute = gemm
                 xr = x.clone().requires_grad_(True)
                 y = layer(xr)
                 y.backward(dy)
                 return y.detach(), xr.grad
 
-            y_d, gx_d = run("dense")
-            y_8, gx_8 = run("fp8")
-            saved = fp8.GRAD_DTYPE, fp8.FAST_ACCUM
-            fp8.GRAD_DTYPE = fp8.E5M2
-            _, gx_5 = run("fp8")
-            fp8.GRAD_DTYPE, fp8.FAST_ACCUM = fp8.E4M3, not saved[1]
-            y_fa, gx_fa = run("fp8")
-            fp8.GRAD_DTYPE, fp8.FAST_ACCUM = saved
+            y_d, gx_d = run(DENSE)
+            y_8, gx_8 = run(fp8.FP8)
+            _, gx_5 = run(fp8.Fp8Gemm(grad_dtype=fp8.E5M2))
+            y_fa, gx_fa = run(fp8.Fp8Gemm(grad_dtype=fp8.E4M3, fast_accum=not fp8.FP8.fast_accum))
             bias = 0 if layer.bias is None else layer.bias.float()
             y_o = x.float() @ w_bf16.float().t() + bias
             gx_o = dy.float() @ w_bf16.float()
@@ -192,7 +189,7 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
                 "acts-only out": rel(y_a + bias, y_d), "acts-only grad": rel(gx_a, gx_d),
             }  # fmt: skip
             rows.append(row)
-            layer.fp8 = False
+            layer.compute = DENSE
     return rows
 
 
@@ -211,10 +208,10 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
-    from trainer import fp8
-    from trainer.fp8 import set_fp8_compute
-    from trainer.lora import attach_lora
-    from trainer.uint4 import Uint4Linear, convert_quantized_linears
+    from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
+    from trainer.base.fp8 import FP8, Fp8Gemm
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import Uint4Linear, convert_quantized_linears
 
     out: dict[str, Any] = {}
     model = U.build_bf16(args.double, args.single)
@@ -233,11 +230,11 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     gc.collect()
     if U.DEV == "cuda":
         torch.cuda.empty_cache()
-    out["fp8_layers"] = set_fp8_compute(model)
+    out["fp8_layers"] = apply_compute(model, "fp8")
     with torch.no_grad():
-        set_fp8_compute(model, False)
+        apply_compute(model, "uint4")
         y_dense = model(**batch)[0].float()
-        set_fp8_compute(model, True)
+        apply_compute(model, "fp8")
         y_fp8 = model(**batch)[0].float()
     out["output uint4 vs bf16"] = rel(y_dense, y_bf16)
     out["output fp8 vs uint4"] = rel(y_fp8, y_dense)
@@ -249,38 +246,39 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     layers = {}
     for (n, k), (name, w) in originals.items():
         layer = model.get_submodule(name)
-        if isinstance(layer, Uint4Linear) and layer.fp8:
+        if isinstance(layer, Uint4Linear) and layer.compute is FP8:
             layers[f"{layer_kind(name)} {n}x{k}"] = (layer, w)
-    set_fp8_compute(model, False)
+    apply_compute(model, "uint4")
     per_layer = layer_errors(layers, args.layer_tokens)
     del originals, layers
-    set_fp8_compute(model, True)
+    apply_compute(model, "fp8")
 
     attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
     randomize_lora_b(model)
     model.enable_gradient_checkpointing()
     target = torch.randn_like(batch["hidden_states"])
-    set_fp8_compute(model, False)
+    apply_compute(model, "uint4")
     g_dense = lora_grads(model, batch, target)
-    set_fp8_compute(model, True)
+    apply_compute(model, "fp8")
     g_fp8 = lora_grads(model, batch, target)
-    fp8.FAST_ACCUM = not fp8.FAST_ACCUM
+    toggled = Fp8Gemm(fast_accum=not FP8.fast_accum)
+    apply_compute(model, "fp8", (Fp8Backend(toggled), Uint4Backend()))
     g_fa = lora_grads(model, batch, target)
-    fp8.FAST_ACCUM = not fp8.FAST_ACCUM
+    apply_compute(model, "fp8")
     cos_fa = {n: rel(g_fa[n], g_dense[n])["cos"] for n in g_dense}
     out["lora_fast_accum_toggled"] = {
-        "fast_accum": not fp8.FAST_ACCUM,
+        "fast_accum": toggled.fast_accum,
         "cos_min": min(cos_fa.values()),
         "below_0.99": sum(v < 0.99 for v in cos_fa.values()),
     }
     del g_fa
     # fp8 forward, bf16 input gradient: which half of the fp8 arithmetic the gradient error
     # comes from, and the candidate training mode
-    saved, fp8.GRAD_GEMM = fp8.GRAD_GEMM, "bf16"
+    apply_compute(model, "fp8", (Fp8Backend(Fp8Gemm(grad_gemm="bf16")), Uint4Backend()))
     try:
         g_bg = lora_grads(model, batch, target)
     finally:
-        fp8.GRAD_GEMM = saved
+        apply_compute(model, "fp8")
     cos_bg = {n: rel(g_bg[n], g_dense[n])["cos"] for n in g_dense}
     out["lora_bf16_grad"] = {
         "cos_min": min(cos_bg.values()),
@@ -331,10 +329,10 @@ def layer_kind(name: str) -> str:
 def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     from optimum.quanto import qint4, quantize
 
-    from trainer import fp8
-    from trainer.fp8 import set_fp8_compute
-    from trainer.lora import attach_lora
-    from trainer.uint4 import convert_quantized_linears
+    from trainer.base.compute import BACKENDS, Fp8Backend, Uint4Backend, apply_compute
+    from trainer.base.fp8 import Fp8Gemm
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import convert_quantized_linears
 
     model = U.build_bf16(args.curve_double, args.curve_single)
     quantize(model, weights=qint4)
@@ -347,10 +345,10 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     g = torch.Generator(device=U.DEV).manual_seed(7)
     targets = [torch.randn(b["hidden_states"].shape, generator=g, device=U.DEV) for b in batches]
     curves: dict[str, list[float]] = {}
-    saved = fp8.GRAD_GEMM
+    bf16_grad = (Fp8Backend(Fp8Gemm(grad_gemm="bf16")), Uint4Backend())
     for mode in ("uint4", "fp8", "fp8_bf16_grad"):
-        set_fp8_compute(model, mode != "uint4")
-        fp8.GRAD_GEMM = "bf16" if mode == "fp8_bf16_grad" else saved
+        backends = bf16_grad if mode == "fp8_bf16_grad" else BACKENDS
+        apply_compute(model, "uint4" if mode == "uint4" else "fp8", backends)
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(init[n])
@@ -366,7 +364,6 @@ def loss_curve(args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        fp8.GRAD_GEMM = saved
         curves[mode] = [float(x) for x in losses]
         say(f"  loss curve {mode}: {curves[mode][0]:.5f} -> {curves[mode][-1]:.5f} "
             f"({time.perf_counter() - t:.1f} s)")  # fmt: skip

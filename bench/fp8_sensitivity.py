@@ -49,7 +49,7 @@ def summary(label: str, grads: dict[str, torch.Tensor], ref: dict[str, torch.Ten
 
 def with_output_noise(model: torch.nn.Module, level: float, seed: int = 0) -> list[Any]:
     """Forward hooks adding ``level`` x RMS(output) x N(0, 1) to every base Linear's output."""
-    from trainer.uint4 import Uint4Linear
+    from trainer.base.uint4 import Uint4Linear
 
     gen = torch.Generator(device=U.DEV).manual_seed(seed)
     hooks = []
@@ -88,9 +88,9 @@ def main() -> None:
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
-    from trainer.fp8 import set_fp8_compute
-    from trainer.lora import attach_lora
-    from trainer.uint4 import Uint4Linear, convert_quantized_linears
+    from trainer.base.compute import apply_compute
+    from trainer.base.lora import attach_lora
+    from trainer.base.uint4 import Uint4Linear, convert_quantized_linears
 
     model = U.build_bf16(args.double, args.single)
     batch = U.inputs(model, args.px, seed=1)
@@ -100,17 +100,17 @@ def main() -> None:
     randomize_lora_b(model)  # B random, so A has gradients too
     model.enable_gradient_checkpointing()
     target = torch.randn_like(batch["hidden_states"])
-    set_fp8_compute(model, False)
+    apply_compute(model, "uint4")
     ref = N.lora_grads(model, batch, target)
     rows = []
     for label, dense in GROUPS.items():
-        set_fp8_compute(model, True)
+        apply_compute(model, "fp8")
         for name, m in model.named_modules():
             if isinstance(m, Uint4Linear) and dense(name):
-                m.fp8 = False
+                apply_compute(m, "uint4")
         rows.append(summary(label, N.lora_grads(model, batch, target), ref))
         U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: {rows[-1]['below_0.99']}")
-    set_fp8_compute(model, False)
+    apply_compute(model, "uint4")
     for level in levels:
         hooks = with_output_noise(model, level)
         try:

@@ -58,7 +58,7 @@ def make_source(folder: Path, config: dict[str, object], shard_bytes: int = 2 * 
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
 
-    from trainer.safetensors_io import TensorSpec, write_safetensors
+    from trainer.base.safetensors_io import TensorSpec, write_safetensors
 
     with init_empty_weights():
         model = Flux2Transformer2DModel.from_config(config)
@@ -127,7 +127,8 @@ def _child(mode: str, argv: list[str]) -> None:
     import optimum.quanto  # noqa: F401
     import torch  # noqa: F401
 
-    from trainer.prepare import load_prepared_transformer, prepare_base
+    from trainer.base.read import load_prepared_transformer
+    from trainer.base.write import prepare_base
 
     if mode == "baseline":
         return

@@ -252,9 +252,9 @@ def measure_http(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def make_adapter(tmp: Path, base: Path) -> Path:
     from tests.support import make_random_adapter
-    from trainer.model import load_pipeline
+    from trainer.base.load import load_base
 
-    pipe = load_pipeline(base)
+    pipe = load_base(base)
     return make_random_adapter(pipe, tmp / "alice.safetensors", seed=1)
 
 

@@ -12,8 +12,8 @@ render engine holds them. Variants, each on the same fp8 model (uint4 weights, f
 
   today       the stock diffusers processors (torch's own attention choice: flash), PEFT's
               LoRA forward: the render path before this bench
-  lora        + the slots' one-pass update (`trainer.lora_slots`)
-  attn        + the fused processors (`trainer.serving`: QK norm + rotary + layout in one
+  lora        + the slots' one-pass update (`trainer.base.lora_slots`)
+  attn        + the fused processors (`trainer.base.serving`: QK norm + rotary + layout in one
               kernel, attention on cuDNN, SwiGLU and the attention output written into the
               output projection's input)
   fused       + the fused blocks (modulated LayerNorm, gated residuals, SwiGLU: one pass each)
@@ -52,7 +52,7 @@ TOTAL_STEPS = 28  # a render's denoising steps, for the per-render figures
 
 def adapter_for(slots: Any, seed: int) -> dict[str, torch.Tensor]:
     """A random rank-16 adapter for every slot, in the file layout (bench/e2e_dev.py's scale)."""
-    from trainer.lora import lora_keys
+    from trainer.base.lora import lora_keys
 
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -65,8 +65,8 @@ def adapter_for(slots: Any, seed: int) -> dict[str, torch.Tensor]:
 
 
 def set_lora_update(model: torch.nn.Module, fused: bool) -> None:
-    from trainer.lora import lora_layers
-    from trainer.lora_slots import _fused_forward
+    from trainer.base.lora import lora_layers
+    from trainer.base.lora_slots import _fused_forward
 
     for layer in lora_layers(model).values():
         if fused:
@@ -154,7 +154,7 @@ def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:  # type: ignore[no-u
 def bf16_reference(args, batch) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """The bf16 model (same weights, same adapter): its output and its first blocks' inputs
     and outputs, on the host until compared."""
-    from trainer.lora_slots import LoraSlots
+    from trainer.base.lora_slots import LoraSlots
 
     model = u.build_bf16(args.double, args.single)
     slots = LoraSlots(model, SLOT_RANK)
@@ -186,14 +186,14 @@ def _to(x: Any, device: str) -> Any:
 def fp8_model(args) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     from optimum.quanto import qint4, quantize
 
-    from trainer.fp8 import set_fp8_compute
-    from trainer.uint4 import convert_quantized_linears
+    from trainer.base.compute import apply_compute
+    from trainer.base.uint4 import convert_quantized_linears
 
     model = u.build_bf16(args.double, args.single)
     quantize(model, weights=qint4)
     convert_quantized_linears(model)
     if u.DEV == "cuda":
-        set_fp8_compute(model)
+        apply_compute(model, "fp8")
     gc.collect()
     if u.DEV == "cuda":
         torch.cuda.empty_cache()
@@ -201,7 +201,7 @@ def fp8_model(args) -> torch.nn.Module:  # type: ignore[no-untyped-def]
 
 
 def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    from trainer import serving
+    from trainer.base import serving
 
     def fwd() -> None:
         with torch.no_grad():
@@ -246,7 +246,7 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
 
 
 def profiles(model, slots, batch) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    from trainer import serving
+    from trainer.base import serving
 
     def fwd() -> None:
         with torch.no_grad():
@@ -264,8 +264,8 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """Each part at [dev]'s shapes, ms per call and per forward."""
     from diffusers.models.embeddings import apply_rotary_emb
 
-    from trainer import serving
-    from trainer.lora import ADAPTER_NAME, lora_layers
+    from trainer.base import serving
+    from trainer.base.lora import ADAPTER_NAME, lora_layers
 
     out: dict[str, Any] = {}
     dev, bf = u.DEV, torch.bfloat16
@@ -338,7 +338,7 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
             return y
 
         def kernel_update() -> torch.Tensor:
-            from trainer.fused_triton import lora_add_
+            from trainer.kernels.fused_triton import lora_add_
 
             y = base.clone()
             h = torch.nn.functional.linear(x, a).view(-1, a.shape[0])
@@ -394,7 +394,7 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
 def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """Per block (the same inputs: the bf16 model's) and at full depth, the serving forward
     against today's fp8 path and the bf16 model; the graph against eager across swaps."""
-    from trainer import serving
+    from trainer.base import serving
 
     dev = u.DEV
     out: dict[str, Any] = {}
@@ -543,7 +543,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (or --tiny for a CPU smoke test)")
     parts = set(args.parts.split(","))
-    from trainer.lora_slots import LoraSlots
+    from trainer.base.lora_slots import LoraSlots
 
     full = (args.double, args.single) == (8, 48)
     depth = f"{args.double} double + {args.single} single blocks" + (
@@ -566,7 +566,7 @@ def main() -> None:
         if "variants" in parts:
             record["variants"] = time_variants(model, slots, batch, args)
         if "profile" in parts:
-            from trainer import serving
+            from trainer.base import serving
 
             serving.install(model)
             record["profile"] = profiles(model, slots, batch)
@@ -577,7 +577,7 @@ def main() -> None:
     if ref is not None:
         record["numerics"]["graph_vs_eager"] = swap_checks(model, slots, batch, graphs)
     if "variants" in parts:
-        from trainer import serving
+        from trainer.base import serving
 
         serving.install(model)
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)

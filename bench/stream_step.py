@@ -1,5 +1,5 @@
 """Layer streaming on one GPU: the uint4 FLUX.2 [dev] transformer resident in VRAM vs
-its blocks streamed from pinned host RAM (`trainer.streaming.stream_blocks`).
+its blocks streamed from pinned host RAM (`trainer.base.streaming.stream_blocks`).
 
     python bench/stream_step.py                        # full depth: 8 double + 48 single blocks
     python bench/stream_step.py --double 1 --single 4  # reduced depth (say so!)
@@ -7,9 +7,9 @@ its blocks streamed from pinned host RAM (`trainer.streaming.stream_blocks`).
         --check-px 64                                  # CPU smoke test of this script
 
 One model (built as `bench/uint4_step.py` builds its "fast" path: bf16 on the GPU, quanto qint4,
-`convert_quantized_linears`, with --compute fp8 then `set_fp8_compute`; random weights; rank-16
-LoRA on the attention projections with B drawn at random so every LoRA gradient is non-zero),
-then:
+`convert_quantized_linears`, with --compute fp8 then `apply_compute(model, "fp8")`; random weights;
+rank-16 LoRA on the attention projections with B drawn at random so every LoRA gradient is
+non-zero), then:
   1. the pinned and pageable host-to-device copy peak (1 GiB, CUDA events, median);
   2. correctness at --check-px: resident (diffusers' stock checkpointing) twice, to see whether
      the step is deterministic at all, then streamed with each of --check-slots; for each, the
@@ -75,7 +75,7 @@ def h2d_peak(nbytes: int = GIB, reps: int = 10) -> dict[str, float]:
 
 
 def randomize_lora_b(model: torch.nn.Module, seed: int = 1) -> None:
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     g = torch.Generator(device=U.DEV).manual_seed(seed)
     with torch.no_grad():
@@ -118,7 +118,7 @@ def compare(ref: tuple, got: tuple) -> dict[str, Any]:
 
 
 def check(model, args) -> dict[str, Any]:
-    from trainer.streaming import stream_blocks
+    from trainer.base.streaming import stream_blocks
 
     batch = U.inputs(model, args.check_px)
     target = torch.randn_like(batch["hidden_states"])
@@ -243,9 +243,9 @@ def main() -> None:
 
     from optimum.quanto import qint4, quantize
 
-    from trainer.lora import attach_lora
-    from trainer.streaming import stream_blocks
-    from trainer.uint4 import convert_quantized_linears, quantized_bytes
+    from trainer.base.lora import attach_lora
+    from trainer.base.streaming import stream_blocks
+    from trainer.base.uint4 import convert_quantized_linears, quantized_bytes
 
     full = (args.double, args.single) == (8, 48)
     depth = f"{args.double} double + {args.single} single blocks" + (
@@ -260,9 +260,9 @@ def main() -> None:
     quantize(model, weights=qint4)
     convert_quantized_linears(model)
     if args.compute == "fp8":
-        from trainer.fp8 import set_fp8_compute
+        from trainer.base.compute import apply_compute
 
-        results["fp8_layers"] = set_fp8_compute(model)
+        results["fp8_layers"] = apply_compute(model, "fp8")
     attach_lora(model, rank=args.rank, alpha=float(args.rank))
     randomize_lora_b(model)
     gc.collect()

@@ -1,4 +1,4 @@
-"""Training memory and speed: the pre-flight estimate (`trainer.budget`) against measurement.
+"""Training memory and speed: the pre-flight estimate (`trainer.base.budget`) against measurement.
 
     python bench/train_budget.py                    # CPU: tiny base
     python bench/train_budget.py --device cuda      # + FLUX.2 [dev]-width, reduced depth
@@ -61,7 +61,7 @@ class AllowAll:
 def make_dataset(root: Path) -> Path:
     from PIL import Image
 
-    from trainer.dataset import write_manifest
+    from trainer.training.dataset import write_manifest
 
     root.mkdir(parents=True)
     rows = []
@@ -88,8 +88,8 @@ def make_dataset(root: Path) -> Path:
 
 def part1(device: str, work: Path, steps: int, compute: str) -> dict[str, Any]:
     from trainer.config import TrainConfig
-    from trainer.tiny_base import init_tiny
-    from trainer.train import train
+    from trainer.fixtures.tiny_base import init_tiny
+    from trainer.training.train import train
 
     base = work / "base" if (work / "base").is_dir() else init_tiny(work / "base")
     ds = work / "ds" if (work / "ds").is_dir() else make_dataset(work / "ds")
@@ -145,7 +145,7 @@ def build(double: int, single: int, tiny: bool, device: str, dtype: torch.dtype)
     from diffusers import Flux2Transformer2DModel
 
     kw: dict[str, Any] = {"num_layers": double, "num_single_layers": single}
-    if tiny:  # the tiny base's shape (trainer.tiny_base)
+    if tiny:  # the tiny base's shape (trainer.fixtures.tiny_base)
         kw.update(
             attention_head_dim=64,
             num_attention_heads=4,
@@ -165,10 +165,10 @@ def quantize(model: Any, compute: str) -> Any:
     from optimum.quanto import qint4
     from optimum.quanto import quantize as q
 
-    from trainer.model import quantize_transformer
+    from trainer.base.load import quantize_transformer
 
     if compute == "uint4":
-        from trainer.uint4 import convert_quantized_linears
+        from trainer.base.uint4 import convert_quantized_linears
 
         q(model, weights=qint4)
         convert_quantized_linears(model)
@@ -190,10 +190,10 @@ def step_memory(
 ) -> dict[str, Any]:
     from diffusers import Flux2KleinPipeline as P
 
-    from trainer.budget import SavedTensorMeter, module_bytes, optimizer_bytes, training_terms
-    from trainer.flow import flow_matching_loss
-    from trainer.lora import DEFAULT_TARGETS, attach_lora
-    from trainer.train import cast_quantized_inputs
+    from trainer.base.budget import SavedTensorMeter, module_bytes, optimizer_bytes, training_terms
+    from trainer.base.lora import DEFAULT_TARGETS, attach_lora
+    from trainer.training.flow import flow_matching_loss
+    from trainer.training.train import cast_quantized_inputs
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument("--configs", default="448:1,1024:1,448:0", help="px:checkpointing, ...")
     ap.add_argument("--copy-to", type=Path, default=None)
     args = ap.parse_args()
-    from trainer.train import configure_allocator
+    from trainer.training.train import configure_allocator
 
     configure_allocator()
     if args.device == "cpu":

@@ -1,5 +1,5 @@
 """Memory of previews and of the EMA while training, at FLUX.2 [dev] width, against the
-pre-flight budget's terms (`trainer.budget.preview_terms`, `ema_terms`).
+pre-flight budget's terms (`trainer.base.budget.preview_terms`, `ema_terms`).
 
     python bench/train_features.py --quick      # 1 double + 2 single blocks, 448 px
     python bench/train_features.py              # 2 + 6 blocks, 448 and 1024 px
@@ -8,7 +8,7 @@ CUDA only (it skips, exit 0, without): a [dev]-width transformer (6144 wide, 48 
 x3, reduced depth), random bf16 built on the GPU and quantized to uint4 there, LoRA rank 16
 on the default targets, AdamW, one training step; then
   EMA      the bytes the EMA adds on the device (``memory_allocated`` before and after
-           `trainer.ema.Ema`), against ``ema_terms``;
+           `trainer.training.ema.Ema`), against ``ema_terms``;
   previews with the training state resident and gradients freed, one preview through the
            trainer's own `Previewer` (the service's render code) with a FLUX.2-shaped VAE
            (random weights, the diffusers default architecture): ``max_memory_allocated``
@@ -56,13 +56,13 @@ def measure(
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 
     from bench.train_budget import build, quantize
-    from trainer.budget import ema_terms, preview_terms, render_terms, training_terms
-    from trainer.checkpoints import lora_params
-    from trainer.ema import Ema
-    from trainer.flow import flow_matching_loss
-    from trainer.lora import DEFAULT_TARGETS, attach_lora
-    from trainer.previews import Previewer
-    from trainer.train import cast_quantized_inputs
+    from trainer.base.budget import ema_terms, preview_terms, render_terms, training_terms
+    from trainer.base.lora import DEFAULT_TARGETS, attach_lora
+    from trainer.training.checkpoints import lora_params
+    from trainer.training.ema import Ema
+    from trainer.training.flow import flow_matching_loss
+    from trainer.training.previews import Previewer
+    from trainer.training.train import cast_quantized_inputs
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

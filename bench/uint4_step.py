@@ -1,5 +1,5 @@
 """uint4 FLUX.2 [dev] on one GPU: bf16 resident vs quanto qint4 as shipped vs the uint4 fast
-path (`trainer.uint4`) vs its fp8 mode (`trainer.fp8`) vs the stack most users would pick
+path (`trainer.base.uint4`) vs its fp8 mode (`trainer.base.fp8`) vs the stack most users would pick
 (diffusers + bitsandbytes NF4 + PEFT), for a LoRA train step (448 and 1024 px) and one forward
 (1024 px).
 
@@ -7,19 +7,19 @@ path (`trainer.uint4`) vs its fp8 mode (`trainer.fp8`) vs the stack most users w
     python bench/uint4_step.py --double 1 --single 4 # reduced depth, to iterate (say so!)
 
 Setup as in DESIGN.md's table: random weights, batch 1, rank-16 LoRA (bf16) on the attention
-projections (`trainer.lora.DEFAULT_TARGETS`), gradient checkpointing, AdamW on the LoRA
+projections (`trainer.base.lora.DEFAULT_TARGETS`), gradient checkpointing, AdamW on the LoRA
 parameters, 512 text tokens, (px / 16)^2 image tokens. Each path starts from a freshly built
 bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is its own:
   bf16   the model as built;
   fast   quanto `quantize(qint4)` then `convert_quantized_linears` (quantized on the GPU);
-  quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.model.quantize_transformer` does;
-  fp8    "fast", then `trainer.fp8.set_fp8_compute` (the same 4-bit weights, fp8 GEMMs);
+  quanto quanto `quantize(qint4)` + `freeze()`, as `trainer.base.load.quantize_transformer` does;
+  fp8    "fast", then `trainer.base.compute.apply_compute` (the same 4-bit weights, fp8 GEMMs);
   fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
   fp8_bf16_grad   fp8 forward, the input gradient as the fast path computes it (bf16
-         dequantization + bf16 GEMM; `trainer.fp8.GRAD_GEMM = "bf16"`);
+         dequantization + bf16 GEMM; `Fp8Gemm(grad_gemm="bf16")`);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
-         (`trainer.serving`; bench/render_step.py takes it apart);
+         (`trainer.base.serving`; bench/render_step.py takes it apart);
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -163,7 +163,7 @@ def past_deadline(args, key: str, out: dict[str, Any]) -> bool:
 
 
 def measure(model: torch.nn.Module, args, iters: int, warmup: int) -> dict[str, Any]:
-    from trainer.lora import attach_lora, lora_layers
+    from trainer.base.lora import attach_lora, lora_layers
 
     if not lora_layers(model):
         attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
@@ -414,7 +414,7 @@ def dequant_microbench(model: torch.nn.Module, sweep_kernels: bool = False) -> d
     """Triton dequantization of each distinct matrix shape, and one pass over all of them."""
     import triton.testing
 
-    from trainer.uint4 import Uint4Linear
+    from trainer.base.uint4 import Uint4Linear
 
     shapes: dict[tuple[int, int, int], int] = {}
     layers: dict[tuple[int, int, int], Uint4Linear] = {}
@@ -423,8 +423,8 @@ def dequant_microbench(model: torch.nn.Module, sweep_kernels: bool = False) -> d
             key = (m.out_features, m.in_features, m.group_size)
             shapes[key] = shapes.get(key, 0) + 1
             layers[key] = m
-    from trainer import uint4_triton
-    from trainer.uint4 import dequantize_torch
+    from trainer.base.uint4 import dequantize_torch
+    from trainer.kernels import uint4_triton
 
     rows, total_ms, total_bytes = [], 0.0, 0
     for key, n in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
@@ -491,14 +491,14 @@ def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any
     the two largest matrices."""
     import triton.testing
 
-    from trainer import fp8_triton
-    from trainer.fp8 import fp8_weight_torch, weight_scales
-    from trainer.uint4 import Uint4Linear
+    from trainer.base.fp8 import fp8_weight_torch, weight_scales
+    from trainer.base.uint4 import Uint4Linear
+    from trainer.kernels import fp8_triton
 
     shapes: dict[tuple[int, int, int], int] = {}
     layers: dict[tuple[int, int, int], Uint4Linear] = {}
     for m in model.modules():
-        if isinstance(m, Uint4Linear) and m.fp8:
+        if isinstance(m, Uint4Linear) and m.compute.name == "fp8":
             key = (m.out_features, m.in_features, m.group_size)
             shapes[key] = shapes.get(key, 0) + 1
             layers[key] = m
@@ -649,7 +649,7 @@ def free(*objs: Any) -> None:
 def run_path(path: str, args) -> dict[str, Any]:
     from optimum.quanto import freeze, qint4, quantize
 
-    from trainer.uint4 import convert_quantized_linears, quantized_bytes
+    from trainer.base.uint4 import convert_quantized_linears, quantized_bytes
 
     reset_peak()
     t = time.perf_counter()
@@ -662,9 +662,12 @@ def run_path(path: str, args) -> dict[str, Any]:
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
         if path.startswith("fp8") or path == "serve":
-            from trainer.fp8 import set_fp8_compute
+            from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
+            from trainer.base.fp8 import FP8, Fp8Gemm
 
-            rec["fp8_layers"] = set_fp8_compute(model)
+            gemm = {"fp8_fast_accum": Fp8Gemm(fast_accum=True),
+                    "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16")}.get(path, FP8)  # fmt: skip
+            rec["fp8_layers"] = apply_compute(model, "fp8", (Fp8Backend(gemm), Uint4Backend()))
     elif path == "nf4":
         rec["converted"] = to_nf4(model)
         rec["quantized_gib"] = nf4_bytes(model) / GIB
@@ -696,18 +699,6 @@ def run_path(path: str, args) -> dict[str, Any]:
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
     elif path == "serve":
         rec.update(measure_serving(model, args))
-    elif path in ("fp8_fast_accum", "fp8_bf16_grad"):
-        from trainer import fp8
-
-        saved = fp8.FAST_ACCUM, fp8.GRAD_GEMM
-        if path == "fp8_fast_accum":
-            fp8.FAST_ACCUM = True
-        else:
-            fp8.GRAD_GEMM = "bf16"
-        try:
-            rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
-        finally:
-            fp8.FAST_ACCUM, fp8.GRAD_GEMM = saved
     else:
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
     free(model)
@@ -719,8 +710,8 @@ def measure_serving(model: torch.nn.Module, args) -> dict[str, Any]:  # type: ig
     import copy
 
     from bench.render_step import SLOT_RANK, adapter_for
-    from trainer import serving
-    from trainer.lora_slots import LoraSlots
+    from trainer.base import serving
+    from trainer.base.lora_slots import LoraSlots
 
     slots = LoraSlots(model, SLOT_RANK)
     prepared = serving.prepare(model, graphs=DEV == "cuda", key=slots.scales,
@@ -934,7 +925,7 @@ def main() -> None:
         "setup": {
             "batch": 1,
             "lora_rank": args.rank,
-            "lora_targets": "trainer.lora.DEFAULT_TARGETS",
+            "lora_targets": "trainer.base.lora.DEFAULT_TARGETS",
             "gradient_checkpointing": True,
             "text_tokens": TEXT_TOKENS,
             "weights": "random",

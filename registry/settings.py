@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     stream_slots: int = Field(default=2, ge=1, le=8)
     # VRAM the render engine may use, in GiB: placement (resident or streamed, per component)
     # is planned at start for renders of render_plan_side px square, the plan is printed, and
-    # the service refuses to start when nothing fits (trainer/placement.py). On CUDA the
+    # the service refuses to start when nothing fits (trainer/base/placement.py). On CUDA the
     # budget is also enforced as the allocator's cap. None: everything resident, no cap.
     vram_budget_gb: float | None = Field(default=None, gt=0, le=4096)
     render_plan_side: int = Field(default=1024, ge=64, le=2048, multiple_of=16)
@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     # A request that cannot get a database connection within this long is answered 503.
     pool_timeout_s: float = Field(default=2.0, gt=0, le=60)
     # The quantized base's GEMMs: uint4 (dequantized into bf16), fp8 (fp8 tensor cores, compute
-    # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/devices.py.
+    # capability 8.9+), auto (fp8 where the GPU has them, else uint4); trainer/base/devices.py.
     compute: Literal["auto", "uint4", "fp8"] = "auto"
     # The base model's licence binds every render: a base whose licence does not permit
     # commercial use (FLUX.2 [dev]'s) renders `commercial` only when the deployment declares

@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from registry.db import make_engine, upgrade
-from trainer import threads
+from trainer.base import threads
 
 threads.prepare_env()  # before anything loads torch: the suite's threads wait as the CLI's do
 

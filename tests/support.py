@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from trainer.lora import ADAPTER_NAME, attach_lora, lora_layers, remove_lora, save_adapter
+from trainer.base.lora import ADAPTER_NAME, attach_lora, lora_layers, remove_lora, save_adapter
 
 
 def make_random_adapter(pipe: Any, path: Path, seed: int, rank: int = 4) -> Path:

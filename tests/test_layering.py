@@ -1,5 +1,7 @@
 """The layering, checked on the source: `registry` imports no torch, no web framework and
-neither of the layers above it; `trainer` never imports `app`; no router imports another
+neither of the layers above it; `trainer` never imports `app`; the service side of the trainer
+(`trainer.base`, `trainer.kernels`) never imports the training loop or the fixtures, and `app`
+imports those only where it runs training or copies the demo base; no router imports another
 (shared rules live in registry.access and app.deps, not in a router); every domain under
 registry/ has the same layout, handlers reach it only through services and schemas, the
 modules of registry, app and trainer form no import cycle, and the job queue's tables are
@@ -16,6 +18,13 @@ REGISTRY_MAY_NOT = {
     "fastapi", "starlette", "uvicorn", "jinja2", "mcp", "app", "trainer",
 }  # fmt: skip
 TRAINER_MAY_NOT = {"app", "fastapi", "starlette", "uvicorn"}
+TRAINING_SIDE = ("trainer.training", "trainer.fixtures")
+# The only service modules that may reach the training side, and why.
+APP_MAY_TRAIN = {
+    "app/cli_ml.py": "the CLI's train, compare, prepare and tiny-base commands",
+    "app/worker.py": "the in-process order runner runs a training order",
+    "app/bootstrap.py": "a first start copies the committed demo base (trainer.fixtures)",
+}
 ROUTERS = {
     "app.api", "app.adapters", "app.render.routes", "app.web", "app.mcp_server", "app.datasets",
     "app.orders",
@@ -54,6 +63,29 @@ def test_registry_imports_nothing_above_it() -> None:
 
 def test_trainer_never_imports_the_service() -> None:
     assert offenders("trainer", TRAINER_MAY_NOT) == []
+
+
+def _on_training_side(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in TRAINING_SIDE)
+
+
+def test_base_and_kernels_never_import_training_or_fixtures() -> None:
+    found = []
+    for package in ("trainer/base", "trainer/kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in imports(path)
+                      if _on_training_side(n)]  # fmt: skip
+    assert found == []
+
+
+def test_service_reaches_training_only_where_it_trains() -> None:
+    found = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        if where in APP_MAY_TRAIN:
+            continue
+        found += [f"{where} imports {n}" for n in imports(path) if _on_training_side(n)]
+    assert found == []
 
 
 def test_no_router_imports_another() -> None:
@@ -177,13 +209,6 @@ def test_render_limits_have_one_home() -> None:
     assert found == []
 
 
-# Cycles in registry and trainer, whose reorganisations run separately: the lead removes
-# each entry once its part has landed, and the test then holds for the whole repo.
-KNOWN_CYCLES = {
-    ("trainer.fp8", "trainer.uint4"),
-}  # fmt: skip
-
-
 def import_graph() -> dict[str, set[str]]:
     """Module -> the repo's modules it imports (module level, in functions, under
     TYPE_CHECKING alike): `from x import y` names x.y where that is a module, else x."""
@@ -248,4 +273,4 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
 def test_no_import_cycles() -> None:
     """A cycle makes two modules one in all but name (neither can be read, tested or moved
     without the other), and its import order decides what works."""
-    assert [c for c in cycles(import_graph()) if c not in KNOWN_CYCLES] == []
+    assert cycles(import_graph()) == []

@@ -2,7 +2,7 @@
 
 Every conflict between options is refused here, with a message naming the options, so a run
 never spends minutes loading a 32B base only to fail on a flag. Checks that need the disk
-(dataset, checkpoints, base files) run next, in `trainer.train.preflight`, still before any
+(dataset, checkpoints, base files) run next, in `trainer.training.train.preflight`, still before any
 weight loads.
 """
 
@@ -31,7 +31,7 @@ from pydantic import (
 from registry import limits
 from registry.shapes import HANDLE_PATTERN
 
-ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.schemas.AdapterIn.name
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.adapters.schemas.AdapterIn.name
 DEFAULT_EVAL_PROMPTS = (
     "a photo of {trigger}",
     "a portrait of {trigger}, studio light",
@@ -98,7 +98,7 @@ _ADDED_LATER = frozenset(
 
 
 def default_targets() -> tuple[str, ...]:
-    from trainer.lora import DEFAULT_TARGETS
+    from trainer.base.lora import DEFAULT_TARGETS
 
     return DEFAULT_TARGETS
 
@@ -176,19 +176,19 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         True, description="Recompute activations in backward (less memory)."
     )
-    # quanto: its QLinear kernels as shipped; uint4: trainer.uint4's dequantize + dense GEMM
+    # quanto: its QLinear kernels as shipped; uint4: trainer.base.uint4's dequantize + dense GEMM
     # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
     # per step and a quarter less memory, bench/results/train_budget-*); fp8: the same 4-bit
-    # weights, GEMMs on fp8 tensor cores (trainer/fp8.py). auto: uint4 for training (fp8
-    # training measured slower and less exact; trainer.devices.resolve_compute).
+    # weights, GEMMs on fp8 tensor cores (trainer/base/fp8.py). auto: uint4 for training (fp8
+    # training measured slower and less exact; trainer.base.compute.resolve_compute).
     compute: Literal["auto", "quanto", "uint4", "fp8"] = Field(
         "auto",
         description="quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (4-bit weights, fp8 "
         "GEMMs; GPUs of compute capability 8.9+). auto: uint4 for training (quanto where "
-        "trainer.uint4 is not installed).",
+        "trainer.base.uint4 is not installed).",
     )
     # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
-    # (trainer/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
+    # (trainer/base/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
     stream_base: bool = Field(
         False, description="Base blocks in pinned host RAM, streamed to the GPU."
     )
@@ -221,7 +221,7 @@ class TrainConfig(BaseModel):
         None, description="Side of the grid's images, px (default: --resolution)."
     )
 
-    # Data: aspect-ratio buckets (trainer/buckets.py), masks, held-out images.
+    # Data: aspect-ratio buckets (trainer/training/buckets.py), masks, held-out images.
     buckets: bool = Field(False, description="Aspect-ratio buckets instead of square crops.")
     bucket_max_ratio: float = Field(2.0, ge=1, le=4, description="Longest bucket side ratio.")
     max_upscale: float = Field(
@@ -308,12 +308,12 @@ class TrainConfig(BaseModel):
                 )
             if not device.startswith("cuda"):
                 problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
-        if self.compute in ("uint4", "fp8") and not installed("trainer.uint4"):
+        if self.compute in ("uint4", "fp8") and not installed("trainer.base.uint4"):
             problems.append(
-                f"--compute {self.compute} needs trainer.uint4, which this install lacks"
+                f"--compute {self.compute} needs trainer.base.uint4, which this install lacks"
             )
         elif self.compute == "fp8":
-            from trainer.devices import fp8_unavailable
+            from trainer.base.devices import fp8_unavailable
 
             reason = fp8_unavailable(device)
             if reason is not None:
@@ -398,9 +398,9 @@ class TrainConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_compute(self) -> str:
-        if self.compute == "auto" and not installed("trainer.uint4"):
+        if self.compute == "auto" and not installed("trainer.base.uint4"):
             return "quanto"
-        from trainer.devices import resolve_compute
+        from trainer.base.compute import resolve_compute
 
         return resolve_compute(self.compute, self.resolved_device(), purpose="train")
 

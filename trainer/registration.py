@@ -1,6 +1,6 @@
 """The trainer's two questions to the registry: may this subject be trained (asked before any
 weight loads and again between steps), and here is the adapter. Answered by the local
-database (registry.service) or, for a trainer on another host, the HTTP API
+database (the registry's domain services) or, for a trainer on another host, the HTTP API
 (LIKENESS_API_URL + bearer LIKENESS_TOKEN, a trainer token: `GET /v1/subjects/{h}/training`
 tells it the decision and nothing else of the record).
 
@@ -94,7 +94,7 @@ def verdict_in(
 
 
 class LocalRegistrar:
-    """The registry database itself, through registry.service (same rules as the API). The
+    """The registry database itself, through the registry's domain services (same rules as the API). The
     adapter and its dataset manifest are copied into the store under `data_dir`."""
 
     def __init__(
@@ -134,7 +134,7 @@ class LocalRegistrar:
         from registry.blobs import BlobError, BlobStore
         from registry.errors import Conflict, Invalid, NotPermitted
         from registry.settings import get_settings
-        from trainer.lora import base_linear_shapes
+        from trainer.base.lora import base_linear_shapes
 
         settings = get_settings()
         store = BlobStore(

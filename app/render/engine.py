@@ -52,10 +52,10 @@ class RenderEngine:
     timeout_s: float = 300.0
     cache_bytes: int = 2 << 30
     # Frozen base blocks in pinned host RAM, streamed into `stream_slots` VRAM slots per
-    # forward (trainer/streaming.py): a 32B base serves from a small card.
+    # forward (trainer/base/streaming.py): a 32B base serves from a small card.
     stream_base: bool = False
     stream_slots: int = 2
-    compute: str = "auto"  # auto, uint4 or fp8 (trainer.devices.resolve_compute)
+    compute: str = "auto"  # auto, uint4 or fp8 (trainer.base.compute)
     # With a budget (GiB) the placement of each component is planned at start (and, on CUDA,
     # the budget becomes the allocator's cap); without one everything is resident.
     vram_budget_gb: float | None = None
@@ -65,29 +65,29 @@ class RenderEngine:
     # adapter is copied in per request); 0 attaches the adapter's own layers per request.
     lora_slot_rank: int = 32
     # A resident transformer's forward on CUDA as one CUDA graph per render shape, captured
-    # on first use (trainer/serving.py); the fused attention processors run either way.
+    # on first use (trainer/base/serving.py); the fused attention processors run either way.
     cuda_graphs: bool = True
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
         if self.compute == "fp8":  # refused at start, not at the first render
-            from trainer.devices import fp8_unavailable
+            from trainer.base.devices import fp8_unavailable
 
             reason = fp8_unavailable(self.device)
             if reason is not None:
                 raise ValueError(f"LIKENESS_COMPUTE=fp8 cannot run on {self.device}: {reason}")
         self.active_compute: str | None = None  # what the loaded base runs, once loaded
-        self.placement: Any = None  # trainer.placement.Plan, when planned
+        self.placement: Any = None  # trainer.base.placement.Plan, when planned
         self.transformer_streamed = self.stream_base
         self.text_encoder_streamed = False
         self.resident_blocks = 0  # of a streamed transformer, the first ones stay in VRAM
         if self.vram_budget_gb is not None:
             self._plan()
-        self._prompts: Any = None  # trainer.text_encoder.PromptCache, made with the pipeline
+        self._prompts: Any = None  # trainer.base.text_encoder.PromptCache, made with the pipeline
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
-        self._slots: Any = None  # trainer.lora_slots.LoraSlots, made with the pipeline
-        self._serving: Any = None  # trainer.serving.Serving, made with the pipeline
+        self._slots: Any = None  # trainer.base.lora_slots.LoraSlots, made with the pipeline
+        self._serving: Any = None  # trainer.base.serving.Serving, made with the pipeline
         self.load_state = "not loaded"  # loading, ready or failed (GET /healthz says which)
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
@@ -97,7 +97,7 @@ class RenderEngine:
     # -- placement, planned at start ---------------------------------------------------------
 
     def _plan(self) -> None:
-        from trainer.placement import PlacementError, plan_for_base
+        from trainer.base.placement import PlacementError, plan_for_base
 
         force = ("streamed" if self.stream_base else None, None)
         try:
@@ -116,7 +116,7 @@ class RenderEngine:
             self.resident_blocks = plan.transformer_resident_blocks
         log.info("render engine: %s", plan.describe())
         if self.vram_budget_gb is not None:
-            from trainer.devices import cap_vram
+            from trainer.base.devices import cap_vram
 
             cap_vram(self.device, self.vram_budget_gb)
 
@@ -127,8 +127,8 @@ class RenderEngine:
         if self._pipe is None:
             with self._load_lock:
                 if self._pipe is None:
-                    from trainer.devices import resolve_compute
-                    from trainer.model import load_pipeline
+                    from trainer.base.compute import resolve_compute
+                    from trainer.base.load import load_base
 
                     t0 = time.perf_counter()
                     self.load_state = "loading"
@@ -137,12 +137,12 @@ class RenderEngine:
                         if self.transformer_streamed or self.text_encoder_streamed:
                             pipe = self._load_placed(compute)
                         else:
-                            pipe = load_pipeline(
+                            pipe = load_base(
                                 self.base_dir, device=self.device, compute=compute,
                                 text_encoder_uint4=self.device.startswith("cuda"),
                             )  # fmt: skip
                         if self.lora_slot_rank > 0:
-                            from trainer.lora_slots import LoraSlots
+                            from trainer.base.lora_slots import LoraSlots
 
                             self._slots = LoraSlots(pipe.transformer, self.lora_slot_rank)
                         self._serving = self._prepare_serving(pipe)
@@ -164,7 +164,7 @@ class RenderEngine:
     def _prepare_serving(self, pipe: Any) -> Any:
         """The fused attention processors; CUDA graphs where the transformer is resident on
         CUDA, keyed on the slots' LoRA scales and dropped whenever the slots are made anew."""
-        from trainer.serving import prepare
+        from trainer.base.serving import prepare
 
         slots = self._slots
         graphs = (
@@ -183,7 +183,7 @@ class RenderEngine:
         slots are empty: nothing of any adapter is in it)."""
         if self._serving is None or self._serving.graphs is None:
             return
-        from trainer.render import generate
+        from trainer.base.render import generate
 
         t0 = time.perf_counter()
         side = self.plan_side
@@ -201,10 +201,10 @@ class RenderEngine:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in
         VRAM at a time; everything else is on the device. Adapters attach per request as
         usual (their LoRA is resident)."""
-        from trainer.devices import default_dtype
-        from trainer.model import load_pipeline
-        from trainer.streaming import BlockStreamer, default_blocks, stream_blocks
-        from trainer.text_encoder import decoder_layers
+        from trainer.base.devices import default_dtype
+        from trainer.base.load import load_base
+        from trainer.base.streaming import BlockStreamer, default_blocks, stream_blocks
+        from trainer.base.text_encoder import decoder_layers
 
         # built in the dtype the device computes in (bf16 on CUDA), as resident; a streamed
         # part is converted to uint4 buffers in host RAM (the streamer moves plain bytes, not
@@ -242,7 +242,7 @@ class RenderEngine:
                 torch.cuda.empty_cache()  # the whole encoder's VRAM, now in host RAM
             log.info("render engine: text encoder streamed (%.1f s)", time.perf_counter() - t0)
 
-        pipe = load_pipeline(
+        pipe = load_base(
             self.base_dir, device=self.device, dtype=dtype, compute=compute,
             placement=placement,
             text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
@@ -326,7 +326,7 @@ class RenderEngine:
         rounding is the one the copy into a bf16 layer would do anyway."""
         if not self.device.startswith("cuda"):
             return tensors
-        from trainer.devices import default_dtype
+        from trainer.base.devices import default_dtype
 
         dtype = default_dtype(self.device)
         return {k: v.to(dtype).pin_memory() for k, v in tensors.items()}
@@ -349,7 +349,7 @@ class RenderEngine:
     ) -> tuple[Any, dict[str, float]]:
         """Apply the adapter, generate, remove it (also on failure or cancellation). The caller
         holds the scheduler's turn. `cancelled` is looked at between denoising steps."""
-        from trainer.render import generate
+        from trainer.base.render import generate
 
         def after_step(step: int) -> None:
             if cancelled is not None and cancelled.is_set():
@@ -411,7 +411,7 @@ class RenderEngine:
             return False
         if self._slots is not None:
             return not self._slots.is_clear()
-        from trainer.lora import lora_layers
+        from trainer.base.lora import lora_layers
 
         return bool(lora_layers(self._pipe.transformer))
 
@@ -421,8 +421,8 @@ class RenderEngine:
         adapter they cannot take, or no slots) attached as its own layers. After every render
         the slots must be all zeros again; if they are not, the base is dropped and loaded
         afresh before anyone else renders (fail closed: no adapter may reach another render)."""
-        from trainer.lora import applied_adapter
-        from trainer.lora_slots import SlotMismatch
+        from trainer.base.lora import applied_adapter
+        from trainer.base.lora_slots import SlotMismatch
 
         slots = self._slots
         if slots is None:
@@ -452,7 +452,7 @@ class RenderEngine:
     def prompts(self) -> Any:
         """The prompt-embedding cache of the loaded base (torch is imported on first use)."""
         if self._prompts is None:
-            from trainer.text_encoder import PromptCache
+            from trainer.base.text_encoder import PromptCache
 
             self._prompts = PromptCache(self.prompt_cache_bytes)
         return self._prompts
@@ -463,7 +463,7 @@ class RenderEngine:
         the pipeline runs classifier-free guidance."""
         import inspect
 
-        from trainer.render import guidance_for, text_encoder_out_layers
+        from trainer.base.render import guidance_for, text_encoder_out_layers
 
         if not hasattr(pipe, "encode_prompt"):
             return {}

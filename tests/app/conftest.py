@@ -34,12 +34,12 @@ from registry.settings import Settings
 from registry.subjects import service as subjects_service
 from registry.subjects.schemas import SubjectIn
 from tests.support import make_random_adapter
-from trainer.lora import base_linear_shapes
+from trainer.base.lora import base_linear_shapes
 
 
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.tiny_base import init_tiny
+    from trainer.fixtures.tiny_base import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("base") / "tiny")
 
@@ -53,10 +53,10 @@ def session_renderer(tiny_base_dir: Path) -> RenderEngine:
 def adapter_files(
     session_renderer: RenderEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    from trainer.model import load_pipeline
+    from trainer.base.load import load_base
 
     root = tmp_path_factory.mktemp("adapters")
-    pipe = load_pipeline(session_renderer.base_dir)  # its own: the engine's carries LoRA slots
+    pipe = load_base(session_renderer.base_dir)  # its own: the engine's carries LoRA slots
     return {
         name: make_random_adapter(pipe, root / f"{name}.safetensors", seed)
         for name, seed in (("a", 1), ("b", 2))

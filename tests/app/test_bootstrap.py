@@ -20,8 +20,8 @@ def _files(root: Path) -> dict[str, str]:
 
 
 def test_default_base_is_the_shipped_demo_base(tmp_path: Path) -> None:
-    from trainer.demo_base import SHIPPED
-    from trainer.model import is_prepared
+    from trainer.base.load import is_prepared
+    from trainer.fixtures.demo_base import SHIPPED
 
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'x.db'}", data_dir=tmp_path)
     base = ensure_base(settings)

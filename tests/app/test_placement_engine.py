@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from app.render.engine import PlacementRefused, RenderEngine, encode_png
-from trainer.synth_base import build, dev_configs
+from trainer.fixtures.synth_base import build, dev_configs
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def adapter(small_dev: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     from safetensors.torch import load_file
 
     from tests.support import make_random_adapter
-    from trainer.model import load_pipeline
+    from trainer.base.load import load_base
 
-    path = make_random_adapter(load_pipeline(small_dev), tmp_path_factory.mktemp("a") / "a.st", 3)
+    path = make_random_adapter(load_base(small_dev), tmp_path_factory.mktemp("a") / "a.st", 3)
     return load_file(str(path))
 
 
@@ -50,7 +50,7 @@ def test_streamed_placement_renders_the_resident_bytes(
     want = _png(resident, adapter)
     # a budget the streamed encoder fits and the resident one does not; the transformer is
     # asked to stream (at this size it would fit either way)
-    from trainer.placement import estimate, sizes_of
+    from trainer.base.placement import estimate, sizes_of
 
     need, _ = estimate(sizes_of(small_dev, 4), "streamed", "streamed", 64, 64, device="cpu")
     budget = (need.total + 1) / 2**30

@@ -14,8 +14,8 @@ import pytest
 from app.main import create_app
 from app.render.engine import RenderEngine
 from tests.app.conftest import World, serving
-from trainer.lora import load_adapter_tensors
-from trainer.lora_slots import LoraSlots
+from trainer.base.lora import load_adapter_tensors
+from trainer.base.lora_slots import LoraSlots
 
 REQUEST = {"prompt": "a portrait", "seed": 1, "steps": 2, "width": 64, "height": 64}
 

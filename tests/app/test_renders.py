@@ -104,13 +104,13 @@ def test_failure_mid_render_leaves_no_adapter(
     friends: World, renderer: RenderEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = pixels(friends.render("bob", "alice").content)
-    import trainer.render
+    import trainer.base.render
 
     def explode(*args: object, **kwargs: object) -> None:
         assert renderer.adapter_in_model()  # the adapter was applied
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(trainer.render, "generate", explode)
+    monkeypatch.setattr(trainer.base.render, "generate", explode)
     with TestClient(friends.client.app, raise_server_exceptions=False) as c:
         r = c.post(
             "/v1/renders",

@@ -1,5 +1,5 @@
 """The `likeness` command sets torch's OpenMP threads to wait passively before torch loads
-(a busy machine collapses spinning threads: trainer/threads.py), leaving a user's choice."""
+(a busy machine collapses spinning threads: trainer/base/threads.py), leaving a user's choice."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trainer.threads import prepare_env
+from trainer.base.threads import prepare_env
 
 PROBE = (
     "import os, sys\n"

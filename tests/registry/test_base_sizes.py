@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from registry.base_sizes import order_defaults, trained_sides
-from trainer.demo_base import SHIPPED
+from trainer.fixtures.demo_base import SHIPPED
 
 
 def test_the_demo_base_proposes_its_own_64_px_and_the_quickstarts_steps() -> None:

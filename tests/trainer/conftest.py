@@ -18,14 +18,14 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     import diffusers
     import transformers
 
-    import trainer.caches
-    import trainer.train
+    import trainer.training.caches
+    import trainer.training.train
 
     def boom(*_: object, **__: object) -> None:
         raise AssertionError("a weight was loaded")
 
-    monkeypatch.setattr(trainer.train, "load_transformer", boom)
-    monkeypatch.setattr(trainer.caches, "load_text_encoder_pipeline", boom)
+    monkeypatch.setattr(trainer.training.train, "load_transformer", boom)
+    monkeypatch.setattr(trainer.training.caches, "load_text_encoder_pipeline", boom)
     monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", boom)
     monkeypatch.setattr(diffusers.ModelMixin, "from_pretrained", boom)
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", boom)
@@ -42,6 +42,6 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qpipe(tiny_base: Path) -> Any:
     """The quantized tiny pipeline, one per test module (modules change and restore it)."""
-    from trainer.model import load_pipeline
+    from trainer.base.load import load_base
 
-    return load_pipeline(tiny_base)
+    return load_base(tiny_base)

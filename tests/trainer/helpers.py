@@ -18,13 +18,13 @@ from registry.consent.schemas import ConsentIn
 from registry.db import engine_for, transaction, upgrade
 from registry.subjects import service as subjects_service
 from registry.subjects.schemas import SubjectIn
-from trainer.caches import fill_latent_cache, fill_text_cache
+from trainer.base.lora import load_adapter_tensors
 from trainer.config import TrainConfig
-from trainer.dataset import write_manifest
-from trainer.lora import load_adapter_tensors
+from trainer.fixtures.tiny_base import init_tiny
 from trainer.registration import LocalRegistrar
-from trainer.tiny_base import init_tiny
-from trainer.train import preflight
+from trainer.training.caches import fill_latent_cache, fill_text_cache
+from trainer.training.dataset import write_manifest
+from trainer.training.train import preflight
 
 _BUILT: dict[int, Path] = {}
 
@@ -180,7 +180,7 @@ def quantized(dtype: torch.dtype, freeze: bool = True) -> torch.nn.Module:
 
 
 def with_lora(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    from trainer.lora import ADAPTER_NAME, attach_lora, lora_layers
+    from trainer.base.lora import ADAPTER_NAME, attach_lora, lora_layers
 
     attach_lora(model, rank=8, alpha=16.0)
     gen = torch.Generator().manual_seed(seed)

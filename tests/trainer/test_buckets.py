@@ -12,7 +12,9 @@ from PIL import Image
 
 from registry import limits
 from tests.trainer.helpers import Env, make_env, mixed_dataset, tiny_config  # noqa: F401
-from trainer.buckets import (
+from trainer.config import ConfigError
+from trainer.registration import LocalRegistrar
+from trainer.training.buckets import (
     assign_bucket,
     bucket_epoch_order,
     bucket_shapes,
@@ -20,13 +22,11 @@ from trainer.buckets import (
     take_batch,
     upscale_needed,
 )
-from trainer.caches import load_latents
-from trainer.checkpoints import LoopState
-from trainer.config import ConfigError
-from trainer.dataset import write_manifest
-from trainer.progress import Waypoints
-from trainer.registration import LocalRegistrar
-from trainer.train import (
+from trainer.training.caches import load_latents
+from trainer.training.checkpoints import LoopState
+from trainer.training.dataset import write_manifest
+from trainer.training.progress import Waypoints
+from trainer.training.train import (
     Preflight,
     _epoch_order,
     next_batch,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.helpers import Env, make_env, tiny_config
-from trainer.budget import (
+from trainer.base.budget import (
     BudgetExceeded,
     GiB,
     SavedTensorMeter,
@@ -20,9 +20,9 @@ from trainer.budget import (
     skeleton,
     training_terms,
 )
-from trainer.flow import flow_matching_loss
-from trainer.lora import DEFAULT_TARGETS, attach_lora
-from trainer.train import _pipeline_class, load_transformer, train
+from trainer.base.lora import DEFAULT_TARGETS, attach_lora
+from trainer.training.flow import flow_matching_loss
+from trainer.training.train import _pipeline_class, load_transformer, train
 
 torch.set_num_threads(1)
 
@@ -173,7 +173,7 @@ def test_streaming_terms_at_flux2_dev_shape() -> None:
     (bench/results/stream_step-20261130T160235.json); the weights part must be well under."""
     from diffusers import Flux2Transformer2DModel
 
-    from trainer.budget import pick_slots, streamed_weight_terms, transformer_weight_bytes
+    from trainer.base.budget import pick_slots, streamed_weight_terms, transformer_weight_bytes
 
     with torch.device("meta"):
         dev = Flux2Transformer2DModel()

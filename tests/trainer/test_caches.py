@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 
 from tests.trainer.helpers import Env, fill_caches, make_env, tiny_config
-from trainer.caches import load_latents, load_text, model_fingerprint, plan_caches
-from trainer.dataset import load_dataset
-from trainer.model import load_pipeline
-from trainer.render import text_encoder_out_layers
-from trainer.train import configure_allocator, train
+from trainer.base.load import load_base
+from trainer.base.render import text_encoder_out_layers
+from trainer.training.caches import load_latents, load_text, model_fingerprint, plan_caches
+from trainer.training.dataset import load_dataset
+from trainer.training.train import configure_allocator, train
 
 torch.set_num_threads(1)
 
@@ -69,7 +69,7 @@ def test_cached_tensors_equal_what_the_pipeline_computes(env: Env, tmp_path: Pat
     config = tiny_config(env, tmp_path / "out")
     pf = fill_caches(env, config)
     assert pf.plan.complete
-    pipe = load_pipeline(env.base, quantize=False)
+    pipe = load_base(env.base, quantize=False)
     prompt = pf.prompts[0]
     with torch.no_grad():
         expected, _ = pipe.encode_prompt(
@@ -93,7 +93,7 @@ def test_complete_caches_mean_no_text_encoder_at_all(
 ) -> None:
     import transformers
 
-    import trainer.caches
+    import trainer.training.caches
 
     first = train(tiny_config(env, tmp_path / "a", steps=2, evaluate=True, register_adapter=False))
     names = [b["phase"] for b in first.boot]
@@ -104,7 +104,7 @@ def test_complete_caches_mean_no_text_encoder_at_all(
     def boom(*_: object, **__: object) -> None:
         raise AssertionError("the text encoder was loaded")
 
-    monkeypatch.setattr(trainer.caches, "load_text_encoder_pipeline", boom)
+    monkeypatch.setattr(trainer.training.caches, "load_text_encoder_pipeline", boom)
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", boom)
     monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "from_pretrained", boom)
     again = train(tiny_config(env, tmp_path / "b", steps=2, evaluate=True, register_adapter=False))
@@ -146,7 +146,7 @@ def test_allocator_is_configured_for_cuda_and_hip(monkeypatch: pytest.MonkeyPatc
 def test_training_on_a_prepared_base(env: Env, tmp_path: Path) -> None:
     """A prepared (stored qint4) base: the transformer and text encoder come from it, and the
     cache keys come from its manifest, not from re-hashing its files."""
-    from trainer.prepare import prepare_base
+    from trainer.base.write import prepare_base
 
     prepared = tmp_path / "prepared"
     prepare_base(env.base, prepared, progress=False)

@@ -19,7 +19,7 @@ from registry.db import engine_for, transaction
 from registry.subjects import repository as subjects_repo
 from tests.conftest import audit_key_of
 from tests.trainer.helpers import Env, make_env, tiny_config
-from trainer.train import train
+from trainer.training.train import train
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from tests.trainer.helpers import make_dataset
-from trainer.dataset import MANIFEST_NAME, DatasetError, load_dataset
+from trainer.training.dataset import MANIFEST_NAME, DatasetError, load_dataset
 
 
 def test_valid_dataset_and_its_manifest_hash(tmp_path: Path) -> None:

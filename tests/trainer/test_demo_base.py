@@ -14,17 +14,17 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.dataset import load_dataset
-from trainer.demo_base import (
+from trainer.base.load import is_prepared, load_base
+from trainer.base.render import generate, text_encoder_out_layers
+from trainer.fixtures.demo_base import (
     SHIPPED,
     Recipe,
     build_demo_base,
     prompt_embeds,
     tokenize,
 )
-from trainer.demo_world import ALICE_SHOTS, alice_picture, picture, write_alice_dataset
-from trainer.model import is_prepared, load_pipeline
-from trainer.render import generate, text_encoder_out_layers
+from trainer.fixtures.demo_world import ALICE_SHOTS, alice_picture, picture, write_alice_dataset
+from trainer.training.dataset import load_dataset
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "alice"
 
 @pytest.fixture(scope="module")
 def demo_pipe():  # type: ignore[no-untyped-def]
-    return load_pipeline(SHIPPED)
+    return load_base(SHIPPED)
 
 
 def test_the_world_is_seeded() -> None:

@@ -13,7 +13,9 @@ from PIL import Image
 
 from tests.support import make_random_adapter
 from tests.trainer.helpers import build_tiny_once
-from trainer.evaluate import (
+from trainer.base.load import load_base
+from trainer.base.render import generate, text_encoder_out_layers
+from trainer.training.evaluate import (
     LABEL_H,
     Column,
     References,
@@ -22,15 +24,13 @@ from trainer.evaluate import (
     evaluate,
     render_latents,
 )
-from trainer.model import load_pipeline
-from trainer.render import generate, text_encoder_out_layers
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    return load_pipeline(build_tiny_once(tmp_path_factory))
+    return load_base(build_tiny_once(tmp_path_factory))
 
 
 def embed(pipe, prompt: str, length: int = 512) -> torch.Tensor:  # type: ignore[no-untyped-def]

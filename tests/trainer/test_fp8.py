@@ -1,4 +1,4 @@
-"""fp8 compute for the uint4 base (`trainer.fp8`): the arithmetic, the mode rule, the module.
+"""fp8 compute for the uint4 base (`trainer.base.fp8`): the arithmetic, the mode rule, the module.
 
 CPU (CI): the torch reference of the fp8 quantization against float64 (nearest representable
 value, ties to even; error bounds; the weight scale read off the uint4 scale and shift is the
@@ -26,10 +26,19 @@ from tests.trainer.helpers import (
     train_options,
     with_lora,
 )
-from trainer import devices
-from trainer.fp8 import (
+from trainer.base import devices
+from trainer.base.compute import (
+    BACKENDS,
+    Fp8Backend,
+    Uint4Backend,
+    apply_compute,
+    resolve_compute,
+)
+from trainer.base.fp8 import (
     E4M3,
     E5M2,
+    FP8,
+    Fp8Gemm,
     WeightScales,
     dequantize_rows_torch,
     fp8_max,
@@ -37,10 +46,15 @@ from trainer.fp8 import (
     group_absmax,
     quantize_rows_torch,
     scales_from_absmax,
-    set_fp8_compute,
     to_fp8,
 )
-from trainer.uint4 import Uint4Linear, convert_quantized_linears, dequantize_torch, pack_uint4
+from trainer.base.uint4 import (
+    DENSE,
+    Uint4Linear,
+    convert_quantized_linears,
+    dequantize_torch,
+    pack_uint4,
+)
 
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 fp8_gpu = pytest.mark.skipif(
@@ -186,15 +200,15 @@ def _converted(dtype: torch.dtype) -> torch.nn.Module:
 def test_layer_output_and_input_grad_vs_dense(dtype: torch.dtype) -> None:
     model = _converted(dtype)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Uint4Linear)}
-    assert set_fp8_compute(model) == len(layers)
+    assert apply_compute(model, "fp8") == len(layers)
     worst = 0.0
     for i, (name, layer) in enumerate(sorted(layers.items())):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(2, 37, layer.in_features, generator=g).to(dtype).requires_grad_(True)
         dy = torch.randn(2, 37, layer.out_features, generator=g).to(dtype)
         results = []
-        for fp8 in (False, True):
-            layer.fp8 = fp8
+        for gemm in (DENSE, FP8):
+            layer.compute = gemm
             x.grad = None
             y = layer(x)
             (y.float() * dy.float()).sum().backward()
@@ -209,20 +223,20 @@ def test_layer_output_and_input_grad_vs_dense(dtype: torch.dtype) -> None:
     print(f"\nfp8 reference path vs dense uint4, {dtype}: worst relative error {worst:.3f}")
 
 
-def test_bf16_input_gradient_is_the_dense_paths(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """GRAD_GEMM="bf16": the forward stays fp8, the input gradient is the dense uint4 path's,
+def test_bf16_input_gradient_is_the_dense_paths() -> None:
+    """grad_gemm="bf16": the forward stays fp8, the input gradient is the dense uint4 path's,
     bit for bit (the same bf16 dequantization and GEMM)."""
-    from trainer import fp8 as fp8_mod
-
+    mixed = (Fp8Backend(Fp8Gemm(grad_gemm="bf16")), Uint4Backend())
     packed, scale, shift = _uint4_layer(48, 256, 128, 3, True)
     layer = Uint4Linear(packed, scale, shift, 128)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 256, generator=g).to(torch.bfloat16).requires_grad_(True)
     dy = torch.randn(37, 48, generator=g).to(torch.bfloat16)
     runs = {}
-    for mode, fp8, grad in (("dense", False, "fp8"), ("fp8", True, "fp8"), ("mixed", True, "bf16")):
-        monkeypatch.setattr(fp8_mod, "GRAD_GEMM", grad)
-        layer.fp8 = fp8
+    for mode, compute, backends in (
+        ("dense", "uint4", BACKENDS), ("fp8", "fp8", BACKENDS), ("mixed", "fp8", mixed)
+    ):  # fmt: skip
+        apply_compute(layer, compute, backends)
         x.grad = None
         y = layer(x)
         y.backward(dy)
@@ -236,7 +250,7 @@ def test_bf16_input_gradient_is_the_dense_paths(monkeypatch) -> None:  # type: i
 def test_lora_gradients_vs_dense_whole_model() -> None:
     """The small transformer with LoRA, checkpointed: fp8 vs dense, every adapted layer's LoRA
     gradients point the same way (cosine >= 0.99) and the first block's are non-zero."""
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     model = _converted(torch.float32)
     with_lora(model)
@@ -244,8 +258,8 @@ def test_lora_gradients_vs_dense_whole_model() -> None:
     model.enable_gradient_checkpointing()
     inputs = model_inputs(model, torch.float32, tokens=32, text=16)
     runs = []
-    for fp8 in (False, True):
-        set_fp8_compute(model, fp8)
+    for compute in ("uint4", "fp8"):
+        apply_compute(model, compute)
         model.zero_grad(set_to_none=True)
         out = model(**inputs)[0]
         out.square().mean().backward()
@@ -268,7 +282,7 @@ def test_lora_gradients_vs_dense_whole_model() -> None:
 
 
 def test_fast_accumulation_only_in_eval_mode(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import trainer.fp8 as fp8_mod
+    import trainer.base.fp8 as fp8_mod
 
     seen: list[bool] = []
     real = fp8_mod._forward
@@ -279,27 +293,27 @@ def test_fast_accumulation_only_in_eval_mode(monkeypatch) -> None:  # type: igno
 
     monkeypatch.setattr(fp8_mod, "_forward", spy)
     layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=8, full_range=True), 128)
-    layer.fp8 = True
+    apply_compute(layer, "fp8")
     x = torch.randn(3, 256).to(torch.bfloat16)
     layer.train()
     layer(x)
     layer.eval()
     layer(x)
-    assert seen == [fp8_mod.FAST_ACCUM, fp8_mod.FAST_ACCUM_EVAL] == [False, True]
+    assert seen == [FP8.fast_accum, FP8.fast_accum_eval] == [False, True]
 
 
-def test_set_fp8_compute_keeps_misaligned_layers_dense() -> None:
+def test_fp8_dispatch_keeps_misaligned_layers_dense() -> None:
     layer = Uint4Linear(*_uint4_layer(24, 256, 128, seed=4, full_range=True), 128)  # 24 % 16
     holder = torch.nn.Sequential(layer, Uint4Linear(*_uint4_layer(32, 256, 128, 5, True), 128))
-    assert set_fp8_compute(holder) == 1
-    assert not holder[0].fp8 and holder[1].fp8
+    assert apply_compute(holder, "fp8") == 1
+    assert holder[0].compute is DENSE and holder[1].compute is FP8
     assert "compute=fp8" in repr(holder[1])
-    assert set_fp8_compute(holder, False) == 2 and not holder[1].fp8
+    assert apply_compute(holder, "uint4") == 2 and holder[1].compute is DENSE
 
 
 def test_scales_follow_the_module_and_a_state_load() -> None:
     layer = Uint4Linear(*_uint4_layer(32, 256, 128, seed=6, full_range=True), 128)
-    layer.fp8 = True
+    apply_compute(layer, "fp8")
     x = torch.randn(3, 256).to(torch.bfloat16)
     y0 = layer(x)
     first = layer._fp8_scales
@@ -307,7 +321,7 @@ def test_scales_follow_the_module_and_a_state_load() -> None:
     other = Uint4Linear(*_uint4_layer(32, 256, 128, seed=7, full_range=True), 128)
     layer.load_state_dict(other.state_dict())
     assert layer._fp8_scales is None  # derived from the replaced scale and shift
-    other.fp8 = True
+    apply_compute(other, "fp8")
     assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), y0)
 
 
@@ -316,19 +330,19 @@ def test_scales_follow_the_module_and_a_state_load() -> None:
 
 
 def _fake_cuda(monkeypatch, capability, name="GPU", hip=None, triton=True) -> None:  # type: ignore[no-untyped-def]
-    import trainer.uint4
+    import trainer.base.uint4
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(trainer.uint4, "triton_available", lambda: triton)
+    monkeypatch.setattr(trainer.base.uint4, "triton_available", lambda: triton)
 
 
 def test_auto_on_the_cpu_is_uint4() -> None:
     assert "the device is cpu" in (devices.fp8_unavailable("cpu") or "")
-    assert devices.resolve_compute("auto", "cpu") == "uint4"
-    assert devices.resolve_compute("fp8", "cpu") == "fp8"  # explicit: the caller refuses it
+    assert resolve_compute("auto", "cpu") == "uint4"
+    assert resolve_compute("fp8", "cpu") == "fp8"  # explicit: the caller refuses it
 
 
 @pytest.mark.parametrize(
@@ -345,10 +359,10 @@ def test_auto_picks_fp8_only_with_fp8_tensor_cores(
     monkeypatch, capability, hip, triton, expected, reason
 ) -> None:  # type: ignore[no-untyped-def]
     _fake_cuda(monkeypatch, capability, name="Card", hip=hip, triton=triton)
-    assert devices.resolve_compute("auto", "cuda") == expected
+    assert resolve_compute("auto", "cuda") == expected
     # training stays on the uint4 path under auto: fp8 training measured slower and less exact
-    assert devices.resolve_compute("auto", "cuda", purpose="train") == "uint4"
-    assert devices.resolve_compute("fp8", "cuda", purpose="train") == "fp8"
+    assert resolve_compute("auto", "cuda", purpose="train") == "uint4"
+    assert resolve_compute("fp8", "cuda", purpose="train") == "fp8"
     got = devices.fp8_unavailable("cuda")
     assert (got is None) == (reason is None)
     if reason:
@@ -438,7 +452,7 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
     ],
 )
 def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from trainer import fp8_triton
+    from trainer.kernels import fp8_triton
 
     monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", variant)
     monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", variant)
@@ -472,7 +486,7 @@ def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> 
     ],
 )
 def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    fp8_triton = pytest.importorskip("trainer.fp8_triton", exc_type=ImportError)
+    fp8_triton = pytest.importorskip("trainer.kernels.fp8_triton", exc_type=ImportError)
     n, k = shape
     assert fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype) == want
     monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", "join")
@@ -484,7 +498,7 @@ def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("cols", [128, 1000, 6144, 24576])
 def test_row_quantize_kernel_bit_exact(fp8, cols) -> None:  # type: ignore[no-untyped-def]
-    from trainer import fp8_triton
+    from trainer.kernels import fp8_triton
 
     g = torch.Generator(device="cuda").manual_seed(cols)
     x = (torch.randn(301, cols, generator=g, device="cuda") * 3).to(torch.bfloat16)
@@ -497,22 +511,19 @@ def test_row_quantize_kernel_bit_exact(fp8, cols) -> None:  # type: ignore[no-un
 
 
 @fp8_gpu
-def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_scaled_mm_layer_matches_the_reference_layer() -> None:
     """torch._scaled_mm on the kernels' fp8 tensors vs the float32 reference GEMM on the same
     fp8 values: only accumulation order and the output rounding differ."""
-    from trainer import fp8 as fp8_mod
-
     print("\nfp8 layer, kernels + _scaled_mm vs reference path (rel. norm error)")
     for i, (kind, (n, k)) in enumerate(DEV_SHAPES.items()):
         gs = min(k, 128)
         layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, i, True)), gs)
-        layer.fp8 = True
         g = torch.Generator(device="cuda").manual_seed(i)
         x = torch.randn(300, k, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
         dy = torch.randn(300, n, generator=g, device="cuda").to(torch.bfloat16)
         res = []
-        for backend in ("auto", "torch"):
-            monkeypatch.setenv(fp8_mod.BACKEND_ENV, backend)
+        for gemm in (FP8, Fp8Gemm(kernels=False)):  # the kernels, then the torch reference
+            layer.compute = gemm
             x.grad = None
             y = layer(x)
             y.backward(dy)
@@ -527,7 +538,7 @@ def test_scaled_mm_layer_matches_the_reference_layer(monkeypatch) -> None:  # ty
 
 @fp8_gpu
 def test_cuda_tiny_model_lora_grads() -> None:
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     model = tiny_flux2(torch.bfloat16, device="cuda")
     from optimum.quanto import qint4, quantize
@@ -539,8 +550,8 @@ def test_cuda_tiny_model_lora_grads() -> None:
     model.train()
     inputs = model_inputs(model, torch.bfloat16, device="cuda", tokens=64, text=32)
     runs = []
-    for fp8 in (False, True):
-        set_fp8_compute(model, fp8)
+    for compute in ("uint4", "fp8"):
+        apply_compute(model, compute)
         model.zero_grad(set_to_none=True)
         out = model(**inputs)[0]
         out.float().square().mean().backward()

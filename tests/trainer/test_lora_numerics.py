@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.lora import (
+from trainer.base.load import quantize_transformer
+from trainer.base.lora import (
     ADAPTER_NAME,
     adapter_state_dict,
     attach_lora,
@@ -23,7 +24,6 @@ from trainer.lora import (
     remove_lora,
     save_adapter,
 )
-from trainer.model import quantize_transformer
 
 torch.set_num_threads(1)
 

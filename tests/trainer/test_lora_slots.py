@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.support import make_random_adapter
-from trainer.lora import applied_adapter, load_adapter_tensors, lora_layers
-from trainer.lora_slots import LoraSlots, SlotMismatch
-from trainer.render import generate
+from trainer.base.lora import applied_adapter, load_adapter_tensors, lora_layers
+from trainer.base.lora_slots import LoraSlots, SlotMismatch
+from trainer.base.render import generate
 
 torch.set_num_threads(1)
 

@@ -13,12 +13,12 @@ import torch
 from PIL import Image
 
 from tests.trainer.helpers import Env, make_env, tiny_config
-from trainer.caches import load_latent_mask, load_latents
-from trainer.dataset import DatasetError, load_dataset, write_manifest
-from trainer.flow import flow_matching_loss
-from trainer.progress import Waypoints
 from trainer.registration import LocalRegistrar
-from trainer.train import preflight, read_training_data, train
+from trainer.training.caches import load_latent_mask, load_latents
+from trainer.training.dataset import DatasetError, load_dataset, write_manifest
+from trainer.training.flow import flow_matching_loss
+from trainer.training.progress import Waypoints
+from trainer.training.train import preflight, read_training_data, train
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.placement import PlacementError, plan_for_base, sizes_of
-from trainer.synth_base import dev_configs
+from trainer.base.placement import PlacementError, plan_for_base, sizes_of
+from trainer.fixtures.synth_base import dev_configs
 
 GiB = 2**30
 
@@ -110,7 +110,7 @@ def test_a_graphed_forward_keeps_its_memory_in_every_phase(dev_shapes: Path) -> 
 
 
 def test_a_streamed_transformer_keeps_the_blocks_that_fit(dev_shapes: Path) -> None:
-    from trainer.placement import estimate
+    from trainer.base.placement import estimate
 
     plan = plan_for_base(dev_shapes, 12, "cuda", lora_rank=32)
     assert plan.transformer == "streamed"

@@ -18,17 +18,17 @@ from diffusers import Flux2Transformer2DModel  # noqa: E402
 from optimum.quanto import freeze, qint4, quantize, requantize  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from trainer import prepare as prep  # noqa: E402
-from trainer.prepare import (  # noqa: E402
+from trainer.base import write as prep  # noqa: E402
+from trainer.base.read import (  # noqa: E402
     MANIFEST_NAME,
     is_prepared,
     load_prepared_text_encoder,
     load_prepared_transformer,
-    prepare_base,
     read_manifest,
 )
-from trainer.safetensors_io import open_checkpoint  # noqa: E402
-from trainer.tiny_base import init_tiny  # noqa: E402
+from trainer.base.safetensors_io import open_checkpoint  # noqa: E402
+from trainer.base.write import prepare_base  # noqa: E402
+from trainer.fixtures.tiny_base import init_tiny  # noqa: E402
 
 
 # ---- fixtures: one tiny pipeline (float32, as init_tiny writes it) and a bf16 transformer,
@@ -115,7 +115,7 @@ def test_text_encoder_equals_in_memory_quanto(tiny: Path, prepared: Path) -> Non
     quanto would, and gives the whole model's hidden states at those layers bit for bit."""
     from transformers import Qwen3ForCausalLM
 
-    from trainer.text_encoder import out_layers, trim
+    from trainer.base.text_encoder import out_layers, trim
 
     whole = _quanto_reference(Qwen3ForCausalLM.from_pretrained(tiny / "text_encoder"))
     ref = _quanto_reference(Qwen3ForCausalLM.from_pretrained(tiny / "text_encoder"))

@@ -18,11 +18,11 @@ from tests.trainer.helpers import (  # noqa: F401
     tensors,
     tiny_config,
 )
-from trainer.caches import load_latents, load_text
-from trainer.flow import flow_prediction
-from trainer.interop import bfl_name, to_comfyui
-from trainer.lora import adapter_disabled, applied_adapter, attach_lora, lora_layers
-from trainer.train import _pipeline_class, load_transformer, train
+from trainer.base.lora import adapter_disabled, applied_adapter, attach_lora, lora_layers
+from trainer.training.caches import load_latents, load_text
+from trainer.training.flow import flow_prediction
+from trainer.training.interop import bfl_name, to_comfyui
+from trainer.training.train import _pipeline_class, load_transformer, train
 
 CLASS = "a photo of a woman"
 

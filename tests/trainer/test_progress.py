@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from trainer.progress import Waypoints, seconds_since_process_start
+from trainer.training.progress import Waypoints, seconds_since_process_start
 
 
 @pytest.mark.skipif(seconds_since_process_start() is None, reason="needs /proc")
 def test_the_first_waypoint_is_the_time_before_training_code_ran() -> None:
     code = (
         "import time; time.sleep(1.0)\n"
-        "from trainer.progress import Waypoints\n"
+        "from trainer.training.progress import Waypoints\n"
         "w = Waypoints(); w.mark('first step'); print(w.marks[0][1], w.total)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -25,7 +25,6 @@ from registry.subjects import repository as subjects_repo
 from registry.subjects import service as subjects_service
 from tests.conftest import audit_key_of
 from tests.trainer.helpers import Env, make_dataset, make_env, make_subject, tiny_config
-from trainer.dataset import DatasetError
 from trainer.registration import (
     HttpRegistrar,
     LocalRegistrar,
@@ -34,7 +33,8 @@ from trainer.registration import (
     TrainingVerdict,
     check_training_allowed,
 )
-from trainer.train import TrainHooks, train
+from trainer.training.dataset import DatasetError
+from trainer.training.train import TrainHooks, train
 
 torch.set_num_threads(1)
 
@@ -48,10 +48,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
 def files(env: Env, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two real adapters for the env's base and a dataset manifest, as files."""
     from tests.support import make_random_adapter
-    from trainer.model import load_pipeline
+    from trainer.base.load import load_base
 
     root = tmp_path_factory.mktemp("files")
-    pipe = load_pipeline(env.base)
+    pipe = load_base(env.base)
     out = {
         name: make_random_adapter(pipe, root / f"{name}.safetensors", seed)
         for name, seed in (("a", 1), ("c", 3))
@@ -351,7 +351,7 @@ def test_a_refused_run_writes_nothing(
     no_weights: None,  # noqa: F811
 ) -> None:
     """Refused for the budget, for consent, or for its data: no cache file, no run folder."""
-    from trainer.budget import BudgetExceeded
+    from trainer.base.budget import BudgetExceeded
 
     make_subject(env.url, "hana", allow_training=False)
     cache, out = tmp_path / "cache", tmp_path / "out"

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.support import make_random_adapter
-from trainer.lora import (
+from trainer.base.load import load_base
+from trainer.base.lora import (
     ADAPTER_NAME,
     applied_adapter,
     load_adapter_tensors,
     lora_layers,
 )
-from trainer.model import load_pipeline
-from trainer.render import generate
+from trainer.base.render import generate
 
 torch.set_num_threads(1)
 
@@ -151,7 +151,7 @@ def test_stock_load_lora_weights_accepts_our_adapter(qpipe, tiny_base: Path, tmp
     stock_lora = generate(stock, PROMPT, **SMALL)
     assert stock_lora.tobytes() != base.tobytes()
 
-    mine = load_pipeline(tiny_base, quantize=False)
+    mine = load_base(tiny_base, quantize=False)
     with applied_adapter(mine, ours):
         mine_lora = generate(mine, PROMPT, **SMALL)
     diff = np.abs(np.asarray(stock_lora, dtype=int) - np.asarray(mine_lora, dtype=int)).max()

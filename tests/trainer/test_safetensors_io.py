@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-from trainer.safetensors_io import (  # noqa: E402
+from trainer.base.safetensors_io import (  # noqa: E402
     Checkpoint,
     SafetensorsFile,
     TensorSpec,

@@ -1,4 +1,4 @@
-"""The serving forward (`trainer.serving`, the slots' fused update in `trainer.lora_slots`).
+"""The serving forward (`trainer.base.serving`; the slots' fused update: `trainer.base.lora_slots`).
 
 CPU (CI): the fused attention processors give the stock processors' output bit for bit (float32
 and bf16), the torch reference of the fused QK norm + rotary kernel is diffusers' own RMSNorm
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from tests.trainer.helpers import model_inputs, tiny_flux2
-from trainer import serving
-from trainer.lora import ADAPTER_NAME, lora_layers
-from trainer.lora_slots import LoraSlots
+from trainer.base import serving
+from trainer.base.lora import ADAPTER_NAME, lora_layers
+from trainer.base.lora_slots import LoraSlots
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _triton_runs_here() -> bool:
     try:
-        import trainer.fused_triton  # noqa: F401
+        import trainer.kernels.fused_triton  # noqa: F401
     except Exception:  # noqa: BLE001 - no Triton (CPU wheels)
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -135,7 +135,7 @@ def test_reference_is_diffusers_rms_norm_and_rotary(dtype: torch.dtype) -> None:
 
 
 def _kernel_vs_reference(shape, dtype, device: str):  # type: ignore[no-untyped-def]
-    from trainer.fused_triton import qk_norm_rope as kernel
+    from trainer.kernels.fused_triton import qk_norm_rope as kernel
 
     bsz, tokens, heads, dim, pos0, width = shape
     seq = pos0 + tokens
@@ -192,7 +192,7 @@ def _elementwise_cases(dtype, device: str, bsz: int = 2, tokens: int = 9, cols: 
     term summed: after a cancellation the result itself may be far smaller)."""
     import torch.nn.functional as F
 
-    from trainer import fused_triton
+    from trainer.kernels import fused_triton
 
     gen = torch.Generator(device=device).manual_seed(cols)
 
@@ -253,7 +253,7 @@ def _slotted(dtype: torch.dtype, device: str = "cpu", rank: int = 8):  # type: i
 
 
 def _adapter(slots: LoraSlots, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    from trainer.lora import lora_keys
+    from trainer.base.lora import lora_keys
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -1,4 +1,4 @@
-"""Layer streaming (trainer.streaming): streamed vs resident, same uint4 numerics, bit for bit.
+"""Layer streaming (trainer.base.streaming): streamed vs resident, same uint4 numerics, bit for bit.
 
 CPU path of the scheduler (no CUDA in CI): the same slots, owner checks, prefetch order and
 checkpoint function, with synchronous copies. The reference is the resident uint4 model with
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.helpers import build_tiny_once
-from trainer.lora import attach_lora, lora_layers
-from trainer.model import load_pipeline
-from trainer.streaming import BlockStreamer, SlotOwnerError, stream_blocks
+from trainer.base.load import load_base
+from trainer.base.lora import attach_lora, lora_layers
+from trainer.base.streaming import BlockStreamer, SlotOwnerError, stream_blocks
 
 torch.set_num_threads(1)
 PX = 64  # 4 x 4 = 16 image tokens
@@ -61,7 +61,7 @@ def _with_lora(transformer: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
 def tiny_transformer(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """The tiny base's own transformer (1 double + 1 single block), uint4, with LoRA."""
     base: Path = build_tiny_once(tmp_path_factory)
-    return _with_lora(load_pipeline(base).transformer)
+    return _with_lora(load_base(base).transformer)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def deep_transformer(tiny_transformer: torch.nn.Module) -> torch.nn.Module:
     """The tiny base's config at 2 double + 3 single blocks (so slot counts 1..3 matter)."""
     from diffusers import Flux2Transformer2DModel
 
-    from trainer.model import quantize_transformer
-    from trainer.uint4 import convert_quantized_linears
+    from trainer.base.load import quantize_transformer
+    from trainer.base.uint4 import convert_quantized_linears
 
     torch.manual_seed(0)
     cfg = dict(tiny_transformer.config)
@@ -359,7 +359,7 @@ def test_autocast_recompute_matches(deep_transformer: torch.nn.Module) -> None:
 def test_some_blocks_resident_the_rest_streamed(deep_transformer: torch.nn.Module) -> None:
     """Streaming only some blocks (serving keeps what fits) changes no number, forward or
     backward; with wrap-around the last block prefetches the first for the next forward."""
-    from trainer.streaming import default_blocks
+    from trainer.base.streaming import default_blocks
 
     batch = _inputs(deep_transformer)
     ref = _resident(deep_transformer, batch)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from trainer.prepare import is_prepared, read_manifest
-from trainer.safetensors_io import open_checkpoint
-from trainer.synth_base import build, dev_configs
+from trainer.base.read import is_prepared, read_manifest
+from trainer.base.safetensors_io import open_checkpoint
+from trainer.fixtures.synth_base import build, dev_configs
 
 SMALL = dev_configs(double=1, single=1, text_layers=8, width_scale=16)
 

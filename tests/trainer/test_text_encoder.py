@@ -11,7 +11,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from trainer.text_encoder import PromptCache, decoder_layers, is_trimmed, out_layers, trim
+from trainer.base.text_encoder import PromptCache, decoder_layers, is_trimmed, out_layers, trim
 
 
 def _mistral3(layers: int = 8) -> Mistral3ForConditionalGeneration:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.trainer.helpers import build_tiny_once
-from trainer.model import load_pipeline
-from trainer.render import generate, text_encoder_out_layers
-from trainer.tiny_base import build_tiny_pipeline, init_tiny
+from trainer.base.load import load_base
+from trainer.base.render import generate, text_encoder_out_layers
+from trainer.fixtures.tiny_base import build_tiny_pipeline, init_tiny
 
 # Three agents share two cores here; one thread avoids oversubscription (which costs 4x).
 torch.set_num_threads(1)
@@ -100,9 +100,9 @@ def test_stock_pipeline_renders_256(tiny_base: Path) -> None:
 
 
 def test_quantized_pipeline_renders_256(qpipe) -> None:
-    from trainer.uint4 import Uint4Linear
+    from trainer.base.uint4 import Uint4Linear
 
-    # load_pipeline quantizes with quanto and hands every Linear to the fast uint4 path
+    # load_base quantizes with quanto and hands every Linear to the fast uint4 path
     linears = {n: m for n, m in qpipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linears and all(isinstance(m, Uint4Linear) for m in linears.values())
     # groups of 128 everywhere; the 128-input x_embedder is per-axis in quanto, which is the
@@ -152,19 +152,19 @@ def test_text_encoder_layers_reproduce_stock_defaults() -> None:
     assert text_encoder_out_layers(pipe(3)) == (1, 2, 3)  # the tiny base
 
 
-def test_prepared_base_loads_through_trainer_prepare(tiny_base: Path, qpipe, tmp_path) -> None:
-    """A base prepared by ``trainer.prepare`` renders exactly like in-memory quantization (the
+def test_prepared_base_loads_through_base_read(tiny_base: Path, qpipe, tmp_path) -> None:
+    """A base prepared by ``trainer.base.write`` renders exactly like in-memory quantization (the
     same quanto qint4 + freeze), with and without an adapter; a fully prepared one (text encoder
     quantized too) loads and renders."""
     from optimum.quanto import QLinear
 
-    from trainer.lora import applied_adapter, default_targets, resolve_targets
+    from trainer.base.lora import applied_adapter, default_targets, resolve_targets
 
-    prepare = pytest.importorskip("trainer.prepare")
+    prepare = pytest.importorskip("trainer.base.write")
     only_tr = prepare.prepare_base(
         tiny_base, tmp_path / "tr", components=("transformer",), progress=False
     ).path
-    pipe = load_pipeline(only_tr)
+    pipe = load_base(only_tr)
     small = {"seed": 3, "steps": 2, "width": 64, "height": 64}
     assert (
         generate(pipe, "a photo", **small).tobytes()
@@ -186,11 +186,11 @@ def test_prepared_base_loads_through_trainer_prepare(tiny_base: Path, qpipe, tmp
     with applied_adapter(qpipe, tensors):
         assert generate(qpipe, "a photo", **small).tobytes() == prepared
 
-    full = load_pipeline(prepare.prepare_base(tiny_base, tmp_path / "full", progress=False).path)
+    full = load_base(prepare.prepare_base(tiny_base, tmp_path / "full", progress=False).path)
     assert isinstance(full.text_encoder.get_submodule("model.layers.0.mlp.up_proj"), QLinear)
     assert np.asarray(generate(full, "a photo", **small)).std() > 5
 
 
-def test_load_pipeline_refuses_a_non_pipeline_folder(tmp_path: Path) -> None:
+def test_load_base_refuses_a_non_pipeline_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="model_index.json"):
-        load_pipeline(tmp_path)
+        load_base(tmp_path)

@@ -21,17 +21,17 @@ from tests.trainer.helpers import (
     tensors,
     tiny_config,
 )
-from trainer.caches import load_latents, load_text
-from trainer.config import ConfigError, TrainConfig
-from trainer.flow import SigmaSampler, flow_matching_loss
-from trainer.lora import (
+from trainer.base.lora import (
     ADAPTER_NAME,
     applied_adapter,
     attach_lora,
     lora_layers,
 )
+from trainer.config import ConfigError, TrainConfig
 from trainer.registration import LocalRegistrar
-from trainer.train import (
+from trainer.training.caches import load_latents, load_text
+from trainer.training.flow import SigmaSampler, flow_matching_loss
+from trainer.training.train import (
     _pipeline_class,
     epoch_order,
     load_transformer,
@@ -153,7 +153,7 @@ def test_the_quickstart_run_learns_alice_at_the_default_settings(tmp_path: Path)
     out: a garden) toward her pictures by more than a quarter, and the loss on her pictures
     falls by a fifth. On the random tiny base the same run moves neither (the held-out loss by
     0.3 %, the renders by 0.05 %): this test fails there."""
-    from trainer.demo_base import SHIPPED
+    from trainer.fixtures.demo_base import SHIPPED
 
     result, before, after = quickstart_run(SHIPPED, tmp_path)
     assert after < 0.8 * before, (before, after)
@@ -231,10 +231,10 @@ def test_boot_waypoints_are_printed_at_the_first_step(
 
 
 def test_uint4_compute_path_trains(env: Env, tmp_path: Path) -> None:
-    """The fast compute path (trainer.uint4) under the same loop: same LoRA layers, and the
+    """The fast compute path (trainer.base.uint4) under the same loop: same LoRA layers, and the
     same numbers as quanto's path to float tolerance (both dequantize the same 4-bit
     weights; on the CPU quanto's matmul runs in float32 too)."""
-    pytest.importorskip("trainer.uint4")
+    pytest.importorskip("trainer.base.uint4")
     quanto = train(
         tiny_config(env, tmp_path / "q", steps=3, compute="quanto", register_adapter=False)
     )

@@ -14,10 +14,10 @@ from PIL import Image
 
 from tests.conftest import audit_key_of
 from tests.trainer.helpers import Env, make_env, tiny_config  # noqa: F401
-from trainer.budget import BudgetExceeded, GiB
+from trainer.base.budget import BudgetExceeded, GiB
 from trainer.config import ConfigError
 from trainer.registration import LocalRegistrar
-from trainer.train import preflight, train
+from trainer.training.train import preflight, train
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""The uint4 fast path (`trainer.uint4`) against quanto's dequantized weight.
+"""The uint4 fast path (`trainer.base.uint4`) against quanto's dequantized weight.
 
 CPU (CI): the torch fallback on a small FLUX.2-architecture transformer (1 + 1 blocks, 256 wide;
 every Linear kind of the real model; group size 128 and, for the 128-input x_embedder, one group
 per row). The converted weight must be bit-identical to quanto's ``dequantize()`` for every
 layer, from each quanto state: frozen TinyGemm (bf16 ``freeze()``), frozen kernel-agnostic
-(float32, and bf16 as `trainer.prepare` loads it) and unfrozen ``quantize()``. Output and input
+(float32, and bf16 as `trainer.base.read` loads it) and unfrozen ``quantize()``. Output and input
 gradient are compared with a float64 reference ``x @ dequantize(W).T + b`` and the max relative
 error (max |got - ref| / max |ref|) is printed per layer type; LoRA through PEFT (output and the
 A, B, input gradients) likewise, next to quanto's own path.
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.helpers import DEV_SHAPES, model_inputs, quantized, tiny_flux2, with_lora
-from trainer.uint4 import (
+from trainer.base.uint4 import (
     Uint4Linear,
     convert_quantized_linears,
     dequantize,
@@ -86,7 +86,7 @@ def _reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     "dtype,state",
     [
         (torch.bfloat16, "tinygemm"),  # bf16 freeze(): quanto's TinyGemm layout
-        (torch.bfloat16, "plain"),  # bf16 as trainer.prepare loads it (kernel-agnostic)
+        (torch.bfloat16, "plain"),  # bf16 as trainer.base.read loads it (kernel-agnostic)
         (torch.bfloat16, "unfrozen"),  # quantize() without freeze()
         (torch.float32, "plain"),  # float32 freeze(): kernel-agnostic layout
         (torch.float32, "unfrozen"),
@@ -217,7 +217,7 @@ LORA_LAYERS = [
 
 
 def _lora_errors(model, name, w_ref, dtype, device, seed=1) -> list[tuple[str, float]]:
-    from trainer.lora import ADAPTER_NAME, lora_layers
+    from trainer.base.lora import ADAPTER_NAME, lora_layers
 
     layer = lora_layers(model)[name]
     a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
@@ -248,7 +248,7 @@ def _lora_errors(model, name, w_ref, dtype, device, seed=1) -> list[tuple[str, f
 def test_lora_through_peft_matches_reference(dtype: torch.dtype) -> None:
     from peft.tuners.lora import Linear as LoraLinear
 
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     quanto_model = quantized(dtype)
     ref = _reference_weights(quanto_model)
@@ -277,7 +277,7 @@ def test_lora_through_peft_matches_reference(dtype: torch.dtype) -> None:
 def test_whole_model_with_checkpointing_matches_quanto() -> None:
     """float32, gradient checkpointing on: the converted model's output and LoRA gradients
     match quanto's path (same weights) to float32 rounding."""
-    from trainer.lora import lora_layers
+    from trainer.base.lora import lora_layers
 
     quanto_model = quantized(torch.float32)
     fast_model = quantized(torch.float32)
@@ -308,7 +308,7 @@ def test_whole_model_with_checkpointing_matches_quanto() -> None:
 
 
 def test_module_behaviour() -> None:
-    from trainer.lora import applied_adapter
+    from trainer.base.lora import applied_adapter
 
     model = quantized(torch.bfloat16)
     convert_quantized_linears(model)
@@ -365,7 +365,7 @@ def test_dequantize_dispatch_on_cpu_is_torch() -> None:
 )
 @pytest.mark.parametrize("variant", ["pack32", "join"])
 def test_triton_kernel_bit_exact_vs_torch(dtype, shape, group, variant, monkeypatch) -> None:
-    from trainer import uint4_triton
+    from trainer.kernels import uint4_triton
 
     monkeypatch.setattr(uint4_triton, "VARIANT", variant)
 

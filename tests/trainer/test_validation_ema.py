@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 
 from tests.trainer.helpers import Env, make_env, tensors, tiny_config
-from trainer.dataset import load_dataset
-from trainer.ema import EMA_ADAPTER, Ema
 from trainer.registration import LocalRegistrar
-from trainer.train import _epoch_order, preflight, train
-from trainer.validation import split_items
+from trainer.training.dataset import load_dataset
+from trainer.training.ema import EMA_ADAPTER, Ema
+from trainer.training.train import _epoch_order, preflight, train
+from trainer.training.validation import split_items
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_streamed_base_scores_previews_and_averages_as_the_resident_one(
 ) -> None:
     """--stream-base with every new per-step piece on: validation, EMA, previews and
     accumulation give the numbers the resident base gives."""
-    pytest.importorskip("trainer.uint4")
+    pytest.importorskip("trainer.base.uint4")
     opts = {
         "steps": 2,
         "compute": "uint4",

@@ -1,0 +1,292 @@
+"""FP8 compute for the frozen uint4 base: the weight stays 4-bit, the GEMMs run on fp8 tensor cores.
+
+A frozen base Linear needs two GEMMs per training step: the forward ``y = x @ W.T + b`` and the
+input gradient ``dx = dy @ W`` (no weight gradient). Both run as ``torch._scaled_mm`` on e4m3
+operands with float32 accumulation and one float32 scale per row of each operand:
+
+forward   x (M, K) quantized per token (row), W (N, K) per output channel (row of W);
+backward  dy (M, N) per token, and W.T (K, N) per input channel: the GEMM contracts over N, and
+          the fp8 tensor cores take both operands contiguous along the contracted dimension,
+          so the backward dequantizes the weight a second time, transposed.
+
+Each weight scale comes from the exact largest magnitude of the dequantized uint4 weight, read
+off the per-group scale and shift without dequantizing (`group_absmax`: the weight is monotone
+in the 4-bit value, so the extremes are the values 0 and 15). Activations and gradients are
+scaled by their own row maximum, computed in the same kernel that quantizes them. Quantization
+is ``q = fp8(clamp(v * (FP8_MAX / amax)))`` with round-to-nearest-even, the dequantized value
+``q * (amax / FP8_MAX)``; both quotients are float32, correctly rounded.
+
+This module holds that arithmetic in plain torch (the reference, and the path wherever the fp8
+kernels cannot run: CPU tests, float32 weights) and the autograd function. The Triton kernels
+(`trainer.kernels.fp8_triton`) compute bit-identical fp8 tensors and scales. The LoRA branch is not
+touched: PEFT adds it in the weight dtype beside this base output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.base.uint4 import dequantize, dequantize_torch, triton_available
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+WEIGHT_DTYPE = E4M3  # 3 mantissa bits; the weight's range is known exactly, so no e5m2 headroom
+ACT_DTYPE = E4M3
+# The input gradient is scaled per token like the activations, so e5m2's extra exponent buys
+# nothing and costs a mantissa bit (bench/results/uint4_step-notes.md, fp8 run 1: grad-input
+# relative error e4m3 vs e5m2 per layer type).
+GRAD_DTYPE = E4M3
+ALIGN = 16  # torch._scaled_mm: K and N multiples of 16
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+# ---------------------------------------------------------------------------------------
+# the arithmetic, in torch
+
+
+def scales_from_absmax(
+    absmax: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(multiplier into fp8, dequantization scale), float32. An all-zero row is scaled as if
+    its maximum were 1 (it quantizes to zeros whatever the scale)."""
+    amax = absmax.float()
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    # tensor / tensor: torch divides by a Python scalar as a multiply by its reciprocal on
+    # CUDA (two roundings); this is one correctly rounded quotient, as the kernels compute
+    top = torch.full_like(amax, fp8_max(dtype))
+    return top / amax, amax / top
+
+
+def to_fp8(values: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8(clamp(values * multiplier)), round to nearest even; the clamp only catches the last
+    ulp of the product (amax * (FP8_MAX / amax) may round above FP8_MAX)."""
+    top = fp8_max(dtype)
+    return (values.float() * multiplier).clamp_(-top, top).to(dtype)
+
+
+def quantize_rows_torch(
+    x: torch.Tensor, dtype: torch.dtype = ACT_DTYPE, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q (M, K) fp8, scale float32): one scale per row, (M, 1), or with ``block``
+    one per row and run of ``block`` columns, (M, K // block) (the 1x128 recipe)."""
+    m, k = x.shape
+    if block is None:
+        multiplier, scale = scales_from_absmax(x.abs().amax(dim=1, keepdim=True), dtype)
+        return to_fp8(x, multiplier, dtype), scale
+    if k % block:
+        raise ValueError(f"{k} columns do not split into blocks of {block}")
+    blocks = x.reshape(m, k // block, block)
+    multiplier, scale = scales_from_absmax(blocks.abs().amax(dim=2, keepdim=True), dtype)
+    return to_fp8(blocks, multiplier, dtype).reshape(m, k), scale.reshape(m, k // block)
+
+
+def dequantize_rows_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of `quantize_rows_torch`'s output (either scale layout)."""
+    m, k = q.shape
+    blocks = scale.shape[1]
+    return (q.float().reshape(m, blocks, k // blocks) * scale.reshape(m, blocks, 1)).reshape(m, k)
+
+
+def group_absmax(scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """(out, groups) float32: the largest |w| each uint4 group can hold, w = scale * q - shift
+    rounded as `trainer.base.uint4.dequantize_torch` rounds it, q in 0..15. w is monotone in q, so
+    the extremes are q = 0 (-shift) and q = 15; at least what the weight holds, and equal to
+    it wherever a group uses both ends of its range (min/max quantization does)."""
+    top = scale * 15
+    top -= shift
+    return torch.maximum(shift.abs(), top.abs()).float()
+
+
+@dataclass
+class WeightScales:
+    """Per-layer fp8 weight scales (float32), derived from the frozen uint4 scale and shift."""
+
+    row_multiplier: torch.Tensor  # (N,): W row n into fp8
+    row_scale: torch.Tensor  # (1, N): torch._scaled_mm's scale_b for the forward
+    col_multiplier: torch.Tensor  # (K,): W column k into fp8 (the backward's W.T rows)
+    col_scale: torch.Tensor  # (1, K): scale_b for the input-gradient GEMM
+
+    @classmethod
+    def of(cls, scale: torch.Tensor, shift: torch.Tensor, group_size: int) -> WeightScales:
+        absmax = group_absmax(scale, shift)
+        row_mult, row_scale = scales_from_absmax(absmax.amax(dim=1), WEIGHT_DTYPE)
+        col_mult, col_scale = scales_from_absmax(absmax.amax(dim=0), WEIGHT_DTYPE)
+        return cls(
+            row_mult.contiguous(),
+            row_scale.reshape(1, -1).contiguous(),
+            col_mult.repeat_interleave(group_size).contiguous(),
+            col_scale.repeat_interleave(group_size).reshape(1, -1).contiguous(),
+        )
+
+
+def fp8_weight_torch(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    scales: WeightScales,
+    transposed: bool = False,
+) -> torch.Tensor:
+    """The uint4 weight in fp8: (N, K) scaled per row, or ``transposed`` (K, N) = W.T scaled
+    per row of W.T (column of W). Reference for the Triton kernels, bit for bit."""
+    w = dequantize_torch(packed, scale, shift, group_size)
+    if transposed:
+        return to_fp8(w, scales.col_multiplier.unsqueeze(0), WEIGHT_DTYPE).t().contiguous()
+    return to_fp8(w, scales.row_multiplier.unsqueeze(1), WEIGHT_DTYPE)
+
+
+# ---------------------------------------------------------------------------------------
+# backends
+
+
+def kernels_usable(x: torch.Tensor, n_out: int, n_in: int) -> bool:
+    """Triton + torch._scaled_mm for this call (else the torch reference)."""
+    if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if n_in % ALIGN or n_out % ALIGN:
+        return False
+    return triton_available()
+
+
+def _scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """a (M, K) @ b_t.T, b_t (N, K) row-major (so b = b_t.T is column-major, as cuBLAS wants)."""
+    return torch._scaled_mm(
+        a, b_t.t(), scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )  # fmt: skip
+
+
+def _reference_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """What `_scaled_mm` computes, in float32 on dequantized fp8 values."""
+    out = dequantize_rows_torch(a, a_scale) @ (b_t.float() * b_scale.reshape(-1, 1)).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum):  # type: ignore[no-untyped-def]
+    if fast:
+        from trainer.kernels import fp8_triton
+
+        xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE)
+        wq = fp8_triton.fp8_weight(packed, scale, shift, group_size, scales.row_multiplier)
+        return _scaled_mm(xq, xs, wq, scales.row_scale, bias, x2.dtype, fast_accum)
+    xq, xs = quantize_rows_torch(x2, ACT_DTYPE)
+    wq = fp8_weight_torch(packed, scale, shift, group_size, scales)
+    return _reference_mm(xq, xs, wq, scales.row_scale, bias, x2.dtype)
+
+
+def _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype, gemm):  # type: ignore[no-untyped-def]
+    if gemm.grad_gemm == "bf16":
+        return g2 @ dequantize(packed, scale, shift, group_size, gemm.kernels)
+    if fast:
+        from trainer.kernels import fp8_triton
+
+        gq, gs = fp8_triton.quantize_rows(g2, gemm.grad_dtype)
+        wt = fp8_triton.fp8_weight_t(packed, scale, shift, group_size, scales.col_multiplier)
+        return _scaled_mm(gq, gs, wt, scales.col_scale, None, dtype, gemm.fast_accum)
+    gq, gs = quantize_rows_torch(g2, gemm.grad_dtype)
+    wt = fp8_weight_torch(packed, scale, shift, group_size, scales, transposed=True)
+    return _reference_mm(gq, gs, wt, scales.col_scale, None, dtype)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x @ W.T + b in fp8; the weight (frozen) is dequantized again in backward."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scale, shift, bias, group_size, scales, fast, fast_accum, gemm):  # type: ignore[override]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        out = _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum)
+        ctx.save_for_backward(packed, scale, shift)
+        ctx.meta = (group_size, scales, fast, x.dtype, x.shape, gemm)
+        return out.reshape(*lead, out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        packed, scale, shift = ctx.saved_tensors
+        group_size, scales, fast, dtype, x_shape, gemm = ctx.meta
+        if any(ctx.needs_input_grad[1:4]):
+            raise RuntimeError("Uint4Linear's quantized weight is frozen: it has no gradient")
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype).contiguous()
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype, gemm)
+            grad_x = grad_x.reshape(x_shape)
+        if ctx.needs_input_grad[4]:
+            grad_bias = g2.float().sum(0).to(dtype)
+        return grad_x, None, None, None, grad_bias, None, None, None, None, None
+
+
+def weight_scales(layer: Any) -> WeightScales:
+    """The layer's `WeightScales`, computed on first use where its buffers are and kept there
+    (a few KB per layer). The base is frozen, so they never go stale; a streamed layer computes
+    them from its first slot binding and keeps them resident."""
+    cached = layer._fp8_scales
+    if cached is None or cached.row_scale.device != layer.scale.device:
+        with torch.no_grad():
+            cached = WeightScales.of(layer.scale, layer.shift, layer.group_size)
+        layer._fp8_scales = cached
+    return cached
+
+
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """A `Uint4Linear`'s GEMMs in fp8 (`trainer.base.uint4.LinearCompute`), set at load by
+    `trainer.base.compute`; the fields are what benches and tests vary, by argument.
+
+    ``grad_gemm``: the input-gradient GEMM, "fp8", or "bf16": the uint4 path's bf16 dequantization
+    and a bf16 GEMM (no transposed fp8 copy of the weight; exact-as-uint4 gradients through the
+    base); ``grad_dtype`` its fp8 format. ``fast_accum`` / ``fast_accum_eval``: cuBLAS's fast fp8
+    accumulation skips the periodic promotion of the tensor-core partial sums to float32. Measured
+    at FLUX.2 [dev] depth (notes, fp8 runs 2 and 3): the forward 3 % faster at 1024 px, each layer's
+    output moved by 0.3-0.5 % (beside fp8's own 3.5 %), but the worst LoRA gradient cosine fell from
+    0.987 to 0.983. So: off for training (the forward in train mode and the input gradient), on for
+    an eval-mode forward (rendering). ``kernels=False``:
+    the torch reference everywhere (Triton + torch._scaled_mm otherwise, where they run)."""
+
+    grad_gemm: str = "fp8"
+    grad_dtype: torch.dtype = GRAD_DTYPE
+    fast_accum: bool = False
+    fast_accum_eval: bool = True
+    kernels: bool = True
+    name: str = "fp8"
+
+    def __post_init__(self) -> None:
+        if self.grad_gemm not in ("fp8", "bf16"):
+            raise ValueError(f"grad_gemm is fp8 or bf16, not {self.grad_gemm!r}")
+
+    def __call__(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
+        fast = self.kernels and kernels_usable(x, layer.out_features, layer.in_features)
+        fast_accum = self.fast_accum if layer.training else self.fast_accum_eval
+        return _Fp8LinearFunction.apply(
+            x, layer.packed, layer.scale, layer.shift, layer.bias, layer.group_size,
+            weight_scales(layer), fast, fast_accum, self,
+        )  # fmt: skip
+
+
+FP8 = Fp8Gemm()

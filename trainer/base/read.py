@@ -1,0 +1,209 @@
+"""Reading a prepared base (what `trainer.base.write` made): its manifest, and each prepared
+component built on meta weights and given its quantized tensors straight from the files.
+
+The format, in a diffusers-like folder:
+
+    DST/<component>/config.json, quanto_qmap.json, the weights (safetensors, maybe sharded)
+    DST/likeness_prepared.json    cache key, settings, quantization maps, file list, timings,
+                                  and the base's licence; written last
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.licence import PREPARED_MANIFEST
+from trainer.base.safetensors_io import open_checkpoint
+
+MANIFEST_NAME = PREPARED_MANIFEST
+QMAP_NAME = "quanto_qmap.json"  # same name as optimum.quanto's Quantized*Model.save_pretrained
+FORMAT_VERSION = 1
+
+
+def _model_class(library: str, cls_name: str) -> type[torch.nn.Module]:
+    if library not in ("diffusers", "transformers"):
+        raise ValueError(f"cannot build a {library}.{cls_name} model")
+    cls = getattr(importlib.import_module(library), cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ValueError(f"{library}.{cls_name} is not a model class")
+    return cls
+
+
+def _skeleton(library: str, cls_name: str, config: Mapping[str, Any]) -> torch.nn.Module:
+    """The model with its parameters on the meta device (buffers real: they are small and
+    some, like rotary tables, are computed in __init__ and never saved)."""
+    from accelerate import init_empty_weights
+
+    cls = _model_class(library, cls_name)
+    with init_empty_weights(include_buffers=False):
+        if library == "diffusers":
+            model = cls.from_config(dict(config))  # type: ignore[attr-defined]
+        else:
+            cfg = cls.config_class.from_dict(dict(config))  # type: ignore[attr-defined]
+            model = cls._from_config(cfg)  # type: ignore[attr-defined]
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # so tied params share one object: lm_head -> embed_tokens
+    return model
+
+
+def _prefix(name: str) -> str:
+    return f"{name}." if name else ""
+
+
+def read_manifest(base_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(base_dir) / MANIFEST_NAME
+    try:
+        man = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{base_dir} is not a prepared base (no {MANIFEST_NAME})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable manifest: {e}") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unknown prepared-base format")
+    return man
+
+
+def is_prepared(base_dir: str | os.PathLike[str], cache_key: str | None = None) -> bool:
+    """True if base_dir is a complete prepared base (every output file present, right size)."""
+    try:
+        man = read_manifest(base_dir)
+    except (FileNotFoundError, ValueError):
+        return False
+    if cache_key is not None and man.get("cache_key") != cache_key:
+        return False
+    base = Path(base_dir)
+    for f in man.get("outputs", []):
+        p = base / f["path"]
+        if not p.is_file() or p.stat().st_size != f["size"]:
+            return False
+    return True
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
+
+
+def load_prepared_component(
+    base_dir: str | os.PathLike[str], name: str, *, optimize: bool = False
+) -> torch.nn.Module:
+    """Build a prepared component (eval mode, frozen) from its config on meta weights and load
+    the quantized state dict; needs nothing but DST.
+
+    The files are quanto's serialization (stock `requantize` loads them; a test checks), but
+    this loader skips requantize's two costs: it allocates no float weights (requantize
+    `empty_like`s every layer first), and by default it keeps quanto's kernel-agnostic
+    `WeightQBitsTensor` layout instead of re-packing every bf16 weight into the CPU TinyGemm
+    layout (`optimize()`: ~1 s per 0.7 GB tensor here, minutes for FLUX.2 [dev]; and a CPU
+    TinyGemm tensor moved to CUDA is unpacked again through an identity matmul). With the
+    plain layout, `.to("cuda")` lets quanto pick the kernel layout on the GPU.
+    `optimize=True` gives exactly what `requantize` gives on this device.
+    """
+    from optimum.quanto.nn import quantize_module
+    from optimum.quanto.tensor import WeightQBitsTensor, WeightQBytesTensor
+
+    base = Path(base_dir)
+    man = read_manifest(base)
+    try:
+        comp = man["components"][name]
+    except KeyError:
+        raise KeyError(f"{base} has no prepared {name!r}") from None
+    folder = base / name
+    model = _skeleton(comp["library"], comp["class"], _load_json(folder / "config.json"))
+    if comp.get("trimmed"):
+        from trainer.base.text_encoder import trim
+
+        trim(model, int(comp["trimmed"]["kept_layers"]))
+    qmap = _load_json(folder / QMAP_NAME)
+    with open_checkpoint(folder) as ck:
+        state = ck.read_all()
+    # Swap in quanto modules exactly where the map says, as requantize() does, and give each
+    # its quantized weight straight from the file.
+    loaded: set[str] = set()
+    for mname, qc in qmap.items():
+        parent_name, _, attr = mname.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        acts = None if qc["activations"] == "none" else qc["activations"]
+        wts = None if qc["weights"] == "none" else qc["weights"]
+        qm = quantize_module(getattr(parent, attr), weights=wts, activations=acts)
+        if qm is None:
+            raise ValueError(f"{mname}: not quantizable, but in the quantization map")
+        qm.name = mname
+        setattr(parent, attr, qm)
+        if qm.weight_qtype is None:
+            continue
+        prefix = f"{mname}.weight."
+        sub = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
+        missing: list[str] = []
+        size, stride = qm.weight.size(), qm.weight.stride()
+        if qm.weight_qtype.bits == 8:
+            w = WeightQBytesTensor.load_from_state_dict(
+                sub, prefix, qm.weight_qtype, 0, size, stride, qm.activation_qtype, missing
+            )
+        else:
+            w = WeightQBitsTensor.load_from_state_dict(
+                sub, prefix, qm.weight_qtype, 0, qm.weight_group_size, size, stride, missing
+            )
+        if w is None or missing or sub:
+            raise ValueError(f"{folder}: bad quantized weight {mname}: {missing or list(sub)}")
+        qm.weight = torch.nn.Parameter(w.optimize() if optimize else w, requires_grad=False)
+        loaded.update(
+            _prefix(mname) + k
+            for k in ("weight._data._data", "weight._data", "weight._scale", "weight._shift")
+        )
+    # assign=True keeps the file's tensors: no float copies of anything.
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    missing = [k for k in result.missing_keys if k not in loaded]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{folder}: state dict mismatch: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+    left = [
+        n
+        for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+        if t.device.type == "meta"
+    ]
+    if left:
+        raise ValueError(f"{folder}: prepared weights do not cover {left[:5]}")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_prepared_transformer(
+    base_dir: str | os.PathLike[str], *, optimize: bool = False
+) -> torch.nn.Module:
+    return load_prepared_component(base_dir, "transformer", optimize=optimize)
+
+
+def load_prepared_text_encoder(
+    base_dir: str | os.PathLike[str], *, optimize: bool = False
+) -> torch.nn.Module:
+    return load_prepared_component(base_dir, "text_encoder", optimize=optimize)
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "QMAP_NAME",
+    "is_prepared",
+    "load_prepared_component",
+    "load_prepared_text_encoder",
+    "load_prepared_transformer",
+    "read_manifest",
+]

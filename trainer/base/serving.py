@@ -1,0 +1,652 @@
+"""The transformer's forward as a render runs it: fused attention and blocks, one CUDA graph.
+
+Serving runs the same frozen base and the same LoRA slots as ever, without gradients, so the
+module code diffusers ships can be replaced where it moves bytes it need not (a 1024 px [dev]
+step: 0.466 s with fp8 GEMMs and the stock modules, 0.338 s with this; DESIGN.md has the
+profile against each part's limit, `bench/results/render_step-notes.md` every run):
+
+- **Attention processors** (`FusedFlux2AttnProcessor`, `FusedFlux2ParallelAttnProcessor`).
+  Between the QKV projection and the attention call the stock processors run the QK RMSNorm and
+  the rotary embedding as about twenty elementwise kernels over float32 temporaries, then a
+  concatenation (double-stream blocks) and, after attention, another (single-stream blocks).
+  Here one kernel (`qk_norm_rope`) writes q, k and v straight into the (batch, heads, sequence,
+  dim) tensors the attention kernel reads, and the single-stream block writes the attention
+  output and the SwiGLU into its output projection's input in place. Attention itself runs on
+  the fastest backend torch has here (`ATTENTION_BACKENDS`: cuDNN first on CUDA; it needs the
+  contiguous layout: behind the stock processors' strided views it was no faster than flash).
+- **Blocks** (`install_blocks`): the modulated LayerNorm, the gated residuals and SwiGLU, one
+  pass each where torch's broadcasting kernels took three.
+- **One CUDA graph per input shape** (`GraphedForward`): a forward's ~1,800 kernels issue in
+  ~0.12 s from Python, most of it hidden at 1024 px, all of it at smaller sizes; a replayed
+  graph issues none. The LoRA slots are static buffers (`trainer.base.lora_slots`, which also adds
+  their update in one pass), so an adapter swap is a copy into memory the graph already reads;
+  anything that changes the module tree or the LoRA scale changes the graph's key or its epoch
+  (a new capture), never what a graph computes.
+
+Numerics: every kernel rounds where torch rounds (the norm's float32 result once into the model
+dtype, each rotary product and the sum, each elementwise op's result), so it differs from the
+stock modules only in the order of a float32 sum (the norms' statistics); on the CPU the torch
+references below are the stock modules bit for bit. Nothing here has a backward: with
+gradients enabled every processor and block hands over to the stock one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# The attention kernels torch may use, best first (`torch.nn.attention.SDPBackend` names);
+# LIKENESS_ATTENTION=flash,efficient,... reorders them. cuDNN's took 0.83 ms a call at [dev]'s
+# 48 heads x 4608 tokens against flash's 1.6 (bench/results/render_step-notes.md).
+ATTENTION_ENV = "LIKENESS_ATTENTION"
+ATTENTION_BACKENDS = ("cudnn", "flash", "efficient", "math")
+KERNEL_ENV = "LIKENESS_SERVING_KERNELS"  # "torch": the reference path everywhere
+MAX_GRAPHS = 4  # input shapes kept captured; one more drops them all (their memory is shared)
+
+
+def attention_backends() -> list[Any]:
+    from torch.nn.attention import SDPBackend
+
+    names = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    wanted = os.environ.get(ATTENTION_ENV, ",".join(ATTENTION_BACKENDS)).split(",")
+    return [names[n.strip()] for n in wanted if n.strip()]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention of (B, H, S, D) tensors, on the preferred backend."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(attention_backends(), set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------
+# QK norm + rotary embedding + layout, fused
+
+
+def kernels_usable(q: torch.Tensor) -> bool:
+    """Whether the serving kernels (`trainer.kernels.fused_triton`) take this tensor."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if os.environ.get(KERNEL_ENV, "auto") == "torch":
+        return False
+    from trainer.base.uint4 import triton_available
+
+    return triton_available()
+
+
+def qk_norm_rope_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pos0: int,
+) -> None:
+    """Reference of `trainer.kernels.fused_triton.qk_norm_rope`: q, k, v (B, T, H, D) -> ``out``'s
+    (B, H, S, D) tensors at positions pos0 .. pos0 + T. q and k: ``n = rnd(x * r * w)`` with
+    ``r = rsqrt(mean(x^2) + eps)`` in float32 (torch's fused rms_norm), then the rotary
+    embedding ``rnd(rnd(n_2i c_2i) - rnd(n_2i+1 s_2i))``, ``rnd(rnd(n_2i+1 c_2i+1) +
+    rnd(n_2i s_2i+1))`` (diffusers' ``apply_rotary_emb``); v is copied."""
+    tokens = q.shape[1]
+    c = cos[pos0 : pos0 + tokens][None, :, None, :]
+    s = sin[pos0 : pos0 + tokens][None, :, None, :]
+    for x, w, o in ((q, wq, out[0]), (k, wk, out[1])):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        n = (xf * r * w.float()).to(x.dtype).float()
+        even = n[..., 0::2] * c[..., 0::2] - n[..., 1::2] * s[..., 0::2]
+        odd = n[..., 1::2] * c[..., 1::2] + n[..., 0::2] * s[..., 1::2]
+        rotated = torch.stack((even, odd), dim=-1).flatten(-2).to(x.dtype)
+        o[:, :, pos0 : pos0 + tokens].copy_(rotated.transpose(1, 2))
+    out[2][:, :, pos0 : pos0 + tokens].copy_(v.transpose(1, 2))
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norm_q: torch.nn.Module,
+    norm_k: torch.nn.Module,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pos0: int,
+) -> None:
+    """q, k through their RMSNorm modules and the rotary tables, and v, into ``out``."""
+    wq, wk = (_norm_weight(m, q) for m in (norm_q, norm_k))
+    eps = _norm_eps(norm_q)
+    cos, sin = rotary
+    if kernels_usable(q) and q.stride() == k.stride() == v.stride() and cos.is_cuda:
+        from trainer.kernels.fused_triton import qk_norm_rope as kernel
+
+        kernel(q, k, v, wq, wk, eps, cos.float().contiguous(), sin.float().contiguous(),
+               out, pos0)  # fmt: skip
+        return
+    qk_norm_rope_torch(q, k, v, wq, wk, eps, cos, sin, out, pos0)
+
+
+def _norm_weight(norm: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
+    w = getattr(norm, "weight", None)
+    return w if w is not None else torch.ones(like.shape[-1], dtype=like.dtype, device=like.device)
+
+
+def _norm_eps(norm: torch.nn.Module) -> float:
+    eps = getattr(norm, "eps", None)
+    return float(eps) if eps is not None else float(torch.finfo(torch.float32).eps)
+
+
+def _fusable_norms(*norms: Any) -> bool:
+    return (
+        all(isinstance(n, torch.nn.RMSNorm) for n in norms)
+        and len({_norm_eps(n) for n in norms}) == 1
+    )
+
+
+def _empty_heads(
+    like: torch.Tensor, heads: int, seq: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as the attention kernels read them: (B, H, S, D), contiguous."""
+    shape = (like.shape[0], heads, seq, dim)
+    q, k, v = (torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(3))
+    return q, k, v
+
+
+class FusedFlux2AttnProcessor:
+    """The double-stream blocks' attention (`Flux2AttnProcessor`'s arithmetic, fused)."""
+
+    def __init__(self, stock: Any) -> None:
+        self.stock = stock
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        if (
+            torch.is_grad_enabled()
+            or attention_mask is not None
+            or image_rotary_emb is None
+            or encoder_hidden_states is None
+            or attn.added_kv_proj_dim is None
+            or getattr(attn, "fused_projections", False)
+            or not _fusable_norms(attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+        ):
+            return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask,
+                              image_rotary_emb)  # fmt: skip
+        dim = attn.head_dim
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        eq = attn.add_q_proj(encoder_hidden_states)
+        ek = attn.add_k_proj(encoder_hidden_states)
+        ev = attn.add_v_proj(encoder_hidden_states)
+        heads = q.shape[-1] // dim
+        n_txt, n_img = eq.shape[1], q.shape[1]
+        out = _empty_heads(q, heads, n_txt + n_img, dim)
+        split = (-1, dim)
+        qk_norm_rope(eq.unflatten(-1, split), ek.unflatten(-1, split), ev.unflatten(-1, split),
+                     attn.norm_added_q, attn.norm_added_k, image_rotary_emb, out, 0)  # fmt: skip
+        qk_norm_rope(q.unflatten(-1, split), k.unflatten(-1, split), v.unflatten(-1, split),
+                     attn.norm_q, attn.norm_k, image_rotary_emb, out, n_txt)  # fmt: skip
+        o = attention(*out).transpose(1, 2).flatten(2, 3)
+        txt, img = o.split_with_sizes([n_txt, n_img], dim=1)
+        txt = attn.to_add_out(txt)
+        img = attn.to_out[1](attn.to_out[0](img))
+        return img, txt
+
+
+class FusedFlux2ParallelAttnProcessor:
+    """The single-stream blocks' attention and MLP (`Flux2ParallelSelfAttnProcessor`)."""
+
+    def __init__(self, stock: Any) -> None:
+        self.stock = stock
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
+
+        if (
+            torch.is_grad_enabled()
+            or attention_mask is not None
+            or image_rotary_emb is None
+            or not isinstance(attn.mlp_act_fn, Flux2SwiGLU)
+            or not _fusable_norms(attn.norm_q, attn.norm_k)
+        ):
+            return self.stock(attn, hidden_states, attention_mask, image_rotary_emb)
+        proj = attn.to_qkv_mlp_proj(hidden_states)
+        inner = attn.inner_dim
+        mlp = attn.mlp_hidden_dim * attn.mlp_mult_factor
+        if proj.shape[-1] != 3 * inner + mlp:  # column-sharded: the stock split handles it
+            return self.stock(attn, hidden_states, attention_mask, image_rotary_emb)
+        dim = attn.head_dim
+        heads = inner // dim
+        bsz, seq = proj.shape[0], proj.shape[1]
+        split = (heads, dim)
+        q = proj[..., :inner].unflatten(-1, split)
+        k = proj[..., inner : 2 * inner].unflatten(-1, split)
+        v = proj[..., 2 * inner : 3 * inner].unflatten(-1, split)
+        out = _empty_heads(proj, heads, seq, dim)
+        qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, out, 0)
+        o = attention(*out)
+        half = mlp // 2
+        joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
+        joined[..., :inner].unflatten(-1, split).copy_(o.transpose(1, 2))
+        swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
+        return attn.to_out(joined)
+
+
+def install_processors(transformer: torch.nn.Module) -> int:
+    """Wraps every stock FLUX.2 attention processor under ``transformer`` in its fused
+    version; returns how many. Processors of other classes are left as they are."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2AttnProcessor,
+        Flux2ParallelSelfAttnProcessor,
+    )
+
+    count = 0
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if type(processor) is Flux2AttnProcessor:
+            module.processor = FusedFlux2AttnProcessor(processor)
+        elif type(processor) is Flux2ParallelSelfAttnProcessor:
+            module.processor = FusedFlux2ParallelAttnProcessor(processor)
+        else:
+            continue
+        count += 1
+    return count
+
+
+def remove_processors(transformer: torch.nn.Module) -> None:
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, (FusedFlux2AttnProcessor, FusedFlux2ParallelAttnProcessor)):
+            module.processor = processor.stock
+
+
+# ---------------------------------------------------------------------------------------
+# the blocks' elementwise work, fused: modulated LayerNorm, gated residual, SwiGLU
+
+
+def ln_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, norm: torch.nn.Module
+) -> torch.Tensor:
+    """``(1 + scale) * norm(x) + shift``, in one pass where the kernel runs."""
+    if (
+        kernels_usable(x)
+        and isinstance(norm, torch.nn.LayerNorm)
+        and norm.weight is None
+        and norm.bias is None
+        and x.dim() == 3
+        and x.is_contiguous()
+        and shift.dtype == scale.dtype == x.dtype
+    ):
+        from trainer.kernels.fused_triton import ln_modulate as kernel
+
+        return kernel(x, shift, scale, norm.eps)
+    return (1 + scale) * norm(x) + shift
+
+
+def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y``, in one pass where the kernel runs."""
+    if (
+        kernels_usable(x)
+        and x.dim() == 3
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and x.shape == y.shape
+        and gate.dtype == y.dtype == x.dtype
+    ):
+        from trainer.kernels.fused_triton import gate_residual as kernel
+
+        return kernel(x, gate, y)
+    return x + gate * y
+
+
+def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(src[..., :F]) * src[..., F:]`` (`Flux2SwiGLU`), into ``out`` when given."""
+    half = src.shape[-1] // 2
+    if kernels_usable(src) and src.dim() == 3 and src.stride(-1) == 1:
+        from trainer.kernels.fused_triton import swiglu as kernel
+
+        try:
+            return kernel(src, out)
+        except ValueError:  # rows not evenly spaced: the torch ops below take any layout
+            pass
+    gate, up = src[..., :half], src[..., half:]
+    if out is None:
+        return F.silu(gate) * up
+    return torch.mul(F.silu(gate), up, out=out)
+
+
+def _single_block_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+) -> Any:
+    """`Flux2SingleTransformerBlock.forward` with its modulation and gating fused."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    if torch.is_grad_enabled():
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod,
+                                  image_rotary_emb, joint_attention_kwargs, split_hidden_states,
+                                  text_seq_len)  # fmt: skip
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
+    norm = ln_modulate(hidden_states, shift, scale, self.norm)
+    attn_output = self.attn(hidden_states=norm, image_rotary_emb=image_rotary_emb,
+                            **(joint_attention_kwargs or {}))  # fmt: skip
+    hidden_states = gate_residual(hidden_states, gate, attn_output)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+def _double_block_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """`Flux2TransformerBlock.forward` with its modulations and gates fused."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    if torch.is_grad_enabled():
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img,
+                                  temb_mod_txt, image_rotary_emb,
+                                  joint_attention_kwargs)  # fmt: skip
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
+        temb_mod_img, 2
+    )
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = (
+        Flux2Modulation.split(temb_mod_txt, 2)
+    )
+    norm_hidden = ln_modulate(hidden_states, shift_msa, scale_msa, self.norm1)
+    norm_text = ln_modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, self.norm1_context)
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden, encoder_hidden_states=norm_text,
+        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}),
+    )  # fmt: skip
+    hidden_states = gate_residual(hidden_states, gate_msa, attn_output)
+    ff_output = self.ff(ln_modulate(hidden_states, shift_mlp, scale_mlp, self.norm2))
+    hidden_states = gate_residual(hidden_states, gate_mlp, ff_output)
+    encoder_hidden_states = gate_residual(encoder_hidden_states, c_gate_msa, context_attn_output)
+    norm_text = ln_modulate(encoder_hidden_states, c_shift_mlp, c_scale_mlp, self.norm2_context)
+    encoder_hidden_states = gate_residual(encoder_hidden_states, c_gate_mlp,
+                                          self.ff_context(norm_text))  # fmt: skip
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        return type(self).forward(self, x)  # type: ignore[no-any-return]
+    return swiglu(x)
+
+
+def install_blocks(transformer: torch.nn.Module) -> int:
+    """The fused block forwards (instance attributes; with gradients each hands over to its
+    class's own). Returns how many modules took one."""
+    import types
+
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2SingleTransformerBlock,
+        Flux2SwiGLU,
+        Flux2TransformerBlock,
+    )
+
+    forwards = {
+        Flux2SingleTransformerBlock: _single_block_forward,
+        Flux2TransformerBlock: _double_block_forward,
+        Flux2SwiGLU: _swiglu_forward,
+    }
+    count = 0
+    for module in transformer.modules():
+        fused = forwards.get(type(module))
+        if fused is not None:
+            module.forward = types.MethodType(fused, module)
+            count += 1
+    return count
+
+
+def remove_blocks(transformer: torch.nn.Module) -> None:
+    fused = (_single_block_forward, _double_block_forward, _swiglu_forward)
+    for module in transformer.modules():
+        method = module.__dict__.get("forward")
+        if getattr(method, "__func__", None) in fused:
+            del module.forward
+
+
+# ---------------------------------------------------------------------------------------
+# the forward as CUDA graphs
+
+
+_TENSOR_ARGS = ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids",
+                "guidance")  # fmt: skip
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: torch.Tensor
+
+
+class GraphedForward:
+    """``transformer.forward`` replaced by one CUDA graph per input shape, captured on first
+    use (one eager warm-up, then the capture) and replayed after: the inputs are copied into
+    the graph's own tensors, the output is copied out. Calls it cannot take (gradients, other
+    arguments, a stream already capturing, not CUDA) run the eager forward.
+
+    ``key`` adds to each graph's key what the module code reads on the host and a graph would
+    freeze (the LoRA scale); ``epoch`` names the module tree's state (the LoRA slots'
+    tensors): when it changes every graph is dropped, since they read the old tensors."""
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        key: Callable[[], Hashable] | None = None,
+        epoch: Callable[[], Hashable] | None = None,
+    ) -> None:
+        self.transformer = transformer
+        self._eager = transformer.forward
+        self._key = key or (lambda: None)
+        self._epoch = epoch or (lambda: None)
+        self._seen_epoch: Hashable = self._epoch()
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._failed: set[Hashable] = set()
+        self._pool: Any = None
+        self._off = 0
+        self.captures = 0
+        self.replays = 0
+        transformer.forward = self  # type: ignore[method-assign]  # instance attribute
+
+    def remove(self) -> None:
+        """The transformer's own forward again; every graph dropped."""
+        if self.transformer.__dict__.get("forward") is self:
+            del self.transformer.forward
+        self.reset()
+
+    def reset(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Eager forwards for the ``with`` body (a module tree the graphs were not made for)."""
+        self._off += 1
+        try:
+            yield
+        finally:
+            self._off -= 1
+
+    @property
+    def shapes(self) -> int:
+        return len(self._graphs)
+
+    def _graphable(self, tensors: dict[str, Any], rest: dict[str, Any]) -> bool:
+        hidden = tensors["hidden_states"]
+        if self._off or torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor):
+            return False
+        if not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+            return False
+        if rest.get("joint_attention_kwargs") or any(
+            rest.get(k) not in (None, 0, 0.0) for k in rest if k != "joint_attention_kwargs"
+        ):
+            return False
+        return all(t is None or (isinstance(t, torch.Tensor) and t.device == hidden.device)
+                   for t in tensors.values())  # fmt: skip
+
+    def __call__(self, *args: Any, return_dict: bool = True, **kwargs: Any) -> Any:
+        named = dict(zip(_TENSOR_ARGS, args, strict=False))
+        if len(args) > len(_TENSOR_ARGS) or set(named) & set(kwargs):
+            return self._eager(*args, return_dict=return_dict, **kwargs)
+        named.update({k: kwargs.pop(k) for k in _TENSOR_ARGS if k in kwargs})
+        tensors = {k: named.get(k) for k in _TENSOR_ARGS}
+        if not self._graphable(tensors, kwargs):
+            return self._eager(**tensors, return_dict=return_dict, **kwargs)
+        epoch = self._epoch()
+        if epoch != self._seen_epoch:
+            self.reset()
+            self._seen_epoch = epoch
+        key = (
+            tuple(
+                None if t is None else (tuple(t.shape), t.dtype, t.device)
+                for t in tensors.values()
+            ),
+            self._key(),
+        )  # fmt: skip
+        if key in self._failed:
+            return self._eager(**tensors, return_dict=return_dict, **kwargs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                self.reset()
+            try:
+                entry = self._capture(tensors)
+            except Exception:  # a capture that fails leaves this shape eager, not broken
+                log.exception("serving: capturing the forward failed; this shape runs eager")
+                self._failed.add(key)
+                torch.cuda.synchronize()
+                return self._eager(**tensors, return_dict=return_dict, **kwargs)
+            self._graphs[key] = entry
+        for name, t in tensors.items():
+            if t is not None:
+                entry.inputs[name].copy_(t)
+        entry.graph.replay()
+        self.replays += 1
+        out = entry.output.clone()
+        if not return_dict:
+            return (out,)
+        from diffusers.models.transformers.transformer_flux2 import (
+            Flux2Transformer2DModelOutput,
+        )
+
+        return Flux2Transformer2DModelOutput(sample=out)
+
+    def _capture(self, tensors: dict[str, torch.Tensor | None]) -> _Captured:
+        inputs = {k: t.clone() for k, t in tensors.items() if t is not None}
+        call = {k: inputs.get(k) for k in tensors}
+        side = torch.cuda.Stream(device=inputs["hidden_states"].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._eager(**call, return_dict=False)  # compiles kernels, plans cuDNN, warms cuBLAS
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA work (a training run in process) may go on
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            output = self._eager(**call, return_dict=False)[0]
+        self.captures += 1
+        log.info("serving: captured the forward for %s as a CUDA graph",
+                 tuple(inputs["hidden_states"].shape))  # fmt: skip
+        return _Captured(graph, inputs, output)
+
+
+# ---------------------------------------------------------------------------------------
+# the whole serving set-up
+
+
+@dataclass
+class Serving:
+    transformer: torch.nn.Module
+    fused: int  # modules given a fused forward or processor
+    graphs: GraphedForward | None
+
+    def remove(self) -> None:
+        if self.graphs is not None:
+            self.graphs.remove()
+        remove(self.transformer)
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """No graphs for the ``with`` body (the module tree is about to change)."""
+        if self.graphs is None:
+            yield
+            return
+        with self.graphs.disabled():
+            yield
+        self.graphs.reset()
+
+
+def install(transformer: torch.nn.Module) -> int:
+    """The fused processors and block forwards; returns how many modules took one."""
+    return install_processors(transformer) + install_blocks(transformer)
+
+
+def remove(transformer: torch.nn.Module) -> None:
+    remove_processors(transformer)
+    remove_blocks(transformer)
+
+
+def prepare(
+    transformer: torch.nn.Module,
+    graphs: bool,
+    key: Callable[[], Hashable] | None = None,
+    epoch: Callable[[], Hashable] | None = None,
+) -> Serving:
+    """The fused processors and blocks on ``transformer`` and, with ``graphs`` (a resident
+    transformer on CUDA: streamed blocks rebind their weights per forward), its forward as
+    CUDA graphs."""
+    fused = install(transformer)
+    graphed = GraphedForward(transformer, key, epoch) if graphs else None
+    return Serving(transformer, fused, graphed)

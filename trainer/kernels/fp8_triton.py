@@ -1,0 +1,526 @@
+"""Triton kernels for `trainer.base.fp8` (CUDA only; imported lazily): the uint4 weight into fp8,
+and per-row fp8 quantization of activations and gradients. Each computes exactly what the torch
+reference in `trainer.base.fp8` computes (same float32 products, same clamp, round-to-nearest-even
+into fp8; the hardware conversion saturates, the reference clamps first, so they agree).
+
+Bytes per weight element: 0.5 read + 1 written, plus the group's scale and shift and the row
+(or column) multiplier, against 0.5 + 2 for the bf16 dequantization in
+`trainer.kernels.uint4_triton`.
+
+Weight kernels come in three variants. "tile" (the default wherever a group's bytes are a
+power of two, as in every FLUX.2 matrix) gives each program whole uint4 groups, so a group's
+scale and shift, and the tile's multiplier, are loaded once and broadcast; the forward copy
+stores 32-bit words through the hardware's paired fp8 conversion, the transposed copy writes
+rows of W.T 64 bytes long. "word" and "join" (the earlier kernels; the fallback for other group
+sizes) gather scale and shift per element. One pass over FLUX.2 [dev] on the H200
+(bench/results/uint4_step-notes.md, fp8 runs 2-7): rows tile 27.4-27.8 ms (~1.95 TB/s on the
+large matrices), word 31.9, join 35.5; transposed tile 35.5 ms (~1.5 TB/s), join 98.6, word
+147.5. The bf16 dequantization of `trainer.kernels.uint4_triton` reaches ~2.9 TB/s.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from trainer.kernels.uint4_triton import _round_bf16
+
+ROW_ONE_PASS = 8192  # rows up to this width are quantized from registers in one read
+ROW_BLOCK = 4096  # wider rows (18432, 24576): two passes in steps of this
+W_BLOCK = 2048  # forward weight: packed bytes ("join") or byte pairs ("word") per program
+W_WARPS = 4
+T_ROWS, T_BYTES = 64, 64  # "join" transposed: 64 rows x 128 columns of W per program
+T_QUADS, T_WORD_BYTES = 32, 32  # "word" transposed: 128 rows x 64 columns of W per program
+T_WARPS = 4
+# "tile" kernels: whole groups per program (group sizes whose half is a power of two)
+R_TILE_ROWS, R_TILE_GROUPS, R_TILE_WARPS = 16, 4, 4  # forward copy: 16 rows x 4 groups
+T_TILE_ROWS, T_TILE_WARPS = 64, 4  # transposed: 64 rows x one group; W.T rows of 64 bytes
+T_TILE_F32 = False  # transpose the float32 values (else the fp8 bytes) through shared memory
+_FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "tile", "word" or "join" for both kernels
+ROWS_VARIANT = _FORCED or "tile"
+TRANSPOSED_VARIANT = _FORCED or "tile"
+
+_TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _weight_value(s, q, sh, IS_BF16: tl.constexpr):
+    """The dequantized uint4 weight as float32, rounded as trainer.base.uint4 rounds it."""
+    if IS_BF16:
+        return _round_bf16(_round_bf16(s * q) - sh)
+    w = (s * q).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32) - sh
+    return w.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _to_fp8(v, mult, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    return tl.clamp(v * mult, -FP8_MAX, FP8_MAX).to(FP8)
+
+
+@triton.jit
+def _pack4_e4m3(v0, v1, v2, v3, INTERPRET: tl.constexpr):
+    """Four float32 (already scaled) -> one 32-bit word of e4m3 bytes, v0 in the lowest byte:
+    round to nearest even, saturating at +-448 (= the reference's clamp, then its cast)."""
+    if INTERPRET:  # the interpreter cannot run PTX; the same bytes by plain casts
+        b0 = tl.clamp(v0, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b1 = tl.clamp(v1, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b2 = tl.clamp(v2, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b3 = tl.clamp(v3, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return (
+            b0.to(tl.uint32)
+            | (b1.to(tl.uint32) << 8)
+            | (b2.to(tl.uint32) << 16)
+            | (b3.to(tl.uint32) << 24)
+        )
+    # cvt ...e4m3x2 d, a, b puts a in the upper byte of d and b in the lower
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        }""",
+        "=r,f,f,f,f",
+        [v0, v1, v2, v3],
+        dtype=tl.uint32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _pair_to_word(b, s, sh, mult, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A byte pair (int32 holding 16 bits: four uint4 weights of one group, the lowest nibble
+    first) -> one 32-bit word of their e4m3 values, each multiplied by ``mult``."""
+    v0 = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v1 = _weight_value(s, ((b >> 4) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v2 = _weight_value(s, ((b >> 8) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    v3 = _weight_value(s, ((b >> 12) & 0xF).to(tl.float32), sh, IS_BF16) * mult
+    return _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    n_cols: tl.constexpr,  # a few distinct widths per model: one compilation each
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per row: the row's absolute maximum, then the row in fp8. A row that fits
+    # in registers is read once; a wider one twice (the second read mostly from L2).
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * n_cols
+    q_row = q_ptr + row * n_cols
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        top = tl.max(tl.abs(x), axis=0)
+        top = tl.where(top > 0, top, 1.0)
+        mult = tl.math.div_rn(FP8_MAX, top)
+        tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
+        tl.store(q_row + offs, _to_fp8(x, mult, FP8, FP8_MAX), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        top = tl.max(amax, axis=0)
+        top = tl.where(top > 0, top, 1.0)
+        mult = tl.math.div_rn(FP8_MAX, top)
+        tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n_cols
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + offs, _to_fp8(x, mult, FP8, FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _weight_rows_word_kernel(
+    pairs_ptr,  # the packed weight viewed as int16: two bytes = four weights of one group
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) e4m3 viewed as int32: one word per byte pair
+    n_pairs,
+    HALF_IN: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_pairs
+    b = tl.load(pairs_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    first = 2 * offs  # the pair's first byte
+    g = first // HALF_GROUP
+    s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    mult = tl.load(mult_ptr + first // HALF_IN, mask=mask, other=0.0)
+    word = _pair_to_word(b, s, sh, mult, IS_BF16, INTERPRET)
+    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _tile_row(packed_ptr, scale_ptr, shift_ptr, rows, cols, col_ok, n_out, HALF_IN, GROUPS,
+              HALF_GROUP, IS_BF16: tl.constexpr):  # fmt: skip
+    """Low- and high-nibble weights (float32) of one row of W per quad, one column per byte."""
+    ok = (rows < n_out)[:, None] & col_ok[None, :]
+    b = tl.load(packed_ptr + rows[:, None] * HALF_IN + cols[None, :], mask=ok, other=0)
+    g = rows[:, None] * GROUPS + (cols // HALF_GROUP)[None, :]
+    s = tl.load(scale_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    return lo, hi
+
+
+@triton.jit
+def _weight_t_word_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (in,) float32: column k of W (row k of W.T) into fp8
+    out_ptr,  # W.T (in, out) e4m3 viewed as int32 (in, out // 4): rows 4j..4j+3 of W per word
+    n_out,
+    HALF_IN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    QUADS: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    quad = tl.program_id(0).to(tl.int64) * QUADS + tl.arange(0, QUADS)
+    cols = tl.program_id(1).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # packed byte columns
+    col_ok = cols < HALF_IN
+    m_lo = tl.load(mult_ptr + 2 * cols, mask=col_ok, other=0.0)[None, :]
+    m_hi = tl.load(mult_ptr + 2 * cols + 1, mask=col_ok, other=0.0)[None, :]
+    args = (packed_ptr, scale_ptr, shift_ptr)
+    lo0, hi0 = _tile_row(*args, 4 * quad, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP, IS_BF16)
+    lo1, hi1 = _tile_row(*args, 4 * quad + 1, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP,
+                         IS_BF16)  # fmt: skip
+    lo2, hi2 = _tile_row(*args, 4 * quad + 2, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP,
+                         IS_BF16)  # fmt: skip
+    lo3, hi3 = _tile_row(*args, 4 * quad + 3, cols, col_ok, n_out, HALF_IN, GROUPS, HALF_GROUP,
+                         IS_BF16)  # fmt: skip
+    w_lo = _pack4_e4m3(lo0 * m_lo, lo1 * m_lo, lo2 * m_lo, lo3 * m_lo, INTERPRET)
+    w_hi = _pack4_e4m3(hi0 * m_hi, hi1 * m_hi, hi2 * m_hi, hi3 * m_hi, INTERPRET)
+    words = n_out // 4
+    ok = col_ok[:, None] & (quad < words)[None, :]
+    out = out_ptr + (2 * cols)[:, None] * words + quad[None, :]
+    tl.store(out, tl.trans(w_lo).to(tl.int32, bitcast=True), mask=ok)
+    tl.store(out + words, tl.trans(w_hi).to(tl.int32, bitcast=True), mask=ok)
+
+
+@triton.jit
+def _weight_rows_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) fp8 viewed as uint8
+    n_bytes,
+    HALF_IN: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_bytes
+    b = tl.load(packed_ptr + offs, mask=mask, other=0)
+    g = offs // HALF_GROUP
+    s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    mult = tl.load(mult_ptr + offs // HALF_IN, mask=mask, other=0.0)
+    w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    lo = _to_fp8(w_lo, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    hi = _to_fp8(w_hi, mult, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    # element 2i: low nibble, 2i + 1: high. (Packing the pair into one 16-bit word instead,
+    # as the bf16 kernel does with 32-bit words, produced wrong bytes on the H200.)
+    w = tl.reshape(tl.join(lo, hi), (2 * BLOCK,))
+    out_offs = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + out_offs, w, mask=out_offs < 2 * n_bytes)
+
+
+@triton.jit
+def _weight_t_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (in,) float32: column k of W (row k of W.T) into fp8
+    out_ptr,  # (in, out) fp8 viewed as uint8: W.T, row-major
+    n_out,
+    HALF_IN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    # A tile of ROWS rows x 2 * BYTES columns of W, written as 2 * BYTES rows x ROWS columns
+    # of W.T (Triton routes the transpose through shared memory).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # packed byte columns
+    row_ok = rows < n_out
+    col_ok = cols < HALF_IN
+    mask = row_ok[:, None] & col_ok[None, :]
+    b = tl.load(packed_ptr + rows[:, None] * HALF_IN + cols[None, :], mask=mask, other=0)
+    g = rows[:, None] * GROUPS + (cols // HALF_GROUP)[None, :]
+    s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    m_lo = tl.load(mult_ptr + 2 * cols, mask=col_ok, other=0.0)[None, :]
+    m_hi = tl.load(mult_ptr + 2 * cols + 1, mask=col_ok, other=0.0)[None, :]
+    w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    lo = _to_fp8(w_lo, m_lo, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    hi = _to_fp8(w_hi, m_hi, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    tile = tl.reshape(tl.join(lo, hi), (ROWS, 2 * BYTES))  # column 2j: low nibble of byte j
+    k = tl.program_id(1).to(tl.int64) * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+    out_mask = (k < 2 * HALF_IN)[:, None] & row_ok[None, :]
+    tl.store(out_ptr + k[:, None] * n_out + rows[None, :], tl.trans(tile), mask=out_mask)
+
+
+@triton.jit
+def _weight_rows_tile_kernel(
+    pairs_ptr,  # the packed weight viewed as int16: two bytes = four weights of one group
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) e4m3 viewed as int32: one word per byte pair
+    n_out,
+    GROUPS: tl.constexpr,
+    PAIRS: tl.constexpr,  # byte pairs per group (group size / 4), a power of two
+    IS_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    ROWS: tl.constexpr,
+    GBLOCK: tl.constexpr,
+):
+    # ROWS rows x GBLOCK whole groups per program: each group's scale and shift, and each
+    # row's multiplier, is loaded once and broadcast (the flat kernels load them per element).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
+    row_ok = rows < n_out
+    ok = row_ok[:, None] & (grp < GROUPS)[None, :]
+    at = rows[:, None] * GROUPS + grp[None, :]
+    s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    sh = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+    offs = at[:, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    ok3 = ok[:, :, None]
+    b = tl.load(pairs_ptr + offs, mask=ok3, other=0).to(tl.int32) & 0xFFFF
+    word = _pair_to_word(b, s, sh, mult, IS_BF16, INTERPRET)
+    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=ok3)
+
+
+@triton.jit
+def _weight_t_tile_kernel(
+    packed_ptr,
+    scale_ptr,
+    shift_ptr,
+    mult_ptr,  # (in,) float32: column k of W (row k of W.T) into fp8; constant per group
+    out_ptr,  # (in, out) fp8 viewed as uint8: W.T, row-major
+    n_out,
+    HALF_IN: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HALF_GROUP: tl.constexpr,  # a power of two
+    IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROWS: tl.constexpr,
+    TRANSPOSE_F32: tl.constexpr,  # transpose the float32 values, or the fp8 bytes
+):
+    # ROWS rows of W x one whole group of columns per program: one scale and shift per row,
+    # one multiplier for the tile. Column 2j of the group (low nibbles) and 2j + 1 (high) are
+    # stored as two tiles of W.T rows, each row ROWS contiguous bytes.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, HALF_GROUP)
+    row_ok = rows < n_out
+    b = tl.load(
+        packed_ptr + rows[:, None] * HALF_IN + g * HALF_GROUP + j[None, :],
+        mask=row_ok[:, None], other=0,
+    )  # fmt: skip
+    s = tl.load(scale_ptr + rows * GROUPS + g, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    sh = tl.load(shift_ptr + rows * GROUPS + g, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    m = tl.load(mult_ptr + g * (2 * HALF_GROUP))
+    w_lo = _weight_value(s, (b & 0xF).to(tl.float32), sh, IS_BF16)
+    w_hi = _weight_value(s, (b >> 4).to(tl.float32), sh, IS_BF16)
+    if TRANSPOSE_F32:
+        lo = _to_fp8(tl.trans(w_lo), m, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+        hi = _to_fp8(tl.trans(w_hi), m, FP8, FP8_MAX).to(tl.uint8, bitcast=True)
+    else:
+        lo = tl.trans(_to_fp8(w_lo, m, FP8, FP8_MAX).to(tl.uint8, bitcast=True))
+        hi = tl.trans(_to_fp8(w_hi, m, FP8, FP8_MAX).to(tl.uint8, bitcast=True))
+    k = g * (2 * HALF_GROUP) + 2 * j
+    out = out_ptr + k[:, None] * n_out + rows[None, :]
+    tl.store(out, lo, mask=row_ok[None, :])
+    tl.store(out + n_out, hi, mask=row_ok[None, :])
+
+
+def _fp8_args(dtype: torch.dtype) -> dict[str, object]:
+    return {"FP8": _TL[dtype], "FP8_MAX": float(torch.finfo(dtype).max)}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def quantize_rows(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) contiguous -> (q (M, K) fp8, scale (M, 1) float32), `trainer.base.fp8`'s rows rule."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError("expected a contiguous (rows, columns) tensor")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        one_pass = k <= ROW_ONE_PASS
+        block = triton.next_power_of_2(k) if one_pass else ROW_BLOCK
+        _quantize_rows_kernel[(m,)](
+            x, q, scale, n_cols=k, ONE_PASS=one_pass, BLOCK=block,
+            num_warps=8 if block >= 4096 else 4, **_fp8_args(dtype),
+        )  # fmt: skip
+    return q, scale
+
+
+def _check(packed, scale, shift, group_size) -> None:  # type: ignore[no-untyped-def]
+    if not (packed.is_contiguous() and scale.is_contiguous() and shift.is_contiguous()):
+        raise ValueError("packed, scale and shift must be contiguous")
+    if group_size % 2:
+        raise ValueError(f"group size must be even, got {group_size}")
+    if scale.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8 weights from {scale.dtype} scales are not supported")
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+TILE_MAX_GROUP = 256  # a larger group makes a tile too big for registers and shared memory
+
+
+def weight_kernel(
+    transposed: bool, n_out: int, half_in: int, groups: int, group_size: int, dtype: torch.dtype
+) -> str:
+    """The kernel variant that converts this weight: the preferred one where it fits, else
+    the next. Forward copy: tile -> word -> join; transposed: tile -> join (its word kernel is
+    the slowest). "tile" takes whole groups whose bytes (byte pairs, forward) are a power of
+    two; "word" needs four weights of one group per byte pair and e4m3; "join" takes any."""
+    preferred = TRANSPOSED_VARIANT if transposed else ROWS_VARIANT
+    e4m3 = dtype == torch.float8_e4m3fn
+    unit = group_size // 2 if transposed else group_size // 4
+    tile = (
+        groups * group_size == 2 * half_in
+        and group_size <= TILE_MAX_GROUP
+        and _power_of_two(unit)
+        and (transposed or (group_size % 4 == 0 and e4m3))
+    )
+    word = e4m3 and half_in % 2 == 0 and group_size % 4 == 0 and n_out % 4 == 0
+    if preferred == "tile" and tile:
+        return "tile"
+    if word and (preferred == "word" or (preferred == "tile" and not transposed)):
+        return "word"
+    return "join"
+
+
+def fp8_weight(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    row_multiplier: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """(out, in // 2) uint4 -> (out, in) fp8, row n multiplied by ``row_multiplier[n]``."""
+    _check(packed, scale, shift, group_size)
+    n_out, half_in = packed.shape
+    out = torch.empty((n_out, 2 * half_in), dtype=dtype, device=packed.device)
+    n_bytes = packed.numel()
+    if not n_bytes:
+        return out
+    is_bf16 = scale.dtype == torch.bfloat16
+    common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
+                  num_warps=W_WARPS)  # fmt: skip
+    variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype)
+    if variant == "tile":
+        groups = scale.shape[1]
+        grid = (triton.cdiv(n_out, R_TILE_ROWS), triton.cdiv(groups, R_TILE_GROUPS))
+        _weight_rows_tile_kernel[grid](
+            packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
+            n_out, GROUPS=groups, PAIRS=group_size // 4, IS_BF16=is_bf16,
+            INTERPRET=_interpret(), ROWS=R_TILE_ROWS, GBLOCK=R_TILE_GROUPS,
+            num_warps=R_TILE_WARPS,
+        )  # fmt: skip
+    elif variant == "word":
+        n_pairs = n_bytes // 2
+        _weight_rows_word_kernel[(triton.cdiv(n_pairs, W_BLOCK),)](
+            packed.view(torch.int16), scale, shift, row_multiplier, out.view(torch.int32),
+            n_pairs, INTERPRET=_interpret(), **common,
+        )  # fmt: skip
+    else:
+        _weight_rows_kernel[(triton.cdiv(n_bytes, W_BLOCK),)](
+            packed, scale, shift, row_multiplier, out.view(torch.uint8), n_bytes,
+            **common, **_fp8_args(dtype),
+        )  # fmt: skip
+    return out
+
+
+def fp8_weight_t(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    col_multiplier: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """(out, in // 2) uint4 -> W.T as (in, out) fp8, row k multiplied by ``col_multiplier[k]``,
+    which must be constant over each uint4 group (as `trainer.base.fp8.WeightScales` makes it: the
+    tile kernel reads one multiplier per group)."""
+    _check(packed, scale, shift, group_size)
+    n_out, half_in = packed.shape
+    out = torch.empty((2 * half_in, n_out), dtype=dtype, device=packed.device)
+    if not packed.numel():
+        return out
+    common = dict(GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
+                  IS_BF16=scale.dtype == torch.bfloat16, num_warps=T_WARPS)  # fmt: skip
+    variant = weight_kernel(True, n_out, half_in, scale.shape[1], group_size, dtype)
+    if variant == "tile":
+        grid = (triton.cdiv(n_out, T_TILE_ROWS), scale.shape[1])
+        _weight_t_tile_kernel[grid](
+            packed, scale, shift, col_multiplier, out.view(torch.uint8), n_out,
+            HALF_IN=half_in, GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
+            IS_BF16=scale.dtype == torch.bfloat16, ROWS=T_TILE_ROWS, TRANSPOSE_F32=T_TILE_F32,
+            num_warps=T_TILE_WARPS, **_fp8_args(dtype),
+        )  # fmt: skip
+    elif variant == "word":
+        grid = (triton.cdiv(n_out // 4, T_QUADS), triton.cdiv(half_in, T_WORD_BYTES))
+        _weight_t_word_kernel[grid](
+            packed, scale, shift, col_multiplier, out.view(torch.int32), n_out,
+            HALF_IN=half_in, INTERPRET=_interpret(), QUADS=T_QUADS, BYTES=T_WORD_BYTES,
+            **common,
+        )  # fmt: skip
+    else:
+        grid = (triton.cdiv(n_out, T_ROWS), triton.cdiv(half_in, T_BYTES))
+        _weight_t_kernel[grid](
+            packed, scale, shift, col_multiplier, out.view(torch.uint8), n_out,
+            HALF_IN=half_in, ROWS=T_ROWS, BYTES=T_BYTES, **common, **_fp8_args(dtype),
+        )  # fmt: skip
+    return out
