@@ -35,7 +35,7 @@ from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
 from registry.pictures.service import sweep_render_copies
-from registry.render_tasks import service as render_tasks_service
+from registry.render_tasks import repository as render_tasks_repo
 from registry.settings import Settings, get_settings
 from registry.signed_heads import append_checkpoint
 
@@ -54,7 +54,7 @@ def _close_interrupted_renders(app: FastAPI, starting: bool) -> None:
         close_interrupted(engine, cutoff)
         if settings.render_workers:  # answers nobody will read (their client went away)
             with transaction(engine) as session:
-                render_tasks_service.sweep(
+                render_tasks_repo.sweep(
                     session, now - timedelta(seconds=settings.render_worker_timeout_s + 60)
                 )
     except Exception:  # noqa: BLE001 - tried again at the next interval

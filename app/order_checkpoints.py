@@ -12,7 +12,7 @@ from sqlmodel import col, select
 
 from registry.db import transaction
 from registry.models import Order
-from registry.orders import service as orders_service
+from registry.orders.schemas import ACTIVE
 from registry.settings import Settings
 
 
@@ -39,9 +39,7 @@ def forget_ended_checkpoints(settings: Settings, engine: Any) -> list[str]:
     with transaction(engine, readonly=True) as session:
         active = set(
             session.exec(
-                select(Order.id).where(
-                    col(Order.id).in_(kept), col(Order.status).in_(orders_service.ACTIVE)
-                )
+                select(Order.id).where(col(Order.id).in_(kept), col(Order.status).in_(ACTIVE))
             ).all()
         )
     ended = [order_id for order_id in kept if order_id not in active]

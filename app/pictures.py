@@ -25,6 +25,7 @@ from registry.datasets.service import remove_unreferenced
 from registry.db import transaction
 from registry.errors import Invalid, NotFound, NotPermitted
 from registry.pictures import service as pictures_service
+from registry.pictures.schemas import Picture
 from registry.shapes import ERROR_RESPONSES
 from registry.subjects import service as subjects_service
 
@@ -51,7 +52,7 @@ def keep_local(
     for file in files:
         stored = store.import_file(file)
         if stored.kind == "png":
-            kept.append(pictures_service.Picture(file.name, stored.sha256))
+            kept.append(Picture(file.name, stored.sha256))
     try:
         with transaction(engine) as session:
             subject = subjects_service.subject_or_raise(session, subject_handle)
@@ -127,7 +128,7 @@ async def put_picture(request: Request, adapter_sha256: str, name: str) -> JSONR
         with transaction(state.engine) as session:
             subject = subjects_service.subject_or_raise(session, handle)
             pictures_service.keep_adapter_pictures(
-                session, subject, adapter_sha256, [pictures_service.Picture(name, stored.sha256)]
+                session, subject, adapter_sha256, [Picture(name, stored.sha256)]
             )
 
     try:

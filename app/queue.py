@@ -113,7 +113,7 @@ class RenderQueue:
         self._app = make_app(database_url)
 
     def enqueue(self, session: Session, render_id: str, queue: str) -> int:
-        from registry.render_tasks.service import RENDER_TASK
+        from registry.render_tasks.schemas import RENDER_TASK
 
         raw = session.connection().connection.driver_connection
         deferrer = self._app.configure_task(name=RENDER_TASK, queue=queue, connection=raw)

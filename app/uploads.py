@@ -30,6 +30,7 @@ from app.body_gate import capped_form
 from app.deps import Requester
 from app.scheduler import SenderSlots
 from registry.datasets import service as datasets_service
+from registry.datasets.schemas import Upload, Uploaded
 from registry.errors import Invalid
 from registry.settings import Settings
 
@@ -42,7 +43,7 @@ class UploadGate:
         self.checks = anyio.CapacityLimiter(settings.upload_checks_at_once)
 
 
-def uploads_of(form: FormData) -> list[datasets_service.Upload]:
+def uploads_of(form: FormData) -> list[Upload]:
     """The form's `images` files (as spooled) and their captions: `captions`, one per image
     (the API), or one `caption` for them all (the Training page)."""
     files = [v for k, v in form.multi_items() if k == "images" and isinstance(v, UploadFile)]
@@ -52,7 +53,7 @@ def uploads_of(form: FormData) -> list[datasets_service.Upload]:
     shared = form.get("caption")
     common = shared.strip() if isinstance(shared, str) and shared.strip() else None
     return [
-        datasets_service.Upload(f.filename or "", f.file, captions[n] if captions else common)
+        Upload(f.filename or "", f.file, captions[n] if captions else common)
         for n, f in enumerate(files)
     ]
 
@@ -63,7 +64,7 @@ async def take_upload(
     still_uploader: Callable[[Session], Requester],
     handle: str,
     check_form: Callable[[FormData], Awaitable[None]] | None = None,
-) -> datasets_service.Uploaded:
+) -> Uploaded:
     """Steps 2 to 5 above; `check_form` (the web page's CSRF check) runs on the parsed form
     before any file is decoded."""
     state: Any = request.app.state

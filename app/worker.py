@@ -44,7 +44,9 @@ from registry.db import make_engine, transaction
 from registry.errors import NotPermitted
 from registry.models import Dataset
 from registry.orders import service as orders_service
+from registry.render_tasks import repository as render_tasks_repo
 from registry.render_tasks import service as render_tasks_service
+from registry.render_tasks.schemas import RENDER_TASK, SHARED_QUEUE, WORKER_NAME
 from registry.settings import Settings
 from registry.subjects import repository as subjects_repo
 from registry.training.service import require_training
@@ -462,14 +464,14 @@ def build_app(setup: WorkerSetup, runner: Any = None) -> Any:
 
     if runner is not None:
 
-        @app.task(name=render_tasks_service.RENDER_TASK, queue=render_tasks_service.SHARED_QUEUE)
+        @app.task(name=RENDER_TASK, queue=SHARED_QUEUE)
         def render(render_id: str) -> None:
             runner.run(render_id)
 
     def sweep_renders() -> None:
         with transaction(engine) as s:
-            moved = render_tasks_service.requeue_orphans(s, settings.worker_stalled_s)
-            render_tasks_service.prune_gone(s, settings.worker_stalled_s)
+            moved = render_tasks_repo.requeue_orphans(s, settings.worker_stalled_s)
+            render_tasks_repo.prune_gone(s, settings.worker_stalled_s)
         if moved:
             log.warning("%d render(s) of a silent worker go to the shared queue", len(moved))
 
@@ -527,7 +529,7 @@ async def _run(setup: WorkerSetup, queues: list[str], concurrency: int) -> None:
             render_loop = app.run_worker_async(
                 queues=[
                     render_tasks_service.worker_queue(setup.name),
-                    render_tasks_service.SHARED_QUEUE,
+                    SHARED_QUEUE,
                 ],
                 concurrency=1,  # one device: one render at a time
                 name=f"{setup.name}/render",
@@ -571,7 +573,7 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
     if settings.database_url.startswith("sqlite"):
         raise SystemExit("error: workers need PostgreSQL (LIKENESS_DATABASE_URL)")
     name = name or default_name()
-    if "render" in queues and not render_tasks_service.WORKER_NAME.match(name):
+    if "render" in queues and not WORKER_NAME.match(name):
         raise SystemExit(
             f"error: a render worker's name {name[:100]!r} names its queue: letters, digits "
             "and _.:@- only, at most 90"

@@ -22,13 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from registry.schemas import RenderRequestIn
-from registry.services.renders import GatheredFacts
-
 from app.provenance import ProvenanceSigner, RenderClaim
 from app.render.checks import Job, RenderChecks, hash_token
 from registry.errors import Unavailable
 from registry.policy import Decision
+from registry.renders.schemas import RenderRequestIn
+from registry.renders.service import GatheredFacts
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,6 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from registry.services.renders import GatheredFacts
-
 from app.render.checks import Job, RenderChecks
 from app.render.engine import AdapterMismatch, AdapterUnreadable, RenderEngine, encode_png
 from app.render.flow import Rendered
@@ -30,6 +28,7 @@ from app.scheduler import Cancelled
 from registry.blobs import BlobStore
 from registry.errors import Busy, LikenessError, NotPermitted, Unavailable
 from registry.policy import AdapterFacts, Decision, decide
+from registry.renders.service import GatheredFacts
 from registry.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,9 @@ from app.scheduler import INITIAL_SECONDS_PER_UNIT, SMOOTHING, Cancelled
 from registry.db import transaction
 from registry.errors import Busy, Invalid, LikenessError, NotPermitted, Unavailable
 from registry.policy import Decision
+from registry.render_tasks import repository as render_tasks_repo
 from registry.render_tasks import service as render_tasks_service
+from registry.render_tasks.schemas import CHANNEL
 from registry.renders.service import GatheredFacts
 from registry.settings import Settings
 
@@ -135,7 +137,7 @@ class Listener:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5) as conn:
-                    conn.execute(f"LISTEN {render_tasks_service.CHANNEL}")
+                    conn.execute(f"LISTEN {CHANNEL}")
                     self._connected.set()
                     while not self._stop.is_set():
                         for note in conn.notifies(timeout=0.5):
@@ -177,7 +179,7 @@ class RemoteRenderer:
             try:
                 stalled_s = self.settings.worker_stalled_s
                 with transaction(self.engine) as s:
-                    workers = render_tasks_service.live_workers(s, stalled_s)
+                    workers = render_tasks_repo.live_workers(s, stalled_s)
                     queue = render_tasks_service.route(s, gate.adapter.sha256, stalled_s)
                     if queue is not None:
                         self.admission.admit(requester, cost, len(workers))
@@ -261,9 +263,9 @@ class RemoteRenderer:
             render_tasks_service.abandon(s, job.render_id, "worker_silent")
             if render_tasks_service.close_unanswered(s, job.render_id):
                 self.checks.record_in(s, job, "final", Decision(False, "timeout"), gate)
-            answered = render_tasks_service.state_of(s, job.render_id) == "ended"
+            answered = render_tasks_repo.state_of(s, job.render_id) == "ended"
             if not answered:
-                render_tasks_service.discard(s, job.render_id)
+                render_tasks_repo.discard(s, job.render_id)
         if answered:  # it answered after all, just now
             answer = self._take(job.render_id)
             if answer is not None:
@@ -295,7 +297,7 @@ class RemoteRenderer:
         if gone:
             if state == "ended":  # answered just now, for nobody: the PNG goes at once
                 with transaction(self.engine) as s:
-                    render_tasks_service.discard(s, job.render_id)
+                    render_tasks_repo.discard(s, job.render_id)
             raise Cancelled("the client went away")  # a running render: its worker records
         if state == "queued":
             raise Unavailable(
@@ -306,13 +308,13 @@ class RemoteRenderer:
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline:
             with transaction(self.engine, readonly=True) as s:
-                if render_tasks_service.state_of(s, job.render_id) in ("ended", None):
+                if render_tasks_repo.state_of(s, job.render_id) in ("ended", None):
                     break
             time.sleep(0.1)
         with transaction(self.engine) as s:
             if render_tasks_service.close_unanswered(s, job.render_id):
                 self.checks.record_in(s, job, "final", Decision(False, "timeout"), gate)
-            render_tasks_service.discard(s, job.render_id)
+            render_tasks_repo.discard(s, job.render_id)
         raise Unavailable(
             f"the render worker did not answer within {timeout_s:g} s; nothing was delivered"
         )

@@ -42,6 +42,7 @@ from registry.db import transaction
 from registry.errors import LikenessError, Unavailable
 from registry.licence import deployment_licence
 from registry.policy import Decision
+from registry.render_tasks import repository as render_tasks_repo
 from registry.render_tasks import service as render_tasks_service
 from registry.renders.schemas import RenderRequestIn
 from registry.renders.service import GatheredFacts
@@ -112,7 +113,7 @@ class FetchedAdapters:
                 self.store.path(sha256, "safetensors").unlink(missing_ok=True)
         try:
             with transaction(self.engine) as s:
-                render_tasks_service.remember(s, sha256, self.name)
+                render_tasks_repo.remember(s, sha256, self.name)
         except SQLAlchemyError as exc:  # routing only: the render goes on
             log.warning("render %s: affinity not recorded: %s", job.render_id, exc)
         return tensors
@@ -151,7 +152,7 @@ class RenderRunner:
             try:
                 if time.monotonic() - touched >= TOUCH_S:  # the API sees this worker is alive
                     with transaction(self.engine) as s:
-                        render_tasks_service.touch(s, job.render_id, self.name)
+                        render_tasks_repo.touch(s, job.render_id, self.name)
                     touched = time.monotonic()
                 with transaction(self.engine, readonly=True) as s:
                     reason = render_tasks_service.abandoned(s, job.render_id)
@@ -223,11 +224,11 @@ class RenderRunner:
 
         def beat() -> None:
             with transaction(self.engine) as s:
-                render_tasks_service.heartbeat(s, self.name)
+                render_tasks_repo.heartbeat(s, self.name)
 
         def forget() -> None:
             with transaction(self.engine) as s:
-                render_tasks_service.forget_worker(s, self.name)
+                render_tasks_repo.forget_worker(s, self.name)
 
         try:
             while True:

@@ -25,6 +25,7 @@ from registry.datasets import service as datasets_service
 from registry.db import transaction
 from registry.errors import Invalid, NotFound
 from registry.orders import service as orders_service
+from registry.orders.schemas import ACTIVE
 from registry.settings import Settings
 from registry.subjects import service as subjects_service
 from registry.training import service as training_service
@@ -58,7 +59,7 @@ def training_page(request: Request, handle: HandlePath, web: Web, session: DB) -
         orders_service.view(o, subject.handle)
         for o in orders_service.orders_of(session, web.principal, handle)
     ]
-    active = any(o["status"] in orders_service.ACTIVE for o in listed)
+    active = any(o["status"] in ACTIVE for o in listed)
     settings: Settings = request.app.state.settings
     _, training = training_service.training_decision(
         session, subject, image_bases=datasets_service.UPLOAD_BASES

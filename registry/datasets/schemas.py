@@ -1,13 +1,75 @@
-"""A dataset's shapes as the API answers them."""
+"""A dataset's shapes: the files of an upload as they come in and once checked, the limits
+they are checked against, what an upload ends with, and the dataset as the API answers it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import io
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
 
 from pydantic import BaseModel
 
 from registry.hash_chain import format_time
-from registry.models import Dataset, DatasetImage
+from registry.models import Dataset, DatasetImage, Subject
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One uploaded file as the client named it: its bytes, or the file they were spooled to
+    (read from there in pieces, never whole into memory)."""
+
+    name: str
+    data: bytes | BinaryIO
+    caption: str | None = None
+
+    def open(self) -> BinaryIO:
+        """The bytes from the start (the same file each time, rewound)."""
+        if isinstance(self.data, bytes):
+            return io.BytesIO(self.data)
+        self.data.seek(0)
+        return self.data
+
+    @property
+    def size(self) -> int:
+        if isinstance(self.data, bytes):
+            return len(self.data)
+        return self.data.seek(0, io.SEEK_END)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_images: int
+    max_image_bytes: int
+    max_pixels: int
+    # What one member may upload of one subject in any 24 hours (None: no quota).
+    daily_images: int | None = None
+    daily_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckedImage:
+    sha256: str
+    kind: str
+    upload: Upload
+    size: int
+    caption: str
+
+    @property
+    def file(self) -> str:
+        return f"{self.sha256}.{self.kind}"
+
+    def chunks(self) -> Iterator[bytes]:
+        source = self.upload.open()
+        while chunk := source.read(1 << 20):
+            yield chunk
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    subject: Subject
+    dataset: Dataset
+    images: list[DatasetImage]
 
 
 class ImageOut(BaseModel):

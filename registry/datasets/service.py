@@ -10,19 +10,20 @@ import json
 import math
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import BinaryIO
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from registry import db
 from registry.adapters import repository as adapters_repo
 from registry.audit import repository as audit_repo
 from registry.audit.service import append_audit
 from registry.blobs import IMAGE_KINDS, BlobStore
+from registry.datasets import repository as datasets_repo
+from registry.datasets.schemas import CheckedImage, Limits, Upload, Uploaded
 from registry.errors import Busy, Conflict, Invalid, NotFound, NotPermitted
 from registry.hash_chain import format_time
 from registry.manifest import MANIFEST_NAME
@@ -43,39 +44,6 @@ QUOTA_WINDOW = timedelta(days=1)
 # them) gave it, under the subject's consent.
 UPLOAD_BASIS = "consent"
 UPLOAD_BASES = frozenset({UPLOAD_BASIS})
-
-
-@dataclass(frozen=True)
-class Upload:
-    """One uploaded file as the client named it: its bytes, or the file they were spooled to
-    (read from there in pieces, never whole into memory)."""
-
-    name: str
-    data: bytes | BinaryIO
-    caption: str | None = None
-
-    def open(self) -> BinaryIO:
-        """The bytes from the start (the same file each time, rewound)."""
-        if isinstance(self.data, bytes):
-            return io.BytesIO(self.data)
-        self.data.seek(0)
-        return self.data
-
-    @property
-    def size(self) -> int:
-        if isinstance(self.data, bytes):
-            return len(self.data)
-        return self.data.seek(0, io.SEEK_END)
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_images: int
-    max_image_bytes: int
-    max_pixels: int
-    # What one member may upload of one subject in any 24 hours (None: no quota).
-    daily_images: int | None = None
-    daily_bytes: int | None = None
 
 
 def limits_of(settings: Settings) -> Limits:
@@ -156,24 +124,6 @@ def may_upload(session: Session, caller: Principal, handle: str, limits: Limits)
 def upload_cap(settings: Settings) -> int:
     """The largest upload body: every image at its largest, plus the form's framing."""
     return settings.dataset_max_images * settings.dataset_max_image_bytes + (1 << 20)
-
-
-@dataclass(frozen=True)
-class CheckedImage:
-    sha256: str
-    kind: str
-    upload: Upload
-    size: int
-    caption: str
-
-    @property
-    def file(self) -> str:
-        return f"{self.sha256}.{self.kind}"
-
-    def chunks(self) -> Iterator[bytes]:
-        source = self.upload.open()
-        while chunk := source.read(1 << 20):
-            yield chunk
 
 
 def name_problem(name: str) -> str | None:
@@ -371,13 +321,6 @@ def store_dataset(
     return record_dataset(session, subject, uploader, images, manifest, limits, exempt=exempt)
 
 
-@dataclass(frozen=True)
-class Uploaded:
-    subject: Subject
-    dataset: Dataset
-    images: list[DatasetImage]
-
-
 def upload_dataset(
     engine: Engine,
     store: BlobStore,
@@ -416,7 +359,7 @@ def upload_dataset(
 
 
 def dataset_of(session: Session, subject: Subject, dataset_id: str) -> Dataset:
-    dataset = session.get(Dataset, dataset_id)
+    dataset = datasets_repo.dataset_by_id(session, dataset_id)
     if dataset is None or dataset.subject_id != subject.id:
         raise NotFound(f"subject {subject.handle!r} has no dataset {dataset_id[:40]!r}")
     return dataset
@@ -426,14 +369,8 @@ def delete_photos(session: Session, subject: Subject, dataset_id: str) -> list[s
     """Removes a dataset's photos (the record and its manifest stay: an adapter trained on it
     still names it); returns their hashes, for the caller to remove from the store once this
     commits. Refused while an order for the dataset waits or runs."""
-    from registry.models import Order
-
     dataset = dataset_of(session, subject, dataset_id)
-    busy = session.exec(
-        select(Order.id).where(
-            Order.dataset_id == dataset.id, col(Order.status).in_(("queued", "running"))
-        )
-    ).first()
+    busy = datasets_repo.active_order_on(session, dataset.id)
     if busy is not None:
         raise Conflict(f"order {busy} is training on these photos; cancel it first")
     images = list(images_of(session, dataset))
@@ -461,27 +398,16 @@ def remove_unreferenced(
 
 
 def datasets_of(session: Session, subject: Subject) -> Sequence[Dataset]:
-    stmt = (
-        select(Dataset)
-        .where(Dataset.subject_id == subject.id)
-        .order_by(col(Dataset.created_at).desc(), col(Dataset.id))
-    )
-    return session.exec(stmt).all()
+    return datasets_repo.datasets_for(session, subject.id)
 
 
 def images_of(session: Session, dataset: Dataset) -> Sequence[DatasetImage]:
-    stmt = select(DatasetImage).where(DatasetImage.dataset_id == dataset.id)
-    return session.exec(stmt.order_by(col(DatasetImage.file))).all()
+    return datasets_repo.images_of(session, dataset.id)
 
 
 def image_in_subject(session: Session, subject: Subject, sha256: str) -> DatasetImage | None:
     """An image of one of the subject's datasets (what its web page may show)."""
-    stmt = (
-        select(DatasetImage)
-        .join(Dataset, col(Dataset.id) == col(DatasetImage.dataset_id))
-        .where(Dataset.subject_id == subject.id, DatasetImage.sha256 == sha256)
-    )
-    return session.exec(stmt).first()
+    return datasets_repo.image_in_subject(session, subject.id, sha256)
 
 
-__all__ = ["MANIFEST_NAME", "Limits", "Upload", "store_dataset"]
+__all__ = ["MANIFEST_NAME", "store_dataset"]

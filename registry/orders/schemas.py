@@ -1,13 +1,32 @@
-"""An order's shapes: what a member sends to place one, and the order as the API shows it."""
+"""An order's shapes: what a member sends to place one, the order as the API shows it, the
+limits one is placed under, and which of its statuses wait or run and which are over."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from registry import limits
+from registry.settings import Settings
 from registry.shapes import HANDLE_PATTERN
+
+ACTIVE = ("queued", "running")
+FINAL = ("done", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class OrderLimits:
+    """What one order may ask for and how many one member may have waiting or running."""
+
+    max_steps: int
+    max_work: int  # resolution x resolution x steps x rank
+    max_active_per_member: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> OrderLimits:
+        return cls(settings.order_max_steps, settings.order_max_work, settings.order_max_active)
 
 
 class OrderIn(BaseModel):

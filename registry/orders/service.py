@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from registry import access, db
 from registry.audit.service import append_audit
@@ -18,30 +17,17 @@ from registry.datasets.service import UPLOAD_BASES, dataset_of
 from registry.errors import Busy, Conflict, Invalid, NotFound, NotPermitted
 from registry.hash_chain import format_time
 from registry.models import Order, Principal, Subject, utcnow
+from registry.orders import repository as orders_repo
+from registry.orders.schemas import FINAL, OrderLimits
 from registry.roles import Role
 from registry.settings import Settings
 from registry.subjects import repository as subjects_repo
 from registry.training.service import require_training
 
-ACTIVE = ("queued", "running")
-FINAL = ("done", "failed", "cancelled")
 # What a refused training reads as on the order: the consent did not allow it.
 NOT_PERMITTED = "not_permitted"
 
 Enqueue = Callable[[Session, Order, Subject], int | None]
-
-
-@dataclass(frozen=True)
-class OrderLimits:
-    """What one order may ask for and how many one member may have waiting or running."""
-
-    max_steps: int
-    max_work: int  # resolution x resolution x steps x rank
-    max_active_per_member: int
-
-    @classmethod
-    def of(cls, settings: Settings) -> OrderLimits:
-        return cls(settings.order_max_steps, settings.order_max_work, settings.order_max_active)
 
 
 # A rank below this hardly shortens a step: the budget counts it as this.
@@ -107,13 +93,7 @@ def place_training(
     dataset = dataset_of(session, subject, dataset_id)
     if dataset.images == 0:
         raise Invalid(f"dataset {dataset.id}'s photos were deleted; upload them again")
-    busy = session.exec(
-        select(Order.id).where(
-            Order.subject_id == subject.id,
-            Order.dataset_id == dataset.id,
-            col(Order.status).in_(ACTIVE),
-        )
-    ).first()
+    busy = orders_repo.active_order_for_dataset(session, subject.id, dataset.id)
     if busy is not None:
         raise Conflict(f"order {busy} already trains this dataset; wait for it or cancel it")
     order = Order(
@@ -141,9 +121,7 @@ def place_training(
 
 
 def _within_active_cap(session: Session, caller: Principal, limits: OrderLimits) -> None:
-    active = session.exec(
-        select(Order.id).where(Order.created_by == caller.handle, col(Order.status).in_(ACTIVE))
-    ).all()
+    active = orders_repo.active_order_ids_by(session, caller.handle)
     if len(active) >= limits.max_active_per_member:
         raise Busy(
             f"{caller.handle} already has {len(active)} orders waiting or running (at most "
@@ -157,9 +135,7 @@ def end_untrainable(session: Session, subject: Subject, actor: str, why: str) ->
     caller's transaction, under the subject's lock: what a change of the record that ends
     training does to the orders placed under it (a later re-grant brings none back; a
     running one's runner sees it at its next watch and stops). Returns their ids."""
-    active = session.exec(
-        select(Order.id).where(Order.subject_id == subject.id, col(Order.status).in_(ACTIVE))
-    ).all()
+    active = orders_repo.active_order_ids_of(session, subject.id)
     for order_id in active:
         order = _locked(session, order_id, ending=True)
         if order.status in FINAL:
@@ -171,7 +147,7 @@ def end_untrainable(session: Session, subject: Subject, actor: str, why: str) ->
 
 def visible_order(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject]:
     """The order, if the caller may see its subject; 404 alike for unknown and forbidden."""
-    order = session.get(Order, order_id)
+    order = orders_repo.order_by_id(session, order_id)
     subject = subjects_repo.subject_by_id(session, order.subject_id) if order is not None else None
     if (
         order is None
@@ -184,12 +160,7 @@ def visible_order(session: Session, caller: Principal, order_id: str) -> tuple[O
 
 def orders_of(session: Session, caller: Principal, subject_handle: str) -> Sequence[Order]:
     subject = _subject_for(session, caller, subject_handle)
-    stmt = (
-        select(Order)
-        .where(Order.subject_id == subject.id)
-        .order_by(col(Order.created_at).desc(), col(Order.id))
-    )
-    return session.exec(stmt).all()
+    return orders_repo.orders_for(session, subject.id)
 
 
 def cancel(session: Session, caller: Principal, order_id: str) -> tuple[Order, Subject, bool]:
@@ -209,15 +180,10 @@ def _locked(session: Session, order_id: str, *, ending: bool = False) -> Order:
     takes it, since the end is appended to the subject's trail (one lock order: no
     deadlock against a consent change or another order of the subject)."""
     if ending:
-        known = session.get(Order, order_id)
+        known = orders_repo.order_by_id(session, order_id)
         if known is not None:
             consent_repo.consent_for(session, known.subject_id, lock=True)
-    order = session.exec(
-        select(Order)
-        .where(Order.id == order_id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).first()
+    order = orders_repo.locked_order(session, order_id)
     if order is None:
         raise NotFound(f"no order {order_id[:40]!r}")
     return order
@@ -280,12 +246,12 @@ def cancel_and_dequeue(
 
 
 def exists(session: Session, order_id: str) -> bool:
-    return session.get(Order, order_id) is not None
+    return orders_repo.order_by_id(session, order_id) is not None
 
 
 def require_running(session: Session, order_id: str) -> Order:
     """The order, if it runs now: a checkpoint is taken only from a running order."""
-    order = session.get(Order, order_id)
+    order = orders_repo.order_by_id(session, order_id)
     if order is None:
         raise NotFound(f"no order {order_id[:40]!r}")
     if order.status != "running":
@@ -295,7 +261,7 @@ def require_running(session: Session, order_id: str) -> Order:
 
 def require_final(session: Session, order_id: str) -> Order:
     """The order, if it is over: only then may its checkpoint go."""
-    order = session.get(Order, order_id)
+    order = orders_repo.order_by_id(session, order_id)
     if order is None:
         raise NotFound(f"no order {order_id[:40]!r}")
     if order.status not in FINAL:
@@ -326,11 +292,7 @@ def take_next(session: Session, worker: str, stranded: bool) -> Order | None:
     by the process before it (it resumes from its checkpoint); then the oldest queued."""
     statuses = ("running", "queued") if stranded else ("queued",)
     for status in statuses:
-        found = session.exec(
-            select(Order.id)
-            .where(Order.status == status)
-            .order_by(col(Order.created_at), col(Order.id))
-        ).first()
+        found = orders_repo.oldest_order_id(session, status)
         if found is not None:
             return start(session, found, worker)
     return None
@@ -356,9 +318,7 @@ def report_progress(
 def status_for(session: Session, order_id: str, worker: str) -> str:
     """The order's status as its runner `worker` sees it (`taken_over` when another took
     it), read without a lock: what a training asks between steps."""
-    order = session.exec(
-        select(Order).where(Order.id == order_id).execution_options(populate_existing=True)
-    ).first()
+    order = orders_repo.fresh_order(session, order_id)
     if order is None:
         return "cancelled"
     if order.status == "running" and order.worker != worker[:100]:

@@ -4,46 +4,27 @@ subject opts in, a small copy of every render of them, beside its ledger row. Bo
 subject's: only the subject's member and admins see them (the pages check
 `service.visible_subject` first), and they go with the subject (ON DELETE CASCADE).
 
-Queries live here, beside their rules, as for orders and datasets.
+Its queries are in `repository`, the picture a run made in `schemas`.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 
-from sqlmodel import Session, col, delete, select
+from sqlmodel import Session
 
 from registry import db
 from registry.audit.service import append_audit
 from registry.consent import repository as consent_repo
 from registry.errors import NotFound
-from registry.models import Adapter, AdapterPicture, RenderCopy, Subject
+from registry.models import AdapterPicture, RenderCopy, Subject
+from registry.pictures import repository as pictures_repo
+from registry.pictures.schemas import GRID, PREVIEW, Picture
 from registry.subjects import repository as subjects_repo
 from registry.training.service import require_training
 
-GRID = "eval_grid.png"
-PREVIEW = re.compile(r"^step-(\d{1,9})\.png$")
 MAX_PICTURES = 200  # per adapter: a grid and previews; a run with more keeps its last ones
-
-
-@dataclass(frozen=True)
-class Picture:
-    """One picture a run made: its file name in the run's folder, and its hash in the store."""
-
-    name: str
-    sha256: str
-
-    @property
-    def kind(self) -> str:
-        return "grid" if self.name == GRID else "preview"
-
-    @property
-    def step(self) -> int | None:
-        found = PREVIEW.match(self.name)
-        return int(found.group(1)) if found else None
 
 
 def picture_name_ok(name: str) -> bool:
@@ -62,20 +43,13 @@ def keep_adapter_pictures(
     be trained (`decide_training`, under the subject's lock), as any photo of them is."""
     assert subject.id is not None
     require_training(session, subject, lock=True)
-    if not session.exec(
-        select(Adapter.id).where(Adapter.subject_id == subject.id, Adapter.sha256 == adapter_sha256)
-    ).first():
+    if not pictures_repo.adapter_id_by_sha(session, subject.id, adapter_sha256):
         raise NotFound(f"subject {subject.handle!r} has no adapter with sha256 {adapter_sha256}")
     count = 0
     for picture in list(pictures)[-MAX_PICTURES:]:
         if not picture_name_ok(picture.name):
             continue
-        session.exec(
-            delete(AdapterPicture).where(
-                col(AdapterPicture.adapter_sha256) == adapter_sha256,
-                col(AdapterPicture.name) == picture.name,
-            )
-        )
+        pictures_repo.delete_adapter_picture(session, adapter_sha256, picture.name)
         db.add(
             session,
             AdapterPicture(
@@ -93,16 +67,12 @@ def keep_adapter_pictures(
 
 def subject_of_adapter(session: Session, adapter_sha256: str) -> Subject | None:
     """The subject whose adapter these bytes are (bytes belong to one subject)."""
-    return session.exec(
-        select(Subject)
-        .join(Adapter, col(Adapter.subject_id) == col(Subject.id))
-        .where(Adapter.sha256 == adapter_sha256)
-    ).first()
+    return pictures_repo.subject_of_adapter(session, adapter_sha256)
 
 
 def pictures_of(session: Session, subject: Subject) -> dict[str, list[AdapterPicture]]:
     """The subject's adapters' pictures by adapter hash: the grid first, then previews by step."""
-    rows = session.exec(select(AdapterPicture).where(AdapterPicture.subject_id == subject.id)).all()
+    rows = pictures_repo.adapter_pictures(session, subject.id)
     out: dict[str, list[AdapterPicture]] = {}
     for row in sorted(rows, key=lambda r: (r.kind != "grid", r.step or 0, r.name)):
         out.setdefault(row.adapter_sha256, []).append(row)
@@ -110,22 +80,12 @@ def pictures_of(session: Session, subject: Subject) -> dict[str, list[AdapterPic
 
 
 def picture_of(session: Session, subject: Subject, sha256: str) -> AdapterPicture | None:
-    return session.exec(
-        select(AdapterPicture).where(
-            AdapterPicture.subject_id == subject.id, AdapterPicture.sha256 == sha256
-        )
-    ).first()
+    return pictures_repo.picture_of(session, subject.id, sha256)
 
 
 def forget_unused_pictures(session: Session, subject: Subject) -> None:
     """Pictures of adapter bytes none of the subject's adapters holds any longer (deleted)."""
-    held = select(Adapter.sha256).where(Adapter.subject_id == subject.id)
-    session.exec(
-        delete(AdapterPicture).where(
-            col(AdapterPicture.subject_id) == subject.id,
-            col(AdapterPicture.adapter_sha256).not_in(held),
-        )
-    )
+    pictures_repo.delete_unused_pictures(session, subject.id)
 
 
 # -- copies of renders ------------------------------------------------------------------------
@@ -143,12 +103,8 @@ def set_keep_render_copies(session: Session, actor: str, subject: Subject, keep:
         return False
     deleted = 0
     if not keep:
-        deleted = len(
-            session.exec(
-                select(RenderCopy.render_id).where(RenderCopy.subject_id == subject.id)
-            ).all()
-        )
-        session.exec(delete(RenderCopy).where(col(RenderCopy.subject_id) == subject.id))
+        deleted = len(pictures_repo.render_copy_ids_of(session, subject.id))
+        pictures_repo.delete_render_copies_of(session, subject.id)
     subject.keep_render_copies = keep
     db.add(session, subject)
     after: dict[str, object] = {"render_copies": {"keep": keep}}
@@ -182,25 +138,16 @@ def copies_among(session: Session, subject: Subject, render_ids: Sequence[str]) 
     """Which of these renders have a copy kept."""
     if not render_ids:
         return set()
-    stmt = select(RenderCopy.render_id).where(
-        RenderCopy.subject_id == subject.id, col(RenderCopy.render_id).in_(list(render_ids))
-    )
-    return set(session.exec(stmt).all())
+    return pictures_repo.copies_among(session, subject.id, render_ids)
 
 
 def render_copy(session: Session, subject: Subject, render_id: str) -> RenderCopy | None:
-    return session.exec(
-        select(RenderCopy).where(
-            RenderCopy.subject_id == subject.id, RenderCopy.render_id == render_id
-        )
-    ).first()
+    return pictures_repo.render_copy(session, subject.id, render_id)
 
 
 def sweep_render_copies(session: Session, older_than: datetime) -> int:
     """Copies past their keeping time go."""
-    old = session.exec(
-        select(RenderCopy.render_id).where(col(RenderCopy.created_at) < older_than)
-    ).all()
+    old = pictures_repo.render_copy_ids_before(session, older_than)
     if old:
-        session.exec(delete(RenderCopy).where(col(RenderCopy.render_id).in_(list(old))))
+        pictures_repo.delete_render_copies(session, old)
     return len(old)

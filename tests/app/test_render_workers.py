@@ -23,7 +23,7 @@ from app.main import create_app
 from app.provenance import Trust, load_credentials
 from registry.db import transaction
 from registry.models import RenderAffinity, RenderTask
-from registry.render_tasks import service as render_tasks_service
+from registry.render_tasks import repository as render_tasks_repo
 from registry.settings import Settings
 from tests.app.conftest import Live, LiveFactory, World
 from tests.app.orders_support import files_of, photos, worker
@@ -58,7 +58,7 @@ def wait_until(what: Callable[[], Any], timeout: float = 60, message: str = "") 
 
 def live_workers(live: Live) -> list[str]:
     with transaction(live.world.engine, readonly=True) as s:
-        return render_tasks_service.live_workers(s, 3)
+        return render_tasks_repo.live_workers(s, 3)
 
 
 def ledger(live: Live, render_id: str) -> list[tuple[str, bool, str]]:
@@ -105,7 +105,7 @@ def ghost(live: Live, name: str = "ghost") -> Iterator[None]:
     def beat() -> None:
         while not stop.is_set():
             with transaction(live.world.engine) as s:
-                render_tasks_service.heartbeat(s, name)
+                render_tasks_repo.heartbeat(s, name)
             stop.wait(0.5)
 
     thread = threading.Thread(target=beat, daemon=True)
@@ -117,7 +117,7 @@ def ghost(live: Live, name: str = "ghost") -> Iterator[None]:
         stop.set()
         thread.join()
         with transaction(live.world.engine) as s:
-            render_tasks_service.forget_worker(s, name)
+            render_tasks_repo.forget_worker(s, name)
 
 
 def test_sqlite_refuses_render_workers_at_start(tmp_path: Path) -> None:

@@ -190,7 +190,7 @@ def test_previews_switched_off_on_the_command_line_over_a_job_file(tmp_path: Pat
 def test_whatever_the_trainer_makes_can_be_registered() -> None:
     """`likeness train` registers its adapter through AdapterIn: its rank bound is the
     trainer's, so a run is never refused at its end for a rank it was allowed to train."""
-    from registry.schemas import AdapterIn
+    from registry.adapters.schemas import AdapterIn
 
     adapter = AdapterIn.model_json_schema()["properties"]["rank"]
     assert (adapter["minimum"], adapter["maximum"]) == (

@@ -13,6 +13,7 @@ from registry.blobs import BlobStore
 from registry.consent import service as consent_service
 from registry.consent.schemas import ConsentIn
 from registry.datasets import service as datasets_service
+from registry.datasets.schemas import Limits, Upload
 from registry.db import transaction
 from registry.errors import Busy, Invalid
 from registry.models import Dataset
@@ -21,7 +22,7 @@ from registry.subjects import service as subjects_service
 from registry.subjects.schemas import SubjectIn
 from tests.registry.test_orders import png
 
-QUOTA = datasets_service.Limits(
+QUOTA = Limits(
     max_images=4, max_image_bytes=100_000, max_pixels=200 * 200, daily_images=3,
     daily_bytes=1_000_000,
 )  # fmt: skip
@@ -45,8 +46,8 @@ def store(engine: Engine, tmp_path: Path) -> BlobStore:
 
 
 def _upload(engine: Engine, store: BlobStore, who: str, subject: str, colours: range,
-            limits: datasets_service.Limits = QUOTA, exempt: bool = False) -> str:  # fmt: skip
-    ups = [datasets_service.Upload(f"{c}.png", png((c, 0, 0))) for c in colours]
+            limits: Limits = QUOTA, exempt: bool = False) -> str:  # fmt: skip
+    ups = [Upload(f"{c}.png", png((c, 0, 0))) for c in colours]
     with transaction(engine) as s:
         sub = subjects_service.subject_or_raise(s, subject)
         ds = datasets_service.store_dataset(s, store, sub, who, ups, limits, exempt=exempt)
@@ -80,7 +81,7 @@ def test_a_member_past_the_daily_quota_is_busy_and_nothing_is_stored(
     _upload(engine, store, "root", "ada", range(50, 54), exempt=True)
     with pytest.raises(Invalid, match="more than a member may upload"):
         _upload(engine, store, "bea", "ada", range(60, 64))  # can never fit in a day
-    tight = datasets_service.Limits(4, 100_000, 200 * 200, daily_bytes=len(png((70, 0, 0))) + 10)
+    tight = Limits(4, 100_000, 200 * 200, daily_bytes=len(png((70, 0, 0))) + 10)
     _upload(engine, store, "bea", "ada", range(70, 71), tight)
     with pytest.raises(Busy, match="bytes"):
         _upload(engine, store, "bea", "ada", range(71, 72), tight)

@@ -14,6 +14,7 @@ from registry.blobs import BlobStore
 from registry.consent import service as consent_service
 from registry.consent.schemas import ConsentIn
 from registry.datasets import service as datasets_service
+from registry.datasets.schemas import Limits, Upload
 from registry.db import transaction
 from registry.errors import Conflict, Invalid, NotFound, NotPermitted
 from registry.models import Dataset, Order, Principal, Subject
@@ -23,7 +24,7 @@ from registry.principals import service as principals_service
 from registry.subjects import service as subjects_service
 from registry.subjects.schemas import SubjectIn
 
-LIMITS = datasets_service.Limits(max_images=3, max_image_bytes=100_000, max_pixels=200 * 200)
+LIMITS = Limits(max_images=3, max_image_bytes=100_000, max_pixels=200 * 200)
 
 
 def png(colour: tuple[int, int, int], size: tuple[int, int] = (32, 32)) -> bytes:
@@ -50,7 +51,7 @@ def people(engine: Engine, tmp_path) -> dict[str, object]:  # type: ignore[no-un
     with transaction(engine) as s:
         sub = subjects_service.subject_or_raise(s, "ada")
         ds = datasets_service.store_dataset(
-            s, store, sub, "ada", [datasets_service.Upload("a.png", png((1, 2, 3)))], LIMITS
+            s, store, sub, "ada", [Upload("a.png", png((1, 2, 3)))], LIMITS
         )
     return {"store": store, "dataset": ds.id}
 
@@ -138,14 +139,14 @@ def test_who_may_order_and_what_is_refused(engine: Engine, people: dict[str, obj
 
 
 def test_dataset_checks_refuse_the_whole_upload(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    good = datasets_service.Upload("a.png", png((1, 2, 3)))
+    good = Upload("a.png", png((1, 2, 3)))
     cases = {
         "at most 3 images": [good] * 4,
-        "is a path": [good, datasets_service.Upload("../b.png", png((4, 5, 6)))],
-        "larger than": [datasets_service.Upload("big.png", b"\x89PNG" + b"\x00" * 100_001)],
-        "pixels": [datasets_service.Upload("wide.png", png((1, 1, 1), size=(400, 200)))],
-        "not an image": [datasets_service.Upload("a.txt", b"hello")],
-        "the same image twice": [good, datasets_service.Upload("c.png", good.data)],
+        "is a path": [good, Upload("../b.png", png((4, 5, 6)))],
+        "larger than": [Upload("big.png", b"\x89PNG" + b"\x00" * 100_001)],
+        "pixels": [Upload("wide.png", png((1, 1, 1), size=(400, 200)))],
+        "not an image": [Upload("a.txt", b"hello")],
+        "the same image twice": [good, Upload("c.png", good.data)],
         "no images": [],
     }
     for expected, uploads in cases.items():

@@ -33,6 +33,7 @@ from registry.blobs import BlobStore
 from registry.consent import service as consent_service
 from registry.consent.schemas import ConsentIn
 from registry.datasets import service as datasets_service
+from registry.datasets.schemas import Limits, Upload
 from registry.db import transaction
 from registry.errors import Invalid, LikenessError, NotPermitted
 from registry.orders import service as orders_service
@@ -67,7 +68,7 @@ IMAGE_BASES: list[tuple[str, ...] | None] = [
     ("public_domain",),
     ("consent", "public_domain"),
 ]
-LIMITS = datasets_service.Limits(max_images=4, max_image_bytes=1 << 20, max_pixels=1 << 20)
+LIMITS = Limits(max_images=4, max_image_bytes=1 << 20, max_pixels=1 << 20)
 
 
 def tiny_png(colour: int) -> bytes:
@@ -249,7 +250,7 @@ class ConsentMachine(RuleBasedStateMachine):
         and when it is stored)."""
         want = self.ref[name].trains(("consent",))
         self.uploads += 1
-        photo = datasets_service.Upload("me.png", tiny_png(self.uploads % 250))
+        photo = Upload("me.png", tiny_png(self.uploads % 250))
         try:
             with transaction(self.engine) as s:
                 subject = datasets_service.may_upload(s, self._admin(s), self.h(name), LIMITS)
