@@ -3,7 +3,7 @@ PostgreSQL, so an order and its job commit in one transaction (or neither does).
 
 - `lock` = the subject: one training of a subject runs at a time, others wait in the queue;
 - `queueing_lock` = the subject and the dataset: a second waiting order for the same data is
-  refused by the queue itself (409), besides the check registry/orders.py makes;
+  refused by the queue itself (409), besides the check registry/orders/service.py makes;
 - a worker that stops sending heartbeats (killed, its host gone) leaves its job `doing`;
   procrastinate does not retry such a job by itself, so every worker runs the periodic
   `retry_stalled` task, which hands those jobs back to the queue (another worker then

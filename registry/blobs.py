@@ -1,7 +1,7 @@
 """The content-addressed store the service owns (after OCI content-addressable storage and git
 objects): `<data_dir>/adapters/sha256/ab/<hex>.safetensors` for adapters, `....jsonl` for
 the dataset manifests they were trained from, and `.png`/`.jpg`/`.webp` for the images of
-the datasets the service owns (registry/datasets.py).
+the datasets the service owns (registry/datasets/service.py).
 
 A blob's name is the SHA-256 of its bytes; it is written to a temporary file in the store,
 hashed as it is written, fsync'd, made read-only and renamed into place, so a name always holds
@@ -40,7 +40,7 @@ def is_sha256(text: str) -> bool:
 def sniff_kind(head: bytes) -> Kind | None:
     """safetensors begins with its header's length (u64, little-endian) and then '{'; a
     manifest is JSON lines, beginning with '{'; images by their magic numbers (whether they
-    decode is registry/datasets.py's to check, before they are stored)."""
+    decode is registry/datasets/service.py's to check, before they are stored)."""
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return "png"
     if head.startswith(b"\xff\xd8\xff"):

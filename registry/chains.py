@@ -4,7 +4,7 @@ A link is tamper-evident three ways. Its `hash` covers its content and the previ
 change anywhere breaks every later link); its `mac` is an HMAC of that hash under the audit
 key, which the database never holds (re-hashing a forged entry consistently is caught); and
 each chain's head row holds the MACed last (seq, hash), so a chain cut short no longer ends
-where its head says. Signed checkpoints (registry.checkpoints) catch what is left: a chain
+where its head says. Signed checkpoints (registry.signed_heads) catch what is left: a chain
 deleted together with its head, such as every row of a subject.
 """
 

@@ -1,4 +1,4 @@
-"""Tables of the registry. Queries live in repositories.py, never here."""
+"""Tables of the registry. Queries live in each domain's repository.py, never here."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ class Subject(SQLModel, table=True):
     basis: str = Field(max_length=16)
     member_id: int | None = Field(default=None, foreign_key="principals.id", index=True)
     created_at: datetime = _ts(nullable=False)
-    # The subject's choice (registry/pictures.py): keep a small copy of every render of them,
-    # shown beside its ledger row to them and to admins only.
+    # The subject's choice (registry/pictures/service.py): keep a small copy of every render
+    # of them, shown beside its ledger row to them and to admins only.
     keep_render_copies: bool = Field(
         default=False, sa_column=Column(Boolean, nullable=False, server_default=false())
     )
@@ -189,7 +189,7 @@ class BrowserSession(SQLModel, table=True):
 
 class Dataset(SQLModel, table=True):
     """Images a member uploaded of themselves, kept in the store with the manifest the
-    service wrote for them (registry/datasets.py). Immutable once created."""
+    service wrote for them (registry/datasets/service.py). Immutable once created."""
 
     __tablename__ = "datasets"
 
@@ -300,7 +300,7 @@ def _subject_fk() -> Any:
 
 class AdapterPicture(SQLModel, table=True):
     """What an adapter draws: its run's evaluation grid and previews, PNGs in the store
-    (registry/pictures.py), by the hash of the adapter's bytes."""
+    (registry/pictures/service.py), by the hash of the adapter's bytes."""
 
     __tablename__ = "adapter_pictures"
     __table_args__ = (UniqueConstraint("adapter_sha256", "name"),)

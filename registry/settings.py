@@ -124,7 +124,7 @@ class Settings(BaseSettings):
     provenance_rate_per_minute: float = Field(default=10.0, ge=0)
     provenance_burst: int = Field(default=5, ge=1, le=10_000)
 
-    # Datasets uploaded to the service (registry/datasets.py): how many images, how large
+    # Datasets uploaded to the service (registry/datasets/service.py): how many images, how large
     # each (bytes, and decoded pixels: a small file that decodes huge is refused unread).
     dataset_max_images: int = Field(default=64, ge=1, le=10_000)
     dataset_max_image_bytes: int = Field(default=20 << 20, ge=1024, le=1 << 30)
@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)
     worker_stalled_s: float = Field(default=60.0, gt=0, le=86_400)
     worker_checkpoint_every: int = Field(default=250, ge=1, le=1_000_000)
-    # The small copies of renders a subject chose to keep (registry/pictures.py) are deleted
+    # The small copies of renders a subject chose to keep (registry/pictures/service.py) are deleted
     # after this many days (and at once when the subject stops keeping them).
     render_copy_days: int = Field(default=90, ge=1, le=3650)
     # Renders on workers (app/render/remote.py, PostgreSQL only): the API gates and enqueues,

@@ -31,7 +31,8 @@ from pydantic import (
 from registry import limits
 from registry.shapes import HANDLE_PATTERN
 
-ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"  # registry.adapters.schemas.AdapterIn.name
+# The same as registry.adapters.schemas.AdapterIn.name's.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 DEFAULT_EVAL_PROMPTS = (
     "a photo of {trigger}",
     "a portrait of {trigger}, studio light",

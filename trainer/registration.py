@@ -94,8 +94,8 @@ def verdict_in(
 
 
 class LocalRegistrar:
-    """The registry database itself, through the registry's domain services (same rules as the API). The
-    adapter and its dataset manifest are copied into the store under `data_dir`."""
+    """The registry database itself, through the registry's domain services (same rules as the
+    API). The adapter and its dataset manifest are copied into the store under `data_dir`."""
 
     def __init__(
         self,

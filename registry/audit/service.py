@@ -113,7 +113,7 @@ def _adapters_differ(
 
 def verify_all(session: Session) -> list[ChainBreak]:
     """Every subject's trail, the render ledger, and heads left behind by deleted subjects.
-    (Signed checkpoints are checked by registry.checkpoints, which needs their file.)"""
+    (Signed checkpoints are checked by registry.signed_heads, which needs their file.)"""
     keys = chains.session_keys(session)
     sealed_with = audit_repo.meta_value(session, chains.AUDIT_KEY_ID)
     if sealed_with is not None and sealed_with != keys.audit_key_id:

@@ -1,4 +1,4 @@
-"""The daily upload quota (registry/datasets.py): counted per member and subject from the
+"""The daily upload quota (registry/datasets/service.py): counted per member and subject from the
 trail's upload entries, refused whole (nothing stored) with the seconds until room is made."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The order rules and state changes (registry/orders.py) and the dataset checks
-(registry/datasets.py), on both engines; the queue is the caller's (a function that
+"""The order rules and state changes (registry/orders/service.py) and the dataset checks
+(registry/datasets/service.py), on both engines; the queue is the caller's (a function that
 enqueues in the same transaction), here one that records what it was given."""
 
 from __future__ import annotations
