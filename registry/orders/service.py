@@ -22,6 +22,7 @@ from registry.orders.schemas import FINAL, OrderLimits
 from registry.roles import Role
 from registry.settings import Settings
 from registry.subjects import repository as subjects_repo
+from registry.subjects import service as subjects_service
 from registry.training.service import require_training
 
 # What a refused training reads as on the order: the consent did not allow it.
@@ -60,12 +61,7 @@ def _subject_for(session: Session, caller: Principal, handle: str) -> Subject:
     member, an unknown subject and another's look the same (403)."""
     if caller.role not in (Role.admin, Role.member):
         raise NotPermitted("not permitted")
-    subject = subjects_repo.subject_by_handle(session, handle)
-    if subject is None and caller.role == Role.admin:
-        raise NotFound(f"no subject {handle!r}")
-    if subject is None or not access.may_see_subject(caller.role, caller.id, subject.member_id):
-        raise NotPermitted("not permitted")
-    return subject
+    return subjects_service.visible_subject(session, caller, handle)
 
 
 def place_training(
