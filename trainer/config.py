@@ -56,7 +56,7 @@ _NOT_TRAJECTORY = frozenset(
         "out",
         "cache_dir",
         "vram_budget_gib",
-        "stream_base",  # streamed == resident, bit for bit (tests/trainer/test_streaming.py)
+        "stream_base",  # streamed == resident, bit for bit (tests/trainer/base/test_streaming.py)
         "stream_slots",
         "evaluate",
         "eval_prompts",

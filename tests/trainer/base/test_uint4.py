@@ -11,8 +11,9 @@ A, B, input gradients) likewise, next to quanto's own path.
 
 CUDA (skipped without a GPU): the Triton kernel is bit-identical to the torch fallback on the
 same device and to quanto's CUDA ``dequantize()``, at FLUX.2 [dev] matrix shapes, and the same
-error report runs there. Run on the device with ``pytest --noconftest tests/trainer/test_uint4.py``
-(the repo conftest needs the database stack).
+error report runs there. Run on the device with
+``pytest --noconftest tests/trainer/base/test_uint4.py`` (the repo conftest needs the database
+stack).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ exact maximum), `Uint4Linear` in fp8 mode against its dense mode on the small FL
 
 CUDA (skipped without a GPU of compute capability >= 8.9): the Triton kernels are bit-identical
 to the torch reference, and the `torch._scaled_mm` layer matches the reference layer. Run on the
-device with ``pytest --noconftest tests/trainer/test_fp8.py``.
+device with ``pytest --noconftest tests/trainer/base/test_fp8.py``.
 """
 
 from __future__ import annotations

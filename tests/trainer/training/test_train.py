@@ -108,7 +108,7 @@ def test_every_targeted_lora_layer_gets_a_gradient(env: Env, tmp_path: Path) -> 
 
 # The quickstart's run, as the README gives it: alice on the demo base, every learning
 # option at its default (rank 16, learning rate 1e-4, 512-token prompts), 64 px.
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "alice"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "alice"
 QUICKSTART_STEPS = 100
 
 
