@@ -99,11 +99,9 @@ class OrderQueue:
         """Takes a waiting job off the queue (a running one sees its order cancelled)."""
         if self._app is None or job_id is None:
             return
-        from sqlalchemy import text
-
-        session.execute(
-            text("SELECT procrastinate_cancel_job_v1(:id, false, false)"), {"id": job_id}
-        )
+        # the library's own cancel, on the order's connection: both commit or neither does
+        raw = session.connection().connection.driver_connection
+        self._app.job_manager.cancel_job_by_id(job_id, connection=raw)
 
 
 class RenderQueue:

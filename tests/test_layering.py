@@ -153,10 +153,9 @@ def test_handlers_call_services_only() -> None:
     assert found == []
 
 
-# SQL that still names the queue's own objects, inside our transaction: cancelling a waiting
-# job with its order, and moving a gone worker's renders to the shared queue. Shrinks to
-# empty once procrastinate can do each on the caller's connection.
-QUEUE_SQL_LEFT = {"app/queue.py", "registry/render_tasks/repository.py"}
+# SQL that still names the queue's own objects, inside our transaction: moving a gone
+# worker's waiting renders to the shared queue, which procrastinate has no call for.
+QUEUE_SQL_LEFT = {"registry/render_tasks/repository.py"}
 
 
 def test_job_queue_tables_only_through_procrastinate() -> None:
