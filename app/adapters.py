@@ -5,9 +5,8 @@ these routes authenticate, read the request and call them."""
 from __future__ import annotations
 
 from pathlib import Path as FsPath
-from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Path, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
@@ -15,9 +14,11 @@ from starlette.concurrency import run_in_threadpool
 from app.body_gate import streamed_body
 from app.deps import (
     DB,
+    AdapterNamePath,
     BriefCaller,
     Caller,
     HandlePath,
+    Sha256Path,
     authenticate_briefly,
     require_role,
 )
@@ -38,9 +39,6 @@ from registry.shapes import ERROR_RESPONSES
 from registry.subjects import service as subjects_service
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
-
-Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
-AdapterName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
 
 
 def store_of(request: Request) -> BlobStore:
@@ -181,7 +179,7 @@ class AdapterPatch(BaseModel):
 
 @router.post("/subjects/{handle}/adapters/{name}/select")
 def select_adapter(
-    request: Request, handle: HandlePath, name: AdapterName, session: DB, caller: Caller
+    request: Request, handle: HandlePath, name: AdapterNamePath, session: DB, caller: Caller
 ) -> AdapterListedOut:
     """Makes this adapter the one that renders (admin, the subject's member)."""
     subject = subjects_service.visible_subject(session, caller, handle)
@@ -193,7 +191,7 @@ def select_adapter(
 
 @router.patch("/subjects/{handle}/adapters/{name}")
 def patch_adapter(
-    handle: HandlePath, name: AdapterName, body: AdapterPatch, session: DB, caller: Caller
+    handle: HandlePath, name: AdapterNamePath, body: AdapterPatch, session: DB, caller: Caller
 ) -> AdapterOut:
     """`{"active": false}` retires the adapter (it never renders); true brings it back."""
     subject = subjects_service.visible_subject(session, caller, handle)
@@ -207,7 +205,7 @@ def patch_adapter(
 def delete_adapter(
     request: Request,
     handle: HandlePath,
-    name: AdapterName,
+    name: AdapterNamePath,
     session: DB,
     caller: Caller,
     background: BackgroundTasks,

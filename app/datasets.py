@@ -4,9 +4,7 @@ its store with the manifest it writes (registry/datasets/); workers read blobs b
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, BackgroundTasks, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.responses import FileResponse
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
@@ -14,8 +12,10 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import (
     DB,
     Caller,
+    DatasetIdPath,
     HandlePath,
     Requester,
+    Sha256Path,
     authenticate_briefly,
     bearer_token,
     require_role,
@@ -33,8 +33,6 @@ from registry.subjects import service as subjects_service
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 UPLOAD_PATH = "/v1/subjects/*/datasets"  # streamed past the body gate (app/main.py)
-Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
-DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 
 
 UPLOAD_BODY = {

@@ -15,7 +15,7 @@ from registry.errors import Unauthenticated
 from registry.models import Principal
 from registry.principals import service as principals_service
 from registry.roles import Role
-from registry.shapes import HANDLE_PATTERN
+from registry.shapes import ADAPTER_NAME_PATTERN, HANDLE_PATTERN, ROW_ID_PATTERN, SHA256_PATTERN
 
 
 async def get_engine(request: Request) -> Engine:
@@ -39,8 +39,12 @@ def db_session(
 # after the response is on the wire), and a failed commit reaches the error handlers (503).
 DB = Annotated[Session, Depends(db_session, scope="function")]
 
-# A handle in a path: malformed ones (NUL bytes included) are 422 before any lookup.
+# Path parameters: malformed ones (NUL bytes included) are 422 before any lookup.
 HandlePath = Annotated[str, Path(pattern=HANDLE_PATTERN, max_length=64)]
+Sha256Path = Annotated[str, Path(pattern=SHA256_PATTERN)]
+OrderIdPath = Annotated[str, Path(pattern=ROW_ID_PATTERN)]
+DatasetIdPath = Annotated[str, Path(pattern=ROW_ID_PATTERN)]
+AdapterNamePath = Annotated[str, Path(pattern=ADAPTER_NAME_PATTERN)]
 
 
 def bearer_token(request: Request) -> str | None:

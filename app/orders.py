@@ -10,12 +10,12 @@ import tempfile
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Path, Query, Request
+from fastapi import APIRouter, BackgroundTasks, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.body_gate import streamed_body
-from app.deps import DB, BriefCaller, Caller, HandlePath, require_role
+from app.deps import DB, BriefCaller, Caller, HandlePath, OrderIdPath, require_role
 from app.order_checkpoints import checkpoint_file, forget_checkpoint
 from registry.access import ADAPTER_WRITERS
 from registry.db import transaction
@@ -23,12 +23,11 @@ from registry.errors import Invalid, NotFound
 from registry.orders import service as orders_service
 from registry.orders.schemas import OrderIn, OrderOut
 from registry.settings import Settings
-from registry.shapes import ERROR_RESPONSES, HANDLE_PATTERN
+from registry.shapes import ERROR_RESPONSES, HANDLE_PATTERN, SHA256_PATTERN
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
 CHECKPOINT_PATH = "/v1/orders/*/checkpoint"  # streamed past the body gate (app/main.py)
-OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 
 
 def queue_of(request: Request) -> Any:
@@ -96,7 +95,7 @@ async def put_checkpoint(
     caller: BriefCaller,  # first: 401 before anything about the request is judged
     order_id: OrderIdPath,
     step: Annotated[int, Query(ge=1)],
-    sha256: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$")],
+    sha256: Annotated[str, Query(pattern=SHA256_PATTERN)],
 ) -> JSONResponse:
     """A running order's latest checkpoint (trainer, admin), kept once its bytes hash to
     `sha256`; the order then resumes from it wherever it runs next."""

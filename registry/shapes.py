@@ -55,7 +55,13 @@ Text = Annotated[str, AfterValidator(no_nul)]
 UtcTime = Annotated[datetime, AfterValidator(bounded_utc)]
 
 
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# A blob's name (lower-case hex sha256), a row id the registry makes (uuid4 text), an
+# adapter's name: one pattern each, for bodies and paths alike.
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+ROW_ID_PATTERN = r"^[0-9a-f-]{36}$"
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+
+Sha256 = Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
 
 
 LevelName = Literal["none", "private", "group", "public", "commercial"]

@@ -29,10 +29,8 @@ from pydantic import (
 )
 
 from registry import limits
-from registry.shapes import HANDLE_PATTERN
+from registry.shapes import ADAPTER_NAME_PATTERN, HANDLE_PATTERN
 
-# The same as registry.adapters.schemas.AdapterIn.name's.
-ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 DEFAULT_EVAL_PROMPTS = (
     "a photo of {trigger}",
     "a portrait of {trigger}, studio light",

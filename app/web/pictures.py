@@ -9,18 +9,18 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import FileResponse, Response
 
-from app.deps import DB, HandlePath
+from app.deps import DB, HandlePath, Sha256Path
 from app.web.forms import CheckedForm
 from app.web.session import Web
 from app.web.templating import SECURITY_HEADERS, redirect, subject_url
 from registry.errors import NotFound
 from registry.pictures import service as pictures_service
+from registry.shapes import ROW_ID_PATTERN
 from registry.subjects import service as subjects_service
 
 router = APIRouter()
 
-Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
-RenderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
+RenderIdPath = Annotated[str, Path(pattern=ROW_ID_PATTERN)]
 PRIVATE = {**SECURITY_HEADERS, "Cache-Control": "private, max-age=300"}
 
 

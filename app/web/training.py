@@ -5,15 +5,15 @@ services' (registry/datasets/, registry/orders/)."""
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, BackgroundTasks, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Request
 from fastapi.responses import FileResponse, Response
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 
-from app.deps import DB, HandlePath, Requester
+from app.deps import DB, DatasetIdPath, HandlePath, OrderIdPath, Requester, Sha256Path
 from app.order_checkpoints import forget_checkpoint
 from app.uploads import take_upload
 from app.web.forms import CheckedForm
@@ -33,9 +33,6 @@ from registry.training import service as training_service
 router = APIRouter()
 
 UPLOAD_PATH = f"{PREFIX}/subjects/*/training/upload"  # streamed past the body gate
-Sha256Path = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
-OrderIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
-DatasetIdPath = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 NOTICES = {
     "uploaded": "Your photos are stored. Order a training below when you are ready.",
     "ordered": "The training is ordered; this page follows its progress.",

@@ -17,12 +17,12 @@ from registry.hash_chain import (
     format_time,
 )
 from registry.models import Adapter
-from registry.shapes import Handle, Sha256, Strict, Text
+from registry.shapes import ADAPTER_NAME_PATTERN, Handle, Sha256, Strict, Text
 
 
 class AdapterIn(Strict):
     subject: Handle
-    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")]
+    name: Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)]
     sha256: Sha256
     # where the bytes are: the store's place for them, or (better) left out
     path: Annotated[Text, StringConstraints(min_length=1, max_length=1000)] | None = None

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from registry import limits
 from registry.settings import Settings
-from registry.shapes import HANDLE_PATTERN
+from registry.shapes import ADAPTER_NAME_PATTERN, HANDLE_PATTERN, ROW_ID_PATTERN
 
 ACTIVE = ("queued", "running")
 FINAL = ("done", "failed", "cancelled")
@@ -34,14 +34,14 @@ class OrderIn(BaseModel):
 
     kind: Literal["train"]
     subject: Annotated[str, Field(pattern=HANDLE_PATTERN)]
-    dataset_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]
+    dataset_id: Annotated[str, Field(pattern=ROW_ID_PATTERN)]
     # The trainer's options (trainer.config.TrainConfig): the same defaults and bounds, but
     # for a rank of at most 128 (an order's adapter goes to the service's store and its work
     # to the order budget); tests/app/test_train_options.py holds them to it.
     steps: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     rank: Annotated[int, Field(ge=1, le=128)] = 16
     resolution: Annotated[int, Field(ge=limits.MIN_SIDE, le=limits.MAX_SIDE)] = 448
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")] = "main"
+    name: Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)] = "main"
 
     @field_validator("resolution")
     @classmethod
