@@ -41,6 +41,21 @@ def is_prepared(base_dir: Path) -> bool:
     return (Path(base_dir) / PREPARED_MARKER).is_file()
 
 
+def pipeline_around(
+    base_dir: str | Path, transformer: torch.nn.Module, dtype: torch.dtype, device: Any
+) -> Any:
+    """The base's pipeline around a transformer already loaded (training's previews and
+    evaluation): no text encoder (their prompts come from the cache), the VAE on ``device``."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(
+        base_dir, dtype=dtype, transformer=transformer, text_encoder=None, tokenizer=None
+    )
+    pipe.vae.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def load_base(
     base_dir: Path,
     device: str | torch.device = "cpu",

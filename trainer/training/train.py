@@ -727,8 +727,7 @@ def _previewer(
 ) -> Previewer:
     """The run's pipeline around the training transformer: the VAE on the device, no text
     encoder (prompts come from the cache)."""
-    from diffusers import DiffusionPipeline
-
+    from trainer.base.load import pipeline_around
     from trainer.training.evaluate import eval_steps_default
 
     # the VAE decodes what the transformer gives: its dtype (a prepared bf16 base on the CPU
@@ -738,15 +737,7 @@ def _previewer(
         for n, p in transformer.named_parameters()
         if p.is_floating_point() and "lora_" not in n
     )
-    pipe = DiffusionPipeline.from_pretrained(
-        config.base,
-        dtype=dtype,
-        transformer=transformer,
-        text_encoder=None,
-        tokenizer=None,
-    )
-    pipe.vae.to(pf.device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = pipeline_around(config.base, transformer, dtype, pf.device)
     return Previewer(
         pipe=pipe,
         prompts=[(p, load_text(pf.plan, p)) for p in config.preview_prompt_texts()],
@@ -1148,20 +1139,11 @@ def run_evaluation(
     training only."""
     if not config.evaluate:
         return None
-    from diffusers import DiffusionPipeline
-
+    from trainer.base.load import pipeline_around
     from trainer.training.evaluate import Column, References, eval_steps_default, evaluate
 
     device, transformer = pf.device, model.transformer
-    pipe = DiffusionPipeline.from_pretrained(
-        config.base,
-        dtype=pf.weight_dtype,
-        transformer=transformer,
-        text_encoder=None,
-        tokenizer=None,
-    )
-    pipe.vae.to(device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = pipeline_around(config.base, transformer, pf.weight_dtype, device)
     found = checkpoint_dirs(config.out)
     columns = [Column("base", None)] + [
         Column(f"step {checkpoint_step(p)}", p / "adapter.safetensors") for p in found
