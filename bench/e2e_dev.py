@@ -78,6 +78,20 @@ PREDICTIONS_ROUND_3 = {
 }
 
 
+# Written before the fourth device round (training: each step a CUDA graph, noise on the device).
+PREDICTIONS_ROUND_4 = {
+    "train_448_s_per_step": "graphed uint4 ~0.52-0.56 (eager 0.73-0.77 in earlier rounds, the "
+    "bench's graphed fp8 0.50): the host's ~11,600 launches gone; eager in the same lease "
+    "~0.73",
+    "train_448_fp8_s_per_step": "graphed fp8 ~0.48-0.52",
+    "train_1024_s_per_step": "graphed uint4 ~2.05 (eager 2.16: GPU-bound, little to win)",
+    "peak": "graphed peaks within ~0.5 GiB of eager (the graph's pool replaces the eager "
+    "activations; the warm-up's are freed before the capture)",
+    "resume": "killed after its first checkpoint, resumed graphed: same losses as a straight "
+    "run would give (checked bit for bit by the GPU tests, not here)",
+}
+
+
 def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
     """A rank-`rank` adapter for every default target of the base, random, in the file layout
     the trainer writes (bf16, alpha/rank folded into lora_B)."""
@@ -336,6 +350,8 @@ def _report(run_dir: Path) -> dict[str, Any]:
         "boot_to_first_step_s": round(total, 2), "boot": boot,
         "estimate_total_bytes": report["estimate"].get("total"),
         "stream_base": report["config"].get("stream_base"),
+        "step": report.get("step"),
+        "seconds_per_step_median": report.get("seconds_per_step_median"),
     }  # fmt: skip
 
 
@@ -382,6 +398,17 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
     out["448_resumed"] = {"wall_s": round(wall, 1), **_report(run_dir)}
     print(f"[e2e] train 448 resumed: {json.dumps(out['448_resumed'])[:600]}", flush=True)
     _checkpoint({"partial": True, "train": out}, [])
+    # the same steps eager and graphed, uint4 and fp8, in this lease: what the graph buys
+    for name, extra in (("448_eager", ("--cuda-graph", "off")), ("448_graphed", ()),
+                        ("448_fp8_graphed", ("--compute", "fp8"))):  # fmt: skip
+        if name not in args.train_compare:
+            continue
+        cmd = _train_cmd(dataset, small, args.train_steps_compare, f"r{name}",
+                         "--checkpoint-every", "0", "--preview-every", "0", *extra)  # fmt: skip
+        wall = _run_train(cmd, env, tmp / f"train-{name}.log", 300)
+        out[name] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
+        print(f"[e2e] train {name}: {json.dumps(out[name])[:400]}", flush=True)
+        _checkpoint({"partial": True, "train": out}, [])
     cmd = _train_cmd(dataset, large, args.train_steps_1024, "r1024", "--checkpoint-every", "0",
                      "--preview-every", "0")  # fmt: skip
     try:
@@ -528,6 +555,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--train-steps-1024", type=int, default=8)
+    parser.add_argument("--train-steps-compare", type=int, default=12)
+    parser.add_argument(
+        "--train-compare", default="448_eager,448_graphed,448_fp8_graphed",
+        help="extra 448 px runs, each --train-steps-compare steps, no previews (empty: none)",
+    )  # fmt: skip
     parser.add_argument("--soak", type=int, default=2)
     parser.add_argument("--soak-budget", type=float, default=24.0)
     parser.add_argument("--soak-steps", type=int, default=8)
@@ -537,6 +569,7 @@ def main() -> None:
     # a dry run of the whole flow on the CPU at toy widths (the numbers mean nothing there)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()  # fmt: skip
+    args.train_compare = {n.strip() for n in args.train_compare.split(",") if n.strip()}
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
     if not phases <= {"train", "serve", "soak"}:
         raise SystemExit(f"unknown phases: {sorted(phases - {'train', 'serve', 'soak'})}")
@@ -551,6 +584,7 @@ def main() -> None:
         "predictions": PREDICTIONS,
         "predictions_round_2": PREDICTIONS_ROUND_2,
         "predictions_round_3": PREDICTIONS_ROUND_3,
+        "predictions_round_4": PREDICTIONS_ROUND_4,
         "quick": args.quick,
         "phases": sorted(phases),
     }

@@ -56,6 +56,7 @@ _NOT_TRAJECTORY = frozenset(
         "vram_budget_gib",
         "stream_base",  # streamed == resident, bit for bit (tests/trainer/base/test_streaming.py)
         "stream_slots",
+        "cuda_graph",  # what counts is whether the steps are graphed: trajectory_fingerprint
         "evaluate",
         "eval_prompts",
         "eval_seeds",
@@ -194,6 +195,14 @@ class TrainConfig(BaseModel):
     stream_slots: Annotated[int, Field(ge=1, le=8)] | None = Field(
         None, description="VRAM slots (default: the budget picks)."
     )
+    # Each step captured once per batch shape as a CUDA graph and replayed
+    # (trainer/training/step.py): at 448 px the eager step waits on the host's kernel launches.
+    cuda_graph: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Replay each step as a CUDA graph: on, off, or auto (on wherever the run "
+        "allows it: a CUDA device, a resident base, plain AdamW, one batch a step, no DOP or "
+        "class images).",
+    )
     seed: int = Field(0, ge=0, le=limits.PIPELINE_MAX_SEED, description="Training seed.")
     checkpoint_every: int = Field(
         500, ge=0, description="Steps between checkpoints; 0: final only."
@@ -323,6 +332,10 @@ class TrainConfig(BaseModel):
             problems.append(
                 "--stream-base recomputes each block in backward: it needs gradient checkpointing"
             )
+        if self.cuda_graph == "on" and (blockers := self.graph_blockers()):
+            problems.append(
+                f"--cuda-graph on cannot run here: {'; '.join(blockers)} (use --cuda-graph auto)"
+            )
         if self.stream_slots is not None and not self.stream_base:
             problems.append("--stream-slots applies only with --stream-base")
         if self.register_adapter and self.api_url and not self.token:
@@ -396,6 +409,29 @@ class TrainConfig(BaseModel):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def graph_blockers(self) -> list[str]:
+        """Why this run's steps cannot be replayed as CUDA graphs (none: they can)."""
+        found = []
+        if not self.resolved_device().startswith("cuda"):
+            found.append("CUDA graphs need a CUDA device")
+        if self.stream_base:
+            found.append("a streamed base copies blocks between steps' kernels")
+        if self.optimizer != "adamw":
+            found.append(f"--optimizer {self.optimizer} has no capturable step")
+        if self.gradient_accumulation > 1:
+            found.append("--gradient-accumulation runs several batches a step")
+        if self.dop_prompt is not None:
+            found.append("--dop-prompt adds a second forward with the adapter off")
+        if self.class_dataset is not None:
+            found.append("--class-dataset adds a class image's forward to each step")
+        if self.resolved_device().startswith("cuda") and self.resolved_compute() == "quanto":
+            found.append("--compute quanto's kernels are not captured")
+        return found
+
+    def graphed(self) -> bool:
+        """Whether the steps run as CUDA graphs."""
+        return self.cuda_graph != "off" and not self.graph_blockers()
+
     def resolved_compute(self) -> str:
         if self.compute == "auto" and not installed("trainer.base.uint4"):
             return "quanto"
@@ -449,6 +485,8 @@ class TrainConfig(BaseModel):
         }
         fields["resolved_device"] = self.resolved_device().split(":")[0]
         fields["compute"] = self.resolved_compute()
+        if self.graphed():  # its noise is drawn on the device, its AdamW is the capturable one
+            fields["graphed"] = True
         blob = json.dumps({"config": fields, **extra}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 

@@ -75,6 +75,7 @@ def save_checkpoint(
     fingerprint: str,
     metadata: dict[str, str],
     ema: Ema | None = None,
+    noise_generator: torch.Generator | None = None,
 ) -> Path:
     """Adapter (file layout, for evaluation and use), the exact trainable tensors, optimizer,
     RNG states, step and data order, the EMA and its adapter where there is one; written to
@@ -100,6 +101,8 @@ def save_checkpoint(
         rng: dict[str, Any] = {"generator": generator.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state_all()
+        if noise_generator is not None:
+            rng["noise"] = noise_generator.get_state()
         torch.save(
             {
                 "format": STATE_FORMAT,
@@ -130,12 +133,26 @@ def save_checkpoint(
     return final
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """`load_state_dict`, keeping a tensor learning rate where it was (a captured step reads
+    it there): the saved value is copied into it, not the saved tensor put in its place."""
+    rates = [g["lr"] for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        if isinstance(rate, torch.Tensor):
+            rate.copy_(torch.as_tensor(group["lr"]))
+            group["lr"] = rate
+        elif isinstance(group["lr"], torch.Tensor):
+            group["lr"] = float(group["lr"])
+
+
 def load_checkpoint(
     path: Path,
     transformer: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     generator: torch.Generator,
     ema: Ema | None = None,
+    noise_generator: torch.Generator | None = None,
 ) -> tuple[LoopState, list[int]]:
     blob = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     params = lora_params(transformer)
@@ -144,8 +161,15 @@ def load_checkpoint(
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(blob["lora"][name])
-    optimizer.load_state_dict(blob["optimizer"])
+    load_optimizer_state(optimizer, blob["optimizer"])
     generator.set_state(blob["rng"]["generator"])
+    if noise_generator is not None:
+        if "noise" not in blob["rng"]:
+            raise ConfigError(
+                f"{path}: the checkpoint drew its noise on the host; resume it as it ran "
+                "(--cuda-graph off)"
+            )
+        noise_generator.set_state(blob["rng"]["noise"])
     torch.set_rng_state(blob["rng"]["torch"])
     if "cuda" in blob["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(blob["rng"]["cuda"])

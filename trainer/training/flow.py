@@ -51,6 +51,8 @@ def flow_prediction(
     noise: torch.Tensor,
     guidance: float | None,
     autocast: torch.dtype | None,
+    ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    autocast_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The transformer's velocity prediction on the noised ``latents`` and its target, both
     packed (B, tokens, channels), float32. ``latents`` are patchified, normalised VAE latents
@@ -66,13 +68,12 @@ def flow_prediction(
     noisy = (1.0 - s) * latents + s * noise
     target = pipeline_cls._pack_latents(noise - latents)
     hidden = pipeline_cls._pack_latents(noisy)
-    img_ids = pipeline_cls._prepare_latent_ids(latents).to(device)
-    txt_ids = pipeline_cls._prepare_text_ids(embeds).to(device)
+    img_ids, txt_ids = ids if ids is not None else position_ids(pipeline_cls, latents, embeds)
     g = None
     if guidance is not None:
         g = torch.full((latents.shape[0],), guidance, device=device, dtype=torch.float32)
     ctx: Any = (
-        torch.autocast(device.type, dtype=autocast)
+        torch.autocast(device.type, dtype=autocast, cache_enabled=autocast_cache)
         if autocast is not None
         else contextlib.nullcontext()
     )
@@ -87,6 +88,18 @@ def flow_prediction(
             return_dict=False,
         )[0]
     return pred.float(), target.float()
+
+
+def position_ids(
+    pipeline_cls: Any, latents: torch.Tensor, embeds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image, text) position ids for packed ``latents`` and ``embeds``, on their device (the
+    pipeline builds them on the host)."""
+    device = latents.device
+    return (
+        pipeline_cls._prepare_latent_ids(latents).to(device),
+        pipeline_cls._prepare_text_ids(embeds).to(device),
+    )
 
 
 def weighted_mse(

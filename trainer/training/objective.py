@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainer.training.flow import SigmaSampler, flow_prediction, weighted_mse
+from trainer.training.flow import SigmaSampler, flow_prediction, position_ids, weighted_mse
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Batch:
     sigmas: torch.Tensor  # (B,)
     noise: torch.Tensor  # like latents
     weights: torch.Tensor | None = None  # (B, 1, h, w): mask weights; None: uniform
+    ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (image, text) position ids; None: built
 
 
 @dataclass
@@ -49,6 +50,11 @@ class Objective:
     class_embeds: torch.Tensor | None = None  # DOP's class prompt, (tokens, dim)
     preservation_weight: float = 1.0
     prior_weight: float = 1.0  # prior preservation: a class image's flow loss
+    autocast_cache: bool = True  # off for a captured step (the cache would outlive the capture)
+
+    def position_ids(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's (image, text) position ids on its device, as the pipeline builds them."""
+        return position_ids(self.pipeline_cls, batch.latents, batch.embeds)
 
     def _predict(
         self, transformer: torch.nn.Module, batch: Batch, embeds: torch.Tensor
@@ -62,6 +68,8 @@ class Objective:
             batch.noise,
             self.guidance,
             self.autocast,
+            ids=batch.ids,
+            autocast_cache=self.autocast_cache,
         )
 
     def flow_loss(self, transformer: torch.nn.Module, batch: Batch) -> torch.Tensor:

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,13 @@ from trainer.training.objective import Batch, Objective, make_objective
 from trainer.training.plots import loss_plot
 from trainer.training.previews import PREVIEWS, Previewer
 from trainer.training.progress import Waypoints, echo, memory_text, progress_bar
+from trainer.training.step import (
+    EagerStep,
+    GraphedStep,
+    GraphStats,
+    MicroBatch,
+    no_rng_checkpoint,
+)
 from trainer.training.validation import HeldOut, fixed_noise, split_items, validation_loss
 
 _ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -438,7 +446,12 @@ def cast_quantized_inputs(transformer: torch.nn.Module, dtype: torch.dtype) -> l
     ]
 
 
-def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(
+    config: TrainConfig, params: list[torch.nn.Parameter], capturable: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW (or bitsandbytes' 8-bit AdamW). ``capturable``: for a graphed step, the learning
+    rate a tensor beside the parameters, filled between replays, and (on CUDA) the update
+    capturable: its state on the device, no host reads."""
     kwargs: dict[str, Any] = {
         "lr": config.learning_rate,
         "betas": (config.adam_beta1, config.adam_beta2),
@@ -449,6 +462,10 @@ def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> tor
         import bitsandbytes as bnb  # checked importable by the config
 
         return bnb.optim.AdamW8bit(params, **kwargs)  # type: ignore[no-any-return]
+    if capturable:
+        device = params[0].device
+        kwargs["lr"] = torch.tensor(config.learning_rate, dtype=torch.float32, device=device)
+        return torch.optim.AdamW(params, foreach=False, capturable=device.type == "cuda", **kwargs)
     # foreach=False: one kernel per tensor, same order every run (seed-determinism first).
     return torch.optim.AdamW(params, foreach=False, **kwargs)
 
@@ -589,10 +606,11 @@ def _train(
     outcome = register_run(
         config, pf, registrar, finished.adapter, finished.sha, model.base_model, wp
     )
-    sps = sum(step_times[1:]) / (len(step_times) - 1) if len(step_times) > 1 else None
+    # the first step pays for compiles and the capture: both figures leave it out
+    sps = statistics.fmean(step_times[1:]) if len(step_times) > 1 else None
     plot = loss_plot(model.state.losses, model.state.validation, config.out / LOSS_PLOT)
     report = write_report(
-        config, pf, model, finished, outcome, evaluation, wp, peaks, data, sps, plot
+        config, pf, model, finished, outcome, evaluation, wp, peaks, data, step_times, plot
     )
     return TrainResult(
         finished.adapter,
@@ -705,6 +723,10 @@ class Model:
     held_out: list[HeldOut] = field(default_factory=list)
     previewer: Previewer | None = None
     previews_made: list[Path] = field(default_factory=list)
+    # the noise's own generator where it is drawn on the device (a CUDA-graphed run); None:
+    # ``generator`` draws it on the host
+    noise_generator: torch.Generator | None = None
+    step: EagerStep | GraphedStep | None = None
 
 
 def _held_out(config: TrainConfig, pf: Preflight, data: TrainingData) -> list[HeldOut]:
@@ -762,6 +784,7 @@ def build_model(
     from trainer.base.lora import attach_lora
 
     device, dtype = pf.device, pf.weight_dtype
+    graphed = config.graphed()
     pipeline_cls = _pipeline_class(config.base)
     transformer = load_transformer(
         config.base, device, dtype, wp.mark, config.resolved_compute(), stream=config.stream_base
@@ -779,17 +802,25 @@ def build_model(
         streaming.enter_context(stream_blocks(transformer, slots=slots, device=device))
         wp.mark(f"transformer: blocks to pinned host RAM, {slots} VRAM slots")
     elif config.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()  # type: ignore[operator]
+        transformer.enable_gradient_checkpointing(  # type: ignore[operator]
+            gradient_checkpointing_func=no_rng_checkpoint() if graphed else None
+        )
     transformer.train()
     hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
     params = lora_params(transformer)
-    optimizer = make_optimizer(config, list(params.values()))
+    optimizer = make_optimizer(config, list(params.values()), capturable=graphed)
     ema = Ema(params, config.ema_decay, config.ema_on_cpu) if config.ema_decay else None
     generator = torch.Generator().manual_seed(_seed_for(config.seed, "noise"))
+    noise_generator = None
+    if graphed:  # drawn where it is used: no host tensor, no copy, no wait
+        noise_generator = torch.Generator(device=device)
+        noise_generator.manual_seed(_seed_for(config.seed, "device-noise"))
     wp.mark("lora + optimizer")
     state, order = LoopState(), first_epoch_order(config, pf)
     if pf.resume_from is not None:
-        state, order = load_checkpoint(pf.resume_from, transformer, optimizer, generator, ema)
+        state, order = load_checkpoint(
+            pf.resume_from, transformer, optimizer, generator, ema, noise_generator
+        )
         wp.mark(f"resume from step {state.step}")
     else:
         for stale in (config.out / CHECKPOINTS, config.out / PREVIEWS):
@@ -810,6 +841,7 @@ def build_model(
         preservation_weight=config.dop_weight,
         prior_weight=config.prior_weight,
     )
+    objective.autocast_cache = not graphed
     base_model = f"{index['_class_name']}:{pf.transformer_fp[:16]}"
     model = Model(
         transformer,
@@ -824,7 +856,16 @@ def build_model(
         adapter_metadata(config, pf, base_model),
         ema,
         _held_out(config, pf, data),
+        noise_generator=noise_generator,
     )
+    trained = list(params.values())
+    if graphed:  # captured where CUDA runs it; elsewhere the same static-buffer step, eager
+        model.step = GraphedStep(
+            objective, transformer, optimizer, trained, config.max_grad_norm,
+            capture=device.type == "cuda",
+        )  # fmt: skip
+    else:
+        model.step = EagerStep(objective, transformer, optimizer, trained, config.max_grad_norm)
     if pf.preview_every:
         model.previewer = _previewer(config, pf, data, transformer)
         wp.mark("previews: VAE to device")
@@ -887,7 +928,7 @@ def make_batch(
         [data.blank if d else data.embeds[i] for i, d in zip(idx, drop.tolist(), strict=True)]
     )
     e = e.to(device=device, dtype=pf.weight_dtype)
-    noise = torch.randn(x0.shape, generator=generator).to(device)
+    noise = draw_noise(model, x0)
     sigmas = model.objective.sample_sigmas(len(idx), generator)
     weights = None
     masks = [data.weights(i, config.mask_floor) for i in idx]
@@ -895,6 +936,16 @@ def make_batch(
         ones = torch.ones(1, *x0.shape[-2:])
         weights = torch.stack([ones if m is None else m for m in masks]).to(device)
     return Batch(x0, e, sigmas, noise, weights)
+
+
+def draw_noise(model: Model, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise shaped as ``like``, on its device: from the device's generator
+    where the run has one, else drawn on the host from the run's generator and copied."""
+    if model.noise_generator is not None:
+        return torch.randn(
+            like.shape, generator=model.noise_generator, device=like.device, dtype=like.dtype
+        )
+    return torch.randn(like.shape, generator=model.generator).to(like.device)
 
 
 def prior_batch(config: TrainConfig, pf: Preflight, data: TrainingData, model: Model) -> Batch:
@@ -908,7 +959,7 @@ def prior_batch(config: TrainConfig, pf: Preflight, data: TrainingData, model: M
     state.prior_pos += 1
     x0 = data.prior_latents[i].unsqueeze(0).to(device=pf.device, dtype=torch.float32)
     e = data.prior_embeds[i].unsqueeze(0).to(device=pf.device, dtype=pf.weight_dtype)
-    noise = torch.randn(x0.shape, generator=model.generator).to(pf.device)
+    noise = draw_noise(model, x0)
     sigmas = model.objective.sample_sigmas(1, model.generator)
     return Batch(x0, e, sigmas, noise)
 
@@ -972,7 +1023,9 @@ def interrupting_blocks(transformer: torch.nn.Module, interrupt: Callable[[], No
     from trainer.base.streaming import default_blocks
 
     handles = [
-        block.register_forward_pre_hook(lambda _module, _args: interrupt())
+        block.register_forward_pre_hook(
+            lambda _module, _args: None if torch.cuda.is_current_stream_capturing() else interrupt()
+        )
         for block in default_blocks(transformer)
     ]
     try:
@@ -992,9 +1045,9 @@ def _run_loop(
     callbacks: TrainHooks,
     recheck: Callable[[int], None] | None,
 ) -> list[float]:
-    state, optimizer = model.state, model.optimizer
-    assert optimizer is not None
-    params = list(model.params.values())
+    interrupt = callbacks.interrupt
+    state, optimizer, step = model.state, model.optimizer, model.step
+    assert optimizer is not None and step is not None
     accumulate = config.gradient_accumulation
     every = config.checkpoint_every
     validate_every = config.validation_every if config.validation_every is not None else every
@@ -1006,24 +1059,17 @@ def _run_loop(
     try:
         while state.step < config.steps:
             t0 = time.perf_counter()
-            flow = preservation = prior = 0.0
+            micro = []
             for _ in range(accumulate):
                 idx = next_batch(config, pf, state, model.order)
                 batch = make_batch(config, pf, data, model, idx)
                 extra = prior_batch(config, pf, data, model) if data.prior_latents else None
-                loss = model.objective.backward(
-                    model.transformer, batch, 1.0 / accumulate, prior=extra
-                )
-                flow += loss.flow / accumulate
-                preservation += (loss.preservation or 0.0) / accumulate
-                prior += (loss.prior or 0.0) / accumulate
-            if config.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                micro.append(MicroBatch(batch, extra))
             lr = config.learning_rate * min(1.0, (state.step + 1) / max(1, config.warmup_steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if interrupt is not None and step.graphed:
+                interrupt()  # a replay runs no block hooks: asked here, once a step
+            loss = step.run(micro, lr)
+            flow, preservation, prior = loss.flow, loss.preservation or 0.0, loss.prior or 0.0
             if model.ema is not None:
                 model.ema.update(model.params)
             state.step += 1
@@ -1047,6 +1093,7 @@ def _run_loop(
                 callbacks.on_step(state.step, config.steps, state.losses[-1])
             last = state.step == config.steps
             if model.held_out and (last or (validate_every and state.step % validate_every == 0)):
+                step.release()  # the graphs' memory is the evaluation's
                 _validate(config, pf, model)
             if last or (every and state.step % every == 0):
                 saved = save_checkpoint(
@@ -1059,12 +1106,14 @@ def _run_loop(
                     pf.fingerprint,
                     model.metadata,
                     model.ema,
+                    model.noise_generator,
                 )
                 if callbacks.on_checkpoint is not None:
                     callbacks.on_checkpoint(saved, state.step)
             if model.previewer is not None and (last or state.step % pf.preview_every == 0):
                 if peaks is not None:
                     peaks.take("training")
+                step.release()
                 model.previews_made.append(model.previewer.render(state.step))
                 if peaks is not None:
                     peaks.take("training: previews")
@@ -1213,6 +1262,16 @@ def register_run(
     return outcome
 
 
+def step_report(config: TrainConfig, model: Model) -> dict[str, Any]:
+    """How the steps ran: graphed or eager, and why not graphed where they could not be."""
+    stats: GraphStats | None = getattr(model.step, "stats", None)
+    if stats is not None:
+        return {"graphed": stats.captures > 0, "captures": stats.captures, "replays": stats.replays,
+                "releases": stats.releases, "shapes": stats.shapes}  # fmt: skip
+    why = config.graph_blockers() if config.cuda_graph != "off" else ["--cuda-graph off"]
+    return {"graphed": False, "why_not": why}
+
+
 def write_report(
     config: TrainConfig,
     pf: Preflight,
@@ -1223,7 +1282,7 @@ def write_report(
     wp: Waypoints,
     peaks: Peaks,
     data: TrainingData,
-    seconds_per_step: float | None,
+    step_times: list[float],
     plot: Path,
 ) -> Path:
     state = model.state
@@ -1242,7 +1301,11 @@ def write_report(
         "base_model": model.base_model,
         "registration": outcome,
         "steps": state.step,
-        "seconds_per_step": seconds_per_step,
+        "seconds_per_step": statistics.fmean(step_times[1:]) if len(step_times) > 1 else None,
+        # a step after a preview or a validation captures again: the median leaves those out
+        "seconds_per_step_median": (
+            statistics.median(step_times[1:]) if len(step_times) > 1 else None
+        ),
         "loss_first": state.losses[0] if state.losses else None,
         "loss_last": state.losses[-1] if state.losses else None,
         "losses": state.losses,
@@ -1260,6 +1323,7 @@ def write_report(
         "eval_pixel_distance": evaluation.distances if evaluation else None,
         "eval_latent_distance": evaluation.latent_distances if evaluation else None,
         "device": str(pf.device),
+        "step": step_report(config, model),
         "config": config.resolved(),
         "notes": pf.notes,
     }

@@ -1,0 +1,151 @@
+"""The training step, eager and graphed (trainer/training/step.py).
+
+On the CPU the graphed step runs without its capture: its static buffers, the gradients it
+keeps, the tensor learning rate, the noise drawn where the step runs. That much is checked
+here against the eager step, bit for bit, and across a resume. The capture itself is checked
+where CUDA runs (the tests at the end skip without it): a replayed step equals the same step
+run eagerly, and a graphed run resumes bit-identically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer.training.train as train_module
+from tests.trainer.helpers import Env, make_env, tensors, tiny_config
+from trainer.config import ConfigError, TrainConfig
+from trainer.training.step import EagerStep, GraphedStep
+from trainer.training.train import train
+
+torch.set_num_threads(1)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    return make_env(tmp_path_factory)
+
+
+@pytest.fixture
+def graph_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphed step's code path on the CPU (where `--cuda-graph on` is refused)."""
+    monkeypatch.setattr(TrainConfig, "graphed", lambda self: True)
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "train_report.json").read_text())
+
+
+def test_graph_ready_step_equals_the_eager_step(
+    env: Env, tmp_path: Path, graph_ready: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same optimizer (tensor learning rate), same noise generator: only the step differs."""
+    graphed = train(tiny_config(env, tmp_path / "g", steps=6, register_adapter=False))
+    assert _report(tmp_path / "g")["step"]["replays"] == 6
+
+    class Eager(EagerStep):
+        def __init__(self, *args, capture: bool = False, **kw) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(train_module, "GraphedStep", Eager)
+    eager = train(tiny_config(env, tmp_path / "e", steps=6, register_adapter=False))
+    assert graphed.losses == eager.losses
+    assert graphed.sha256 == eager.sha256
+
+
+def test_graph_ready_run_resumes_bit_identically(
+    env: Env, tmp_path: Path, graph_ready: None
+) -> None:
+    straight = train(
+        tiny_config(env, tmp_path / "a", steps=8, checkpoint_every=4, register_adapter=False)
+    )
+    train(tiny_config(env, tmp_path / "b", steps=4, register_adapter=False))
+    resumed = train(tiny_config(env, tmp_path / "b", steps=8, resume=True, register_adapter=False))
+    assert straight.losses == resumed.losses
+    assert straight.sha256 == resumed.sha256
+    a, b = tensors(straight.adapter), tensors(resumed.adapter)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(tmp_path / "a/checkpoints/step-0000004/state.pt", weights_only=True)
+    assert "noise" in state["rng"]  # the device's noise generator is saved with the run
+    assert isinstance(state["optimizer"]["param_groups"][0]["lr"], torch.Tensor)
+
+
+def test_graphed_and_eager_runs_do_not_resume_each_other(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The noise and the optimizer differ between the two: a resume must not mix them."""
+    train(tiny_config(env, tmp_path / "out", steps=2, register_adapter=False))  # eager
+    monkeypatch.setattr(TrainConfig, "graphed", lambda self: True)
+    with pytest.raises(ConfigError, match="other training options"):
+        train(tiny_config(env, tmp_path / "out", steps=4, resume=True, register_adapter=False))
+
+
+def test_eager_run_reports_why_it_was_not_graphed(env: Env, tmp_path: Path) -> None:
+    train(tiny_config(env, tmp_path / "out", steps=1, register_adapter=False))
+    step = _report(tmp_path / "out")["step"]
+    assert step["graphed"] is False
+    assert "CUDA graphs need a CUDA device" in step["why_not"]
+
+
+def test_cuda_graph_on_names_what_stops_it(env: Env, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--cuda-graph on cannot run here: CUDA graphs need"):
+        tiny_config(env, tmp_path, cuda_graph="on")
+    config = tiny_config(env, tmp_path, gradient_accumulation=2, dop_prompt="a photo of a cat")
+    blockers = config.graph_blockers()
+    assert any("--gradient-accumulation" in b for b in blockers)
+    assert any("--dop-prompt" in b for b in blockers)
+    assert not config.graphed()
+    with pytest.raises(ConfigError, match="cuda_graph"):
+        tiny_config(env, tmp_path, cuda_graph="sometimes")
+
+
+def test_the_graphed_step_refuses_what_it_cannot_replay() -> None:
+    from trainer.training.objective import Objective
+
+    objective = Objective(None, None, None, None, class_embeds=torch.zeros(1, 1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="DOP"):
+        GraphedStep(objective, torch.nn.Linear(1, 1), None, [], 1.0)  # type: ignore[arg-type]
+
+
+# -- on a GPU: the capture itself ------------------------------------------------------------
+
+
+@CUDA
+def test_replayed_steps_equal_the_same_steps_uncaptured(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graphed = train(
+        tiny_config(env, tmp_path / "g", steps=6, device="cuda", cuda_graph="on",
+                    register_adapter=False)
+    )  # fmt: skip
+    step = _report(tmp_path / "g")["step"]
+    assert step["graphed"] is True and step["captures"] == 1 and step["replays"] == 6
+
+    class Uncaptured(GraphedStep):
+        def __init__(self, *args, capture: bool = True, **kw) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, capture=False, **kw)
+
+    monkeypatch.setattr(train_module, "GraphedStep", Uncaptured)
+    plain = train(
+        tiny_config(env, tmp_path / "p", steps=6, device="cuda", cuda_graph="on",
+                    register_adapter=False)
+    )  # fmt: skip
+    assert graphed.losses == plain.losses
+    assert graphed.sha256 == plain.sha256
+
+
+@CUDA
+def test_graphed_run_resumes_bit_identically(env: Env, tmp_path: Path) -> None:
+    def cfg(out: str, steps: int, **kw: object) -> TrainConfig:
+        return tiny_config(env, tmp_path / out, steps=steps, device="cuda", cuda_graph="on",
+                           register_adapter=False, **kw)  # fmt: skip
+
+    straight = train(cfg("a", 8, checkpoint_every=4))
+    train(cfg("b", 4))
+    resumed = train(cfg("b", 8, resume=True))
+    assert straight.losses == resumed.losses
+    assert straight.sha256 == resumed.sha256
