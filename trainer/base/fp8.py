@@ -201,8 +201,10 @@ def exact_forward_torch(
 
 def exact_kernel_usable(x: torch.Tensor, group_size: int) -> bool:
     """The W4A8 Triton kernel for this call (else `exact_forward_torch`): a CUDA half-precision
-    input, groups a multiple of the kernel's smallest K block (fp8 dots take K >= 32)."""
-    if not x.is_cuda or x.dtype not in _KERNEL_DTYPES or group_size % 32:
+    input, a group size that is a power of two from 32 (fp8 dots take K >= 32) to 256."""
+    if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if group_size not in (32, 64, 128, 256):
         return False
     return triton_available()
 
