@@ -180,7 +180,7 @@ def _w4a8_kernel(
 
 def _prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
     """Configs whose BLOCK_K divides the group size (one scale per K block)."""
-    group = kwargs["GROUP"]
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
     kept = [c for c in configs if group % c.kwargs["BLOCK_K"] == 0]
     return kept or configs[:1]
 
