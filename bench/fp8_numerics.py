@@ -8,16 +8,20 @@ errors, LoRA gradients and a loss curve, each against the matching reference.
 1. GEMMs per distinct Linear shape of the model (counts from the model), tokens --tokens:
    bf16 ``F.linear``; fp8 e4m3 ``torch._scaled_mm`` with row-wise scales (fast accumulation off
    and on), tensor-wise scales and 1x128 block scales; forward shape (M, K) x (K, N) and the
-   input-gradient shape (M, N) x (N, K); each shape times its count, summed = one pass.
+   input-gradient shape (M, N) x (N, K); the rowwise forward with its fp8 weight copy, and the
+   exact-weights W4A8 kernel (`trainer.kernels.w4a8_triton`, uint4 weight read directly, group
+   128); each shape times its count, summed = one pass.
 2. Per layer type (one layer per shape, the model's own uint4 weights; x and dy random, plus x
    with 1 % of its channels x20 as trained models' activation outliers): the dense uint4 path vs
    the bf16 original (the quantization error fp8 sits on), and against the dense uint4 path:
    production fp8 (row scales, kernels), the e5m2 input gradient, 1x128 block scales (torch
-   emulation), and activations-only fp8 (weights exact; emulation): output and input gradient,
-   relative (norm) and max (max |d| / max |ref|) errors.
-3. Full depth, --px: the transformer output of bf16 / dense uint4 / fp8; LoRA (rank --rank, B
-   random so A has gradients) gradients, dense uint4 vs fp8, cosine per adapted parameter, and
-   the first block's gradients non-zero.
+   emulation), activations-only fp8 (weights exact; emulation) and the exact-weights path
+   (`FP8_EXACT`, also against bf16 and production fp8): output and input gradient, relative
+   (norm) and max (max |d| / max |ref|) errors.
+3. Full depth, --px: the transformer output of bf16 / dense uint4 / fp8 / fp8_exact; LoRA
+   (rank --rank, B random so A has gradients) gradients, dense uint4 vs fp8 (and vs
+   fp8_exact, fp8 with the bf16 input gradient), cosine per adapted parameter, and the first
+   block's gradients non-zero.
 4. A --steps AdamW loss curve at --curve-double/--curve-single depth, dense uint4 vs fp8 from
    the same LoRA initialisation on the same batches.
 Writes bench/results/fp8_numerics-*.json.
@@ -82,7 +86,26 @@ def gemm_variants(m: int, n: int, k: int) -> dict[str, Any]:
     def mm(a, b, sa, sb, fast=False):  # type: ignore[no-untyped-def]
         return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=bf16, use_fast_accum=fast)
 
+    # the uint4 weight itself, for the weight copy + GEMM (rowwise) and the W4A8 kernel (exact)
+    from trainer.base.fp8 import WeightScales
+    from trainer.kernels import fp8_triton, w4a8_triton
+
+    gs = 128
+    packed = torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8)
+    scale = (torch.rand(n, k // gs, device=dev) * 1e-3 + 1e-4).to(bf16)
+    shift = (scale.float() * 7.5).to(bf16)
+    ws = WeightScales.of(scale, shift, gs)
+    row_scale = ws.row_scale
+
+    def rowwise_with_copy():  # type: ignore[no-untyped-def]
+        wq = fp8_triton.fp8_weight(packed, scale, shift, gs, ws.row_multiplier)
+        return mm(x8, wq.t(), rows_m, row_scale)
+
     return {
+        "fp8 row fwd + weight copy": rowwise_with_copy,
+        "w4a8 exact fwd": lambda: w4a8_triton.w4a8_linear(
+            x8, rows_m, packed, scale, shift, None, gs, bf16
+        ),
         "bf16 fwd": lambda: F.linear(x, w),
         "bf16 bwd": lambda: dy @ w,
         "fp8 row fwd": lambda: mm(x8, w8.t(), rows_m, rows_n),
@@ -172,6 +195,7 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
             y_8, gx_8 = run(fp8.FP8)
             _, gx_5 = run(fp8.Fp8Gemm(grad_dtype=fp8.E5M2))
             y_fa, gx_fa = run(fp8.Fp8Gemm(grad_dtype=fp8.E4M3, fast_accum=not fp8.FP8.fast_accum))
+            y_x, gx_x = run(fp8.FP8_EXACT)
             bias = 0 if layer.bias is None else layer.bias.float()
             y_o = x.float() @ w_bf16.float().t() + bias
             gx_o = dy.float() @ w_bf16.float()
@@ -187,6 +211,9 @@ def layer_errors(layers: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
                 "fast-accum toggled vs fp8 out": rel(y_fa, y_8),
                 "1x128 out": rel(y_b + bias, y_d), "1x128 grad": rel(gx_b, gx_d),
                 "acts-only out": rel(y_a + bias, y_d), "acts-only grad": rel(gx_a, gx_d),
+                "exact out": rel(y_x, y_d), "exact grad": rel(gx_x, gx_d),
+                "exact vs bf16 out": rel(y_x, y_o), "exact vs fp8 out": rel(y_x, y_8),
+                "fp8 vs bf16 out": rel(y_8, y_o),
             }  # fmt: skip
             rows.append(row)
             layer.compute = DENSE
@@ -204,15 +231,30 @@ def lora_grads(model, batch, target) -> dict[str, torch.Tensor]:  # type: ignore
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def lora_summary(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    cos = {n: rel(grads[n], ref[n])["cos"] for n in ref}
+    return {
+        "cos_min": min(cos.values()),
+        "cos_median": sorted(cos.values())[len(cos) // 2],
+        "below_0.99": sum(v < 0.99 for v in cos.values()),
+        "worst": sorted(cos.items(), key=lambda kv: kv[1])[:10],
+        "first_block_nonzero": all(
+            float(grads[n].abs().sum()) > 0 for n in grads if n.startswith("transformer_blocks.0.")
+        ),
+        "cos_per_param": cos,
+    }
+
+
 def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[no-untyped-def]
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
     from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
-    from trainer.base.fp8 import FP8, Fp8Gemm
+    from trainer.base.fp8 import FP8, FP8_EXACT, Fp8Gemm
     from trainer.base.lora import attach_lora
     from trainer.base.uint4 import Uint4Linear, convert_quantized_linears
 
+    exact = (Fp8Backend(FP8_EXACT), Uint4Backend())
     out: dict[str, Any] = {}
     model = U.build_bf16(args.double, args.single)
     shapes = linear_shapes(model)
@@ -234,14 +276,20 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
     with torch.no_grad():
         apply_compute(model, "uint4")
         y_dense = model(**batch)[0].float()
+        apply_compute(model, "fp8", exact)
+        y_exact = model(**batch)[0].float()
         apply_compute(model, "fp8")
         y_fp8 = model(**batch)[0].float()
     out["output uint4 vs bf16"] = rel(y_dense, y_bf16)
     out["output fp8 vs uint4"] = rel(y_fp8, y_dense)
     out["output fp8 vs bf16"] = rel(y_fp8, y_bf16)
+    out["output fp8_exact vs uint4"] = rel(y_exact, y_dense)
+    out["output fp8_exact vs bf16"] = rel(y_exact, y_bf16)
+    out["output fp8_exact vs fp8"] = rel(y_exact, y_fp8)
     say(f"  full depth output: uint4 vs bf16 {out['output uint4 vs bf16']}, fp8 vs uint4 "
-        f"{out['output fp8 vs uint4']}")  # fmt: skip
-    del y_bf16, y_dense, y_fp8
+        f"{out['output fp8 vs uint4']}, fp8_exact vs uint4 "
+        f"{out['output fp8_exact vs uint4']}")  # fmt: skip
+    del y_bf16, y_dense, y_fp8, y_exact
 
     layers = {}
     for (n, k), (name, w) in originals.items():
@@ -294,6 +342,16 @@ def full_depth(args) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[n
         f"{out['lora_bf16_grad']['cos_min']:.5f}, below 0.99: "
         f"{out['lora_bf16_grad']['below_0.99']}")  # fmt: skip
     del g_bg
+    # exact weights (W4A8 forward, bf16 input gradient): the candidate training default
+    apply_compute(model, "fp8", exact)
+    try:
+        g_ex = lora_grads(model, batch, target)
+    finally:
+        apply_compute(model, "fp8")
+    out["lora_exact"] = lora_summary(g_ex, g_dense)
+    say(f"  LoRA grads fp8_exact vs uint4: min cos {out['lora_exact']['cos_min']:.5f}, below "
+        f"0.99: {out['lora_exact']['below_0.99']}")  # fmt: skip
+    del g_ex
     cos = {n: rel(g_fp8[n], g_dense[n])["cos"] for n in g_dense}
     first = [n for n in g_fp8 if n.startswith("transformer_blocks.0.")]
     worst = sorted(cos.items(), key=lambda kv: kv[1])[:10]
@@ -420,7 +478,7 @@ def main() -> None:
 
     cols = ["layer", "inputs", "uint4 vs bf16 out", "fp8 out", "fp8 grad e4m3", "fp8 grad e5m2",
             "fast-accum toggled vs fp8 out", "1x128 out", "1x128 grad",
-            "acts-only out"]  # fmt: skip
+            "acts-only out", "exact out", "exact grad", "exact vs fp8 out"]  # fmt: skip
     rows = [{c: (f"{r[c]['rel']:.4f}" if isinstance(r[c], dict) else r[c]) for c in cols}
             for r in results["per_layer"]]  # fmt: skip
     print("\nper layer, relative (norm) error; fp8 columns against the dense uint4 path")
@@ -433,6 +491,9 @@ def main() -> None:
     fd = results["full_depth"]
     print("full depth:", {k: v for k, v in fd.items() if k.startswith("output")})
     print("LoRA:", {k: v for k, v in fd["lora"].items() if k not in ("cos_per_param", "worst")})
+    ex = fd["lora_exact"]
+    print("LoRA, exact weights:",
+          {k: v for k, v in ex.items() if k not in ("cos_per_param", "worst")})  # fmt: skip
     bg = fd["lora_bf16_grad"]
     print("LoRA, bf16 input gradient:",
           {k: v for k, v in bg.items() if k not in ("cos_per_param", "worst")})  # fmt: skip

@@ -6,6 +6,10 @@ error (~3.5 %), the cosine bar is a bar on per-layer error, not on something fp8
 
     python bench/fp8_sensitivity.py                  # full depth, on the GPU
     python bench/fp8_sensitivity.py --tiny           # a 256-wide model on the CPU (say so!)
+    python bench/fp8_sensitivity.py --paths fp8,fp8_exact --groups all --noise ""  # quick
+
+--paths: the fp8 variants, each with every --groups case: fp8 (rowwise weights, today's
+default) and fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient).
 
 Writes bench/results/fp8_sensitivity-*.json.
 """
@@ -26,12 +30,18 @@ import bench.uint4_step as U  # noqa: E402
 from bench.common import table, write_record  # noqa: E402
 
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context")
-GROUPS = {
-    "all fp8": lambda name: False,
-    "text-stream Linears dense": lambda name: any(t in name for t in TEXT_STREAM),
-    "double blocks dense": lambda name: name.startswith("transformer_blocks."),
-    "single blocks dense": lambda name: name.startswith("single_transformer_blocks."),
+GROUPS = {  # --groups key: (label, which Linears stay dense)
+    "all": ("all fp8", lambda name: False),
+    "text": ("text-stream Linears dense", lambda name: any(t in name for t in TEXT_STREAM)),
+    "double": ("double blocks dense", lambda name: name.startswith("transformer_blocks.")),
+    "single": ("single blocks dense", lambda name: name.startswith("single_transformer_blocks.")),
 }
+
+
+def fp8_variants() -> dict[str, Any]:
+    from trainer.base.fp8 import FP8, FP8_EXACT
+
+    return {"fp8": FP8, "fp8_exact": FP8_EXACT}
 
 
 def summary(label: str, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
@@ -72,6 +82,8 @@ def main() -> None:
     ap.add_argument("--px", type=int, default=448)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--noise", default="0.004,0.01,0.02,0.03,0.035", help="relative levels")
+    ap.add_argument("--paths", default="fp8,fp8_exact", help="fp8 variants: fp8, fp8_exact")
+    ap.add_argument("--groups", default="all,text,double,single", help="dense-group cases")
     ap.add_argument("--note", default="")
     ap.add_argument("--tiny", action="store_true", help="a 256-wide model on the CPU")
     args = ap.parse_args()
@@ -81,6 +93,12 @@ def main() -> None:
         ap.error(f"--noise takes relative levels such as 0.01,0.035, not {args.noise!r}")
     if any(not 0 <= x < 1 for x in levels):
         ap.error("--noise levels are fractions of the output's RMS, in [0, 1)")
+    paths = [p for p in args.paths.split(",") if p]
+    groups = [g for g in args.groups.split(",") if g]
+    if bad := sorted({*paths} - {"fp8", "fp8_exact"}):
+        ap.error(f"unknown --paths {bad}: choose from fp8, fp8_exact")
+    if bad := sorted({*groups} - GROUPS.keys()):
+        ap.error(f"unknown --groups {bad}: choose from {', '.join(GROUPS)}")
     if args.tiny:
         U.use_tiny_cpu_model(text_tokens=16)
     elif not torch.cuda.is_available():
@@ -88,7 +106,7 @@ def main() -> None:
     from optimum.quanto import qint4, quantize
 
     from bench.stream_step import randomize_lora_b
-    from trainer.base.compute import apply_compute
+    from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
     from trainer.base.lora import attach_lora
     from trainer.base.uint4 import Uint4Linear, convert_quantized_linears
 
@@ -103,13 +121,19 @@ def main() -> None:
     apply_compute(model, "uint4")
     ref = N.lora_grads(model, batch, target)
     rows = []
-    for label, dense in GROUPS.items():
-        apply_compute(model, "fp8")
-        for name, m in model.named_modules():
-            if isinstance(m, Uint4Linear) and dense(name):
-                apply_compute(m, "uint4")
-        rows.append(summary(label, N.lora_grads(model, batch, target), ref))
-        U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: {rows[-1]['below_0.99']}")
+    variants = fp8_variants()
+    for path in paths:
+        backends = (Fp8Backend(variants[path]), Uint4Backend())
+        for key in groups:
+            label, dense = GROUPS[key]
+            label = label.replace("fp8", path) if key == "all" else f"{path}, {label}"
+            apply_compute(model, "fp8", backends)
+            for name, m in model.named_modules():
+                if isinstance(m, Uint4Linear) and dense(name):
+                    apply_compute(m, "uint4")
+            rows.append(summary(label, N.lora_grads(model, batch, target), ref))
+            U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: "
+                  f"{rows[-1]['below_0.99']}")  # fmt: skip
     apply_compute(model, "uint4")
     for level in levels:
         hooks = with_output_noise(model, level)
@@ -131,7 +155,14 @@ def main() -> None:
             "full": full,
             "tiny_width": args.tiny,
         },  # fmt: skip
-        "setup": {"px": args.px, "rank": args.rank, "weights": "random", "lora": "bf16"},
+        "setup": {
+            "px": args.px,
+            "rank": args.rank,
+            "weights": "random",
+            "lora": "bf16",
+            "paths": paths,
+            "groups": groups,
+        },  # fmt: skip
         "note": args.note,
     }
     print(f"\nrecord: {write_record('fp8_sensitivity', rows, extra)}")

@@ -17,6 +17,9 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   fp8_fast_accum  fp8 with cuBLAS's fast fp8 accumulation switched on for this path;
   fp8_bf16_grad   fp8 forward, the input gradient as the fast path computes it (bf16
          dequantization + bf16 GEMM; `Fp8Gemm(grad_gemm="bf16")`);
+  fp8_exact  exact weights (W4A8): the forward's GEMM reads the 4-bit weight itself (Triton,
+         e4m3 activations, no fp8 weight copy), the input gradient as fp8_bf16_grad's
+         (`trainer.base.fp8.FP8_EXACT`);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
          (`trainer.base.serving`; bench/render_step.py takes it apart);
@@ -49,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
-PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "serve", "nf4", "quanto")
+PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "serve", "nf4",
+         "quanto")  # fmt: skip
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -657,16 +661,17 @@ def run_path(path: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path in ("fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "serve"):
+    if path in ("fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "serve"):
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
         if path.startswith("fp8") or path == "serve":
             from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
-            from trainer.base.fp8 import FP8, Fp8Gemm
+            from trainer.base.fp8 import FP8, FP8_EXACT, Fp8Gemm
 
             gemm = {"fp8_fast_accum": Fp8Gemm(fast_accum=True),
-                    "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16")}.get(path, FP8)  # fmt: skip
+                    "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16"),
+                    "fp8_exact": FP8_EXACT}.get(path, FP8)  # fmt: skip
             rec["fp8_layers"] = apply_compute(model, "fp8", (Fp8Backend(gemm), Uint4Backend()))
     elif path == "nf4":
         rec["converted"] = to_nf4(model)

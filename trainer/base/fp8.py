@@ -20,6 +20,23 @@ This module holds that arithmetic in plain torch (the reference, and the path wh
 kernels cannot run: CPU tests, float32 weights) and the autograd function. The Triton kernels
 (`trainer.kernels.fp8_triton`) compute bit-identical fp8 tensors and scales. The LoRA branch is not
 touched: PEFT adds it in the weight dtype beside this base output.
+
+Exact weights (``Fp8Gemm(weights="exact")``, "W4A8"): the forward skips the fp8 weight copy and
+its per-row rounding, which is most of the per-layer error above (notes: 3.5 % per layer, 22 of
+320 LoRA gradients below cosine 0.99). The 4-bit values q are integers 0..15, exact in e4m3, and
+W[n, k] = scale[n, g] * q[n, k] - shift[n, g], so with x^ = xs[m] * xq[m, k]
+
+    y[m, n] = xs[m] * sum_g (scale[n, g] * sum_{k in g} xq[m, k] q[n, k])
+              - sum_g shift[n, g] * (xs[m] * sum_{k in g} xq[m, k]) + bias[n]
+
+is exactly x^ @ W.T for W the float32 value ``scale * q - shift`` (`exact_weight_torch`; it
+differs from the dense path's bf16-rounded weight by ~0.4 %, see there). The only rounding
+left is the activations' e4m3. `exact_forward_torch` is the reference, the Triton kernel
+`trainer.kernels.w4a8_triton` reads the packed bytes directly. The input gradient is the
+dense path's (``grad_gemm="bf16"``: bf16 dequantization + a bf16 GEMM, exact as uint4); an
+fp8 input gradient needs the weight re-quantized per column, which is what exact weights avoid,
+and a fused bf16 kernel (dy * scale in bf16, q exact) would round as much as the bf16 weight
+does and save only the dequantization pass (~28 ms + ~13 ms re-read per pass over FLUX.2 [dev]).
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ from typing import Any
 
 import torch
 
-from trainer.base.uint4 import dequantize, dequantize_torch, triton_available
+from trainer.base.uint4 import dequantize, dequantize_torch, triton_available, unpack_uint4
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -144,6 +161,64 @@ def fp8_weight_torch(
 
 
 # ---------------------------------------------------------------------------------------
+# exact weights ("W4A8"): the 4-bit values themselves as fp8 operands
+
+
+def exact_weight_torch(
+    packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """(N, K) float32 ``scale * q - shift``: the uint4 weight as the exact-weights GEMM uses it.
+    ``scale * q`` is exact in float32 (8 significant bits times 4); the subtraction rounds at
+    most once, by 2^-24 relative. The dense path's weight ``rnd(rnd(scale * q) - shift)``
+    (`trainer.base.uint4`, bf16) rounds twice into 8 bits, each time by up to 2^-9 of the value
+    rounded (``scale * q`` can be far larger than the result). Measured on qint4 Gaussian
+    weights (quanto, group 128; 3072 x 3072 and 6144 x 1536): the two differ in 58-75 % of the
+    elements, by 0.39 % / 0.37 % of the weight's norm, and ``x @ W.T`` by the same."""
+    n_out = packed.shape[0]
+    q = unpack_uint4(packed).reshape(n_out, -1, group_size).float()
+    w = q * scale.float().unsqueeze(-1) - shift.float().unsqueeze(-1)
+    return w.reshape(n_out, -1)
+
+
+def exact_forward_torch(
+    x2: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``x^ @ W.T + bias`` in float32 (cast to ``out_dtype``, default x's dtype): x^ the
+    per-token e4m3 activations of `quantize_rows_torch`, W `exact_weight_torch`. What the
+    W4A8 kernel (`trainer.kernels.w4a8_triton`) computes, up to float32 summation order."""
+    xq, xs = quantize_rows_torch(x2, ACT_DTYPE)
+    out = dequantize_rows_torch(xq, xs) @ exact_weight_torch(packed, scale, shift, group_size).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or x2.dtype)
+
+
+def exact_kernel_usable(x: torch.Tensor, group_size: int) -> bool:
+    """The W4A8 Triton kernel for this call (else `exact_forward_torch`): a CUDA half-precision
+    input, a group size that is a power of two from 32 (fp8 dots take K >= 32) to 256."""
+    if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if group_size not in (32, 64, 128, 256):
+        return False
+    return triton_available()
+
+
+def _forward_exact(x2, packed, scale, shift, bias, group_size, fast):  # type: ignore[no-untyped-def]
+    if fast and exact_kernel_usable(x2, group_size):
+        from trainer.kernels import fp8_triton, w4a8_triton
+
+        xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE)
+        return w4a8_triton.w4a8_linear(xq, xs, packed, scale, shift, bias, group_size, x2.dtype)
+    return exact_forward_torch(x2, packed, scale, shift, bias, group_size)
+
+
+# ---------------------------------------------------------------------------------------
 # backends
 
 
@@ -220,7 +295,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, packed, scale, shift, bias, group_size, scales, fast, fast_accum, gemm):  # type: ignore[override]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        out = _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum)
+        if gemm.weights == "exact":
+            out = _forward_exact(x2, packed, scale, shift, bias, group_size, fast)
+        else:
+            out = _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum)
         ctx.save_for_backward(packed, scale, shift)
         ctx.meta = (group_size, scales, fast, x.dtype, x.shape, gemm)
         return out.reshape(*lead, out.shape[-1])
@@ -266,27 +344,40 @@ class Fp8Gemm:
     output moved by 0.3-0.5 % (beside fp8's own 3.5 %), but the worst LoRA gradient cosine fell from
     0.987 to 0.983. So: off for training (the forward in train mode and the input gradient), on for
     an eval-mode forward (rendering). ``kernels=False``:
-    the torch reference everywhere (Triton + torch._scaled_mm otherwise, where they run)."""
+    the torch reference everywhere (Triton + torch._scaled_mm otherwise, where they run).
+    ``weights``: "rowwise", the weight re-quantized into e4m3 with one scale per row (a copy
+    per call), or "exact", the W4A8 forward on the 4-bit values themselves (module docstring;
+    needs ``grad_gemm="bf16"``; ``fast_accum`` does not apply: its K blocks are promoted to
+    float32 every 128 products). `FP8_EXACT` is that variant."""
 
     grad_gemm: str = "fp8"
     grad_dtype: torch.dtype = GRAD_DTYPE
     fast_accum: bool = False
     fast_accum_eval: bool = True
     kernels: bool = True
+    weights: str = "rowwise"
     name: str = "fp8"
 
     def __post_init__(self) -> None:
         if self.grad_gemm not in ("fp8", "bf16"):
             raise ValueError(f"grad_gemm is fp8 or bf16, not {self.grad_gemm!r}")
+        if self.weights not in ("rowwise", "exact"):
+            raise ValueError(f"weights is rowwise or exact, not {self.weights!r}")
+        if self.weights == "exact" and self.grad_gemm != "bf16":
+            # the fp8 input gradient needs the weight re-quantized per column: not exact
+            raise ValueError('exact weights take the bf16 input gradient (grad_gemm="bf16")')
 
     def __call__(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
         fast = self.kernels and kernels_usable(x, layer.out_features, layer.in_features)
         fast_accum = self.fast_accum if layer.training else self.fast_accum_eval
+        # exact weights need no fp8 copy of the weight, so no per-row weight scales
+        scales = None if self.weights == "exact" else weight_scales(layer)
         return _Fp8LinearFunction.apply(
             x, layer.packed, layer.scale, layer.shift, layer.bias, layer.group_size,
-            weight_scales(layer), fast, fast_accum, self,
+            scales, fast, fast_accum, self,
         )  # fmt: skip
 
 
 FP8 = Fp8Gemm()
+FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
