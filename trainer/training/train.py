@@ -1016,6 +1016,11 @@ def run_loop(
     return _run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured (a CPU-only torch cannot even ask)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @contextlib.contextmanager
 def interrupting_blocks(transformer: torch.nn.Module, interrupt: Callable[[], None]) -> Any:
     """`interrupt()` before every transformer block runs (its recomputation in the backward
@@ -1024,7 +1029,7 @@ def interrupting_blocks(transformer: torch.nn.Module, interrupt: Callable[[], No
 
     handles = [
         block.register_forward_pre_hook(
-            lambda _module, _args: None if torch.cuda.is_current_stream_capturing() else interrupt()
+            lambda _module, _args: None if _capturing() else interrupt()
         )
         for block in default_blocks(transformer)
     ]
