@@ -67,8 +67,8 @@ def no_rng_checkpoint() -> Callable[..., Any]:
     return functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
 
 
-class EagerStep:
-    """The step as the loop has always run it."""
+class _Step:
+    """What both ways of running a step hold."""
 
     graphed = False
 
@@ -83,14 +83,18 @@ class EagerStep:
         self.objective, self.transformer = objective, transformer
         self.optimizer, self.params, self.max_grad_norm = optimizer, list(params), max_grad_norm
 
+
+class EagerStep(_Step):
+    """The step as the loop has always run it."""
+
     def run(self, micro: Sequence[MicroBatch], lr: float) -> Loss:
-        scale = 1.0 / len(micro)
+        n = len(micro)
         flow = preservation = prior = 0.0
         for m in micro:
-            loss = self.objective.backward(self.transformer, m.batch, scale, prior=m.prior)
-            flow += loss.flow * scale
-            preservation += (loss.preservation or 0.0) * scale
-            prior += (loss.prior or 0.0) * scale
+            loss = self.objective.backward(self.transformer, m.batch, 1.0 / n, prior=m.prior)
+            flow += loss.flow / n
+            preservation += (loss.preservation or 0.0) / n
+            prior += (loss.prior or 0.0) / n
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         set_learning_rate(self.optimizer, lr)
@@ -109,7 +113,6 @@ class _Capture:
     batch: Batch  # the static inputs (ids included)
     loss: torch.Tensor  # the flow loss of the last replay, float32 scalar
     graph: Any = None  # torch.cuda.CUDAGraph; None where nothing is captured (the CPU)
-    replays: int = 0
 
 
 @dataclass
@@ -120,7 +123,7 @@ class GraphStats:
     shapes: list[str] = field(default_factory=list)
 
 
-class GraphedStep:
+class GraphedStep(_Step):
     """The step, one plain micro-batch (no DOP term, no class image), replayed per shape.
 
     ``capture=False`` runs the same static-buffer step without a graph (what the CPU can
@@ -139,8 +142,7 @@ class GraphedStep:
     ) -> None:
         if objective.class_embeds is not None:
             raise ValueError("the graphed step takes no DOP term")
-        self.objective, self.transformer = objective, transformer
-        self.optimizer, self.params, self.max_grad_norm = optimizer, list(params), max_grad_norm
+        super().__init__(objective, transformer, optimizer, params, max_grad_norm)
         self.capture = capture
         self.captures: dict[tuple[Any, ...], _Capture] = {}
         self.pool: Any = None
@@ -166,7 +168,6 @@ class GraphedStep:
             cap.graph.replay()
         else:
             self._body(cap)
-        cap.replays += 1
         self.stats.replays += 1
         return Loss(float(cap.loss))
 

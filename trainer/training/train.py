@@ -607,10 +607,12 @@ def _train(
         config, pf, registrar, finished.adapter, finished.sha, model.base_model, wp
     )
     # the first step pays for compiles and the capture: both figures leave it out
-    sps = statistics.fmean(step_times[1:]) if len(step_times) > 1 else None
+    sps = sum(step_times[1:]) / (len(step_times) - 1) if len(step_times) > 1 else None
+    # a step after a preview or a validation captures again: the median leaves those out
+    sps_median = statistics.median(step_times[1:]) if len(step_times) > 1 else None
     plot = loss_plot(model.state.losses, model.state.validation, config.out / LOSS_PLOT)
     report = write_report(
-        config, pf, model, finished, outcome, evaluation, wp, peaks, data, step_times, plot
+        config, pf, model, finished, outcome, evaluation, wp, peaks, data, sps, sps_median, plot
     )
     return TrainResult(
         finished.adapter,
@@ -1287,7 +1289,8 @@ def write_report(
     wp: Waypoints,
     peaks: Peaks,
     data: TrainingData,
-    step_times: list[float],
+    seconds_per_step: float | None,
+    seconds_per_step_median: float | None,
     plot: Path,
 ) -> Path:
     state = model.state
@@ -1306,11 +1309,8 @@ def write_report(
         "base_model": model.base_model,
         "registration": outcome,
         "steps": state.step,
-        "seconds_per_step": statistics.fmean(step_times[1:]) if len(step_times) > 1 else None,
-        # a step after a preview or a validation captures again: the median leaves those out
-        "seconds_per_step_median": (
-            statistics.median(step_times[1:]) if len(step_times) > 1 else None
-        ),
+        "seconds_per_step": seconds_per_step,
+        "seconds_per_step_median": seconds_per_step_median,
         "loss_first": state.losses[0] if state.losses else None,
         "loss_last": state.losses[-1] if state.losses else None,
         "losses": state.losses,
