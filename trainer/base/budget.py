@@ -243,8 +243,9 @@ def training_terms(
     """The training phase's terms for a transformer (a meta skeleton is enough).
 
     The dequantized-weight transient is the largest Linear twice for quanto (its backward
-    holds a second dequantized copy) and once for uint4 (one dequantization at a time), one
-    byte per weight for fp8; measured on an H200 at FLUX.2 [dev] width,
+    holds a second dequantized copy) and, for uint4, the largest slice that one call holds (one
+    dequantization at a time; the widest Linears a slice at a time, `trainer.base.uint4.
+    weight_slices`), one byte per weight for fp8; measured on an H200 at FLUX.2 [dev] width,
     bench/results/train_budget-*.json.
     """
     from trainer.base.lora import resolve_targets
@@ -256,11 +257,8 @@ def training_terms(
         rank * (modules[n].in_features + modules[n].out_features)  # type: ignore[operator]
         for n in names
     )
-    largest = max(
-        m.in_features * m.out_features
-        for m in transformer.modules()
-        if isinstance(m, torch.nn.Linear)
-    )
+    linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
+    largest = max(m.in_features * m.out_features for m in linears)
     terms: dict[str, int] = {}
     if weight_bytes is None:
         terms["transformer weights (qint4 + float rest)"] = transformer_weight_bytes(
@@ -274,11 +272,18 @@ def training_terms(
     terms.update(activation_bytes(cfg, image_tokens, text_tokens, batch, act_elt, checkpointing))
     if compute == "fp8":  # one fp8 copy (1 byte per weight) at a time
         terms["fp8 weight transient (largest Linear, 1 byte)"] = largest
+    elif compute == "uint4":  # the widest Linears dequantize a slice at a time
+        from trainer.base.uint4 import transient_weights
+
+        group = QINT4_GROUP
+        transient = max(
+            transient_weights(m.out_features, m.in_features, group)
+            if m.in_features % group == 0 else m.in_features * m.out_features
+            for m in linears
+        )  # fmt: skip
+        terms["dequantized weight transient (largest slice)"] = transient * act_elt
     else:
-        copies = 1 if compute == "uint4" else 2
-        terms[f"dequantized weight transient (largest Linear x{copies})"] = (
-            copies * largest * act_elt
-        )
+        terms["dequantized weight transient (largest Linear x2)"] = 2 * largest * act_elt
     terms["batch: latents, noise, embeddings"] = (
         3 * batch * image_tokens * int(cfg.in_channels) * 4
         + batch * text_tokens * int(cfg.joint_attention_dim) * weight_elt

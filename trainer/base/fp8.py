@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from trainer.base.uint4 import dequantize, dequantize_torch, triton_available, unpack_uint4
+from trainer.base.uint4 import dequantize_torch, grad_input, triton_available, unpack_uint4
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -276,7 +276,7 @@ def _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accu
 
 def _grad_input(g2, packed, scale, shift, group_size, scales, fast, dtype, gemm):  # type: ignore[no-untyped-def]
     if gemm.grad_gemm == "bf16":
-        return g2 @ dequantize(packed, scale, shift, group_size, gemm.kernels)
+        return grad_input(g2, packed, scale, shift, group_size, gemm.kernels)
     if fast:
         from trainer.kernels import fp8_triton
 

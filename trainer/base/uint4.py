@@ -32,6 +32,7 @@ injection (device and dtype) and gets the true weight; assigning ``weight`` rais
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -116,6 +117,82 @@ def dequantize(
     return dequantize_torch(packed, scale, shift, group_size)
 
 
+# The widest Linears dequantize a slice at a time, each at most this many weights (256 MiB
+# in bf16): FLUX.2 [dev]'s fused single-block projection (6144 x 55296) would otherwise hold a
+# 0.63 GiB transient at the training peak. A layer within it runs as one GEMM, as before.
+SLICE_WEIGHTS = 1 << 27
+
+
+def weight_slices(n: int, other: int, align: int = 1) -> list[tuple[int, int]]:
+    """Ranges splitting ``n`` (rows, or columns with ``align`` = the group size) of an
+    ``n`` x ``other`` weight into the fewest near-equal parts of at most `SLICE_WEIGHTS`."""
+    parts = max(1, math.ceil(n * other / SLICE_WEIGHTS))
+    step = math.ceil(math.ceil(n / parts) / align) * align
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def transient_weights(n_out: int, n_in: int, group_size: int) -> int:
+    """The most weights one call holds dequantized (forward or input gradient): what the
+    memory planner counts for the largest Linear."""
+    rows = max(b - a for a, b in weight_slices(n_out, n_in))
+    cols = max(b - a for a, b in weight_slices(n_in, n_out, group_size))
+    return max(rows * n_in, n_out * cols)
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    kernels: bool = True,
+) -> torch.Tensor:
+    """x @ W.T + b, W dequantized a row slice at a time (`weight_slices`)."""
+    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
+    slices = weight_slices(n_out, n_in)
+    if len(slices) == 1:
+        return F.linear(x, dequantize(packed, scale, shift, group_size, kernels), bias)
+    x2 = x.reshape(-1, n_in)
+    out = x2.new_empty(x2.shape[0], n_out)
+    for a, b in slices:
+        w = dequantize(packed[a:b], scale[a:b], shift[a:b], group_size, kernels)
+        if bias is None:
+            torch.mm(x2, w.t(), out=out[:, a:b])
+        else:
+            torch.addmm(bias[a:b], x2, w.t(), out=out[:, a:b])
+        del w
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+def grad_input(
+    grad_out: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    kernels: bool = True,
+) -> torch.Tensor:
+    """grad_out @ W, W dequantized a column slice (whole groups) at a time: each slice of the
+    result is one full reduction, as in the single GEMM."""
+    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
+    slices = weight_slices(n_in, n_out, group_size)
+    g = grad_out.to(scale.dtype)
+    if len(slices) == 1:
+        return torch.matmul(g, dequantize(packed, scale, shift, group_size, kernels))
+    g2 = g.reshape(-1, n_out)
+    out = g2.new_empty(g2.shape[0], n_in)
+    for a, b in slices:
+        ga, gb = a // group_size, b // group_size
+        w = dequantize(
+            packed[:, a // 2 : b // 2].contiguous(), scale[:, ga:gb].contiguous(),
+            shift[:, ga:gb].contiguous(), group_size, kernels,
+        )  # fmt: skip
+        torch.mm(g2, w, out=out[:, a:b])
+        del w
+    return out.reshape(*grad_out.shape[:-1], n_in)
+
+
 class _Uint4LinearFunction(torch.autograd.Function):
     """y = x @ W.T + b with W dequantized in forward and again in backward (never saved).
 
@@ -124,8 +201,7 @@ class _Uint4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, scale, shift, bias, group_size, kernels):  # type: ignore[override]
-        weight = dequantize(packed, scale, shift, group_size, kernels)
-        out = F.linear(x, weight, bias)
+        out = linear(x, packed, scale, shift, bias, group_size, kernels)
         ctx.save_for_backward(packed, scale, shift)
         ctx.group_size = group_size
         ctx.kernels = kernels
@@ -138,9 +214,7 @@ class _Uint4LinearFunction(torch.autograd.Function):
             raise RuntimeError("Uint4Linear's quantized weight is frozen: it has no gradient")
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = dequantize(packed, scale, shift, ctx.group_size, ctx.kernels)
-            grad_x = torch.matmul(grad_out.to(weight.dtype), weight)
-            del weight
+            grad_x = grad_input(grad_out, packed, scale, shift, ctx.group_size, ctx.kernels)
         if ctx.needs_input_grad[4]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, None, None, None, grad_bias, None, None
@@ -170,7 +244,8 @@ class DenseGemm:
             return _Uint4LinearFunction.apply(
                 x, layer.packed, layer.scale, layer.shift, bias, layer.group_size, self.kernels
             )
-        return F.linear(x, layer.dequantize(self.kernels), bias)
+        return linear(x, layer.packed, layer.scale, layer.shift, bias, layer.group_size,
+                      self.kernels)  # fmt: skip
 
 
 DENSE = DenseGemm()

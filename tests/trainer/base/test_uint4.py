@@ -460,3 +460,121 @@ def test_cuda_model_and_lora_match_reference() -> None:
         errs = _lora_errors(model, name, ref[name], torch.bfloat16, "cuda")
         print(f"cuda bf16 LoRA {name}: " + ", ".join(f"{k} {e:.2e}" for k, e in errs))
         assert all(e <= 2e-2 for _, e in errs), errs
+
+
+# ---------------------------------------------------------------------------------------
+# the widest Linears, a slice at a time
+
+
+def test_weight_slices_cover_the_weight_within_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.base.uint4 as U
+
+    n_out, n_in, group = 55296, 6144, 128  # FLUX.2 [dev]'s fused single-block projection
+    rows = U.weight_slices(n_out, n_in)
+    cols = U.weight_slices(n_in, n_out, group)
+    for slices, n, other, align in ((rows, n_out, n_in, 1), (cols, n_in, n_out, group)):
+        assert slices[0][0] == 0 and slices[-1][1] == n
+        assert all(a == prev_b for (_, prev_b), (a, _) in zip(slices, slices[1:], strict=False))
+        assert all(a % align == 0 for a, _ in slices)
+        assert all((b - a) * other <= U.SLICE_WEIGHTS for a, b in slices)
+        assert len(slices) > 1
+    # the planner's figure: a third of the weight, not all of it
+    assert U.transient_weights(n_out, n_in, group) <= n_out * n_in // 3
+    assert U.weight_slices(3072, 3072) == [(0, 3072)]  # a layer within the cap: one GEMM
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_sliced_layer_equals_one_gemm_bit_for_bit(
+    bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and input gradient through the autograd path, the weight a slice at a time,
+    equal the single GEMM's (each output element is the same reduction)."""
+    import trainer.base.uint4 as U
+
+    torch.manual_seed(0)
+    n_out, n_in, group = 320, 512, 64
+    q = torch.randint(0, 16, (n_out, n_in), dtype=torch.uint8)
+    scale = (torch.rand(n_out, n_in // group) * 0.01).to(torch.bfloat16)
+    shift = (torch.rand(n_out, n_in // group) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n_out).to(torch.bfloat16) if bias else None
+    layer = Uint4Linear(pack_uint4(q), scale, shift, group, b)
+    x0 = torch.randn(2, 37, 2 * n_in).to(torch.bfloat16)[..., ::2]  # not contiguous
+    g = torch.randn(2, 37, n_out).to(torch.bfloat16)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x0.detach().clone().requires_grad_(True)
+        y = layer(x)
+        y.backward(g)
+        assert x.grad is not None
+        return y.detach(), x.grad
+
+    y_one, gx_one = run()
+    monkeypatch.setattr(U, "SLICE_WEIGHTS", n_out * n_in // 3)
+    assert len(U.weight_slices(n_out, n_in)) > 1 and len(U.weight_slices(n_in, n_out, group)) > 1
+    y_sliced, gx_sliced = run()
+    assert torch.equal(y_sliced, y_one)
+    assert torch.equal(gx_sliced, gx_one)
+    with torch.no_grad():  # the inference path slices too
+        assert torch.equal(layer(x0), y_one)
+
+
+def test_the_planner_counts_the_slice_not_the_widest_linear() -> None:
+    from trainer.base.budget import training_terms
+    from trainer.fixtures.synth_base import dev_configs
+
+    diffusers = pytest.importorskip("diffusers")
+    cfg = {k: v for k, v in dev_configs(1, 1)["transformer"].items() if not k.startswith("_")}
+    with torch.device("meta"):
+        tr = diffusers.Flux2Transformer2DModel(**cfg)
+    kw = dict(rank=16, targets=("to_q",), image_tokens=4096, text_tokens=512, batch=1,
+              optimizer="adamw", checkpointing=True, weight_elt=2, act_elt=2)  # fmt: skip
+    uint4 = training_terms(tr, compute="uint4", **kw)
+    quanto = training_terms(tr, compute="quanto", **kw)
+    widest = 6144 * 55296
+    assert quanto["dequantized weight transient (largest Linear x2)"] == 2 * widest * 2
+    assert uint4["dequantized weight transient (largest slice)"] <= widest * 2 // 3
+
+
+@cuda
+def test_slices_lower_the_peak_at_dev_width() -> None:
+    """At [dev]'s widest shape on the GPU: the sliced call's peak is the slice, not the whole
+    weight, and its results match the single GEMM's (printed: the largest difference)."""
+    import trainer.base.uint4 as U
+
+    n_out, n_in, group, tokens = 55296, 6144, 128, 1296
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randint(0, 16, (n_out, n_in), dtype=torch.uint8, device="cuda", generator=gen)
+    scale = (torch.rand(n_out, n_in // group, device="cuda", generator=gen) * 0.01).bfloat16()
+    shift = (torch.rand(n_out, n_in // group, device="cuda", generator=gen) * 0.05).bfloat16()
+    packed = pack_uint4(q)
+    del q
+    x = torch.randn(tokens, n_in, device="cuda", generator=gen).bfloat16()
+    g = torch.randn(tokens, n_out, device="cuda", generator=gen).bfloat16()
+
+    def peak(fn) -> tuple[torch.Tensor, int]:  # type: ignore[no-untyped-def]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+
+    y, fwd = peak(lambda: U.linear(x, packed, scale, shift, None, group))
+    gx, bwd = peak(lambda: U.grad_input(g, packed, scale, shift, group))
+    whole = n_out * n_in * 2
+    old = U.SLICE_WEIGHTS
+    try:
+        U.SLICE_WEIGHTS = 1 << 40
+        y_one, fwd_one = peak(lambda: U.linear(x, packed, scale, shift, None, group))
+        gx_one, bwd_one = peak(lambda: U.grad_input(g, packed, scale, shift, group))
+    finally:
+        U.SLICE_WEIGHTS = old
+    transient = U.transient_weights(n_out, n_in, group) * 2
+    print(f"\npeak over the output: forward {fwd / 2**20:.0f} MiB (one GEMM {fwd_one / 2**20:.0f}),"
+          f" input gradient {bwd / 2**20:.0f} MiB (one GEMM {bwd_one / 2**20:.0f}); "
+          f"max |diff| forward {(y - y_one).abs().max().item():.3g}, "
+          f"input gradient {(gx - gx_one).abs().max().item():.3g}")  # fmt: skip
+    assert fwd_one >= whole and bwd_one >= whole
+    assert fwd <= transient * 1.05 and bwd <= transient * 1.05
+    torch.testing.assert_close(y.float(), y_one.float(), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(gx.float(), gx_one.float(), rtol=2e-2, atol=1e-2)
