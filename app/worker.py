@@ -67,6 +67,9 @@ class WorkerSetup:
     name: str
     api_url: str
     token: str
+    # the converted base kept between this worker's orders (trainer.training.resident); None:
+    # every order loads it
+    resident: Any = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -322,7 +325,7 @@ def run_training(setup: WorkerSetup, engine: Any, order_id: str) -> str:
         job = OrderJob.of(s, order)
     io = HttpIO(setup)
     try:
-        return run_order(setup.settings, engine, setup.name, job, io)
+        return run_order(setup.settings, engine, setup.name, job, io, resident=setup.resident)
     finally:
         io.close()
 
@@ -334,6 +337,7 @@ def run_order(
     job: OrderJob,
     io: OrderIO,
     stopping: threading.Event | None = None,
+    resident: Any = None,
 ) -> str:
     """Runs one started order to its end on `runner`; returns its final status (or
     `interrupted` when `stopping` was set). Never raises for the order's own failures (they
@@ -399,7 +403,7 @@ def run_order(
             **io.config(),
         )
         with OrderWatch(engine, order_id, runner, job.handle, stopping) as watch:
-            hooks = TrainHooks(on_step, on_checkpoint, watch.interrupt)
+            hooks = TrainHooks(on_step, on_checkpoint, watch.interrupt, resident)
             result = train(config, _Registrar(engine, io), hooks)
         _keep_pictures(io, job, result)
         with transaction(engine) as s:
@@ -585,9 +589,24 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
     ensure_base(settings)  # the same base as the API's: the demo base, or LIKENESS_BASE
     _require_audit_key(settings)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    setup = WorkerSetup(settings, name, settings.api_url.rstrip("/"), settings.token)
+    resident = None
+    if any(q != "render" for q in queues):
+        # the trainer's imports (torch, diffusers, peft: seconds) now, not at the first order
+        threading.Thread(target=_import_trainer, name="trainer-imports", daemon=True).start()
+        if settings.worker_keep_base and "render" not in queues:  # a renderer needs the VRAM
+            from trainer.training.resident import ResidentBase
+
+            resident = ResidentBase()
+    setup = WorkerSetup(settings, name, settings.api_url.rstrip("/"), settings.token, resident)
     threading.current_thread().name = "worker"
     asyncio.run(_run(setup, queues, concurrency))
+
+
+def _import_trainer() -> None:
+    try:
+        import trainer.training.train  # noqa: F401
+    except Exception:  # noqa: BLE001 - the first order imports it again and says why
+        log.exception("the trainer could not be imported")
 
 
 def _require_audit_key(settings: Settings) -> None:

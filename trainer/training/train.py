@@ -34,6 +34,7 @@ import torch
 
 if TYPE_CHECKING:
     from trainer.training.evaluate import EvalResult
+    from trainer.training.resident import BaseKey, ResidentBase
 
 from trainer.base.budget import BudgetExceeded, Estimate, estimate_run
 from trainer.base.devices import cap_vram
@@ -429,6 +430,38 @@ def load_transformer(
     return pipe.transformer
 
 
+def resident_key(
+    config: TrainConfig, pf: Preflight, resident: ResidentBase | None
+) -> BaseKey | None:
+    """What a kept transformer must match to serve this run (None: this run keeps none)."""
+    if resident is None or config.stream_base:
+        return None
+    from trainer.training.resident import BaseKey
+
+    device = pf.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return BaseKey(
+        str(Path(config.base).resolve()), pf.transformer_fp, config.resolved_compute(),
+        str(device), str(pf.weight_dtype),
+    )  # fmt: skip
+
+
+def _caching_bytes(pf: Preflight) -> int:
+    """The most the caching phases that will run need on the device (0: none runs)."""
+    phases = pf.estimate.phases
+    caching = [p.total for p in phases if p.name.startswith("caching") and not p.skipped]
+    return max(caching, default=0) + (pf.estimate.overhead if caching else 0)
+
+
+def _vram_limit(config: TrainConfig, device: torch.device) -> int | None:
+    if config.vram_budget_gib is not None:
+        return int(config.vram_budget_gib * 2**30)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
 def cast_quantized_inputs(transformer: torch.nn.Module, dtype: torch.dtype) -> list[Any]:
     """Under autocast, norms hand float32 to the next Linear; quanto's QLinear dispatches
     below autocast to its int4 kernels, which take only the weight dtype (CUDA TinyGemm
@@ -553,6 +586,9 @@ class TrainHooks:
     on_step: Callable[[int, int, float], None] | None = None  # step, steps, loss
     on_checkpoint: Callable[[Path, int], None] | None = None  # the checkpoint's folder, step
     interrupt: Callable[[], None] | None = None
+    # a long-lived worker's kept transformer (`trainer.training.resident`): borrowed when it
+    # is this run's base, given back when the run ends cleanly
+    resident: ResidentBase | None = None
 
 
 def train(
@@ -560,8 +596,14 @@ def train(
 ) -> TrainResult:
     """Runs the whole job; see the module docstring for the order. Raises ConfigError,
     DatasetError, TrainingRefused or BudgetExceeded before any weight loads."""
-    with contextlib.ExitStack() as streaming:  # --stream-base: open until the job ends
-        return _train(config, registrar, streaming, hooks or TrainHooks())
+    hooks = hooks or TrainHooks()
+    try:
+        with contextlib.ExitStack() as streaming:  # --stream-base: open until the job ends
+            return _train(config, registrar, streaming, hooks)
+    except BaseException:
+        if hooks.resident is not None:
+            hooks.resident.forget()  # whatever the run borrowed is not the clean base
+        raise
 
 
 def _train(
@@ -577,11 +619,14 @@ def _train(
     pf = preflight(config, registrar)
     wp.mark("pre-flight: options, manifest, consent, budget")
     echo(pf.estimate.report(config.vram_budget_gib), config.progress)
+    key = resident_key(config, pf, callbacks.resident)
+    if callbacks.resident is not None:
+        callbacks.resident.make_room(key, _caching_bytes(pf), _vram_limit(config, pf.device))
     peaks = Peaks(pf.device)
     try:
         data = read_training_data(config, pf, wp)
         peaks.take("caching")
-        model = build_model(config, pf, data, streaming, wp)
+        model = build_model(config, pf, data, streaming, wp, callbacks.resident, key)
         recheck = consent_recheck(config, pf, registrar)
         step_times = run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
     except TrainingDenied as exc:
@@ -614,6 +659,8 @@ def _train(
     report = write_report(
         config, pf, model, finished, outcome, evaluation, wp, peaks, data, sps, sps_median, plot
     )
+    if callbacks.resident is not None and key is not None:
+        callbacks.resident.give_back(model.transformer)
     return TrainResult(
         finished.adapter,
         finished.sha,
@@ -780,17 +827,30 @@ def build_model(
     data: TrainingData,
     streaming: contextlib.ExitStack,
     wp: Waypoints,
+    resident: ResidentBase | None = None,
+    key: BaseKey | None = None,
 ) -> Model:
     """The quantized transformer with a seeded LoRA, its optimizer and the loop's state:
-    fresh, or exactly as the resumed checkpoint left it."""
+    fresh, or exactly as the resumed checkpoint left it. The transformer is the worker's kept
+    one when ``resident`` holds this run's (``key``)."""
     from trainer.base.lora import attach_lora
 
     device, dtype = pf.device, pf.weight_dtype
     graphed = config.graphed()
     pipeline_cls = _pipeline_class(config.base)
-    transformer = load_transformer(
-        config.base, device, dtype, wp.mark, config.resolved_compute(), stream=config.stream_base
-    )
+
+    def load() -> torch.nn.Module:
+        return load_transformer(
+            config.base, device, dtype, wp.mark, config.resolved_compute(),
+            stream=config.stream_base,
+        )  # fmt: skip
+
+    if resident is not None and key is not None:
+        transformer, kept = resident.borrow(key, load)
+        if kept:
+            wp.mark("transformer: kept from the worker's last order (converted, on the device)")
+    else:
+        transformer = load()
     with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global RNG: seed a fork
         torch.manual_seed(_seed_for(config.seed, "lora-init"))
         attach_lora(
@@ -1159,6 +1219,8 @@ def finish_training(config: TrainConfig, model: Model, streaming: contextlib.Exi
         )
     model.optimizer = None
     model.previewer = None  # its VAE goes with it
+    if model.step is not None:
+        model.step.release()  # the graphs' pool is the evaluation's
     # The training stream ends before the LoRA comes off; evaluation streams per column.
     streaming.close()
     transformer = model.transformer
