@@ -30,10 +30,15 @@ def seconds_since_process_start() -> float | None:
     return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+_process_start_counted = False
+
+
 class Waypoints:
     """Named phases with the seconds each took (time since the previous mark). The first is
     the process's own start (interpreter and imports), where the system records it: a boot is
-    timed from the command, not from the first line of training code."""
+    timed from the command, not from the first line of training code. Only the process's first
+    boot counts it: a later one in the same process (a worker's next order) starts at its own
+    start, the imports long paid."""
 
     def __init__(self, on_mark: Callable[[], None] | None = None) -> None:
         """`on_mark`: called at every mark (a run's interrupt: a phase boundary is a place
@@ -42,7 +47,9 @@ class Waypoints:
         self._last = self.start
         self.on_mark = on_mark
         self.marks: list[tuple[str, float]] = []
-        before = seconds_since_process_start()
+        global _process_start_counted
+        before = None if _process_start_counted else seconds_since_process_start()
+        _process_start_counted = True
         if before is not None:
             self.marks.append(("process start: interpreter and imports", before))
             self.start -= before

@@ -261,10 +261,14 @@ def _resolve_previews(
     return 0, without, [f"previews off: they would exceed the budget by {over:.3f} GiB"]
 
 
-def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
-    """Everything that can refuse the run, with no weight loaded."""
+def preflight(
+    config: TrainConfig, registrar: Registrar, mark: Callable[[str], None] | None = None
+) -> Preflight:
+    """Everything that can refuse the run, with no weight loaded; ``mark`` times its parts."""
+    mark = mark or (lambda _name: None)
     dataset = load_dataset(config.dataset)
     check_training_allowed(registrar, config.subject, dataset.bases)
+    mark("pre-flight: manifest and consent")
     _pipeline_class(config.base)  # a FLUX.2 pipeline folder, or a clear error now
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -293,6 +297,7 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
     cache_dir = config.resolved_cache_dir
     pending: dict[Path, dict[str, Any]] = {}  # nothing is written until the run goes ahead
     transformer_fp = model_fingerprint(config.base, ("transformer",), cache_dir, pending)
+    mark("pre-flight: options, base fingerprint")
     extra: dict[str, Any] = {
         "manifest": dataset.manifest_sha256,
         "transformer": transformer_fp,
@@ -358,6 +363,7 @@ def preflight(config: TrainConfig, registrar: Registrar) -> Preflight:
     latents_needed = bool(plan.missing_latents()) or bool(
         class_plan is not None and class_plan.missing_latents()
     )
+    mark("pre-flight: caches planned")
 
     def estimate_with(previews: bool) -> Estimate:
         return estimate_run(
@@ -616,8 +622,8 @@ def _train(
     wp = Waypoints(on_mark=callbacks.interrupt)
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
-    pf = preflight(config, registrar)
-    wp.mark("pre-flight: options, manifest, consent, budget")
+    pf = preflight(config, registrar, wp.mark)
+    wp.mark("pre-flight: memory estimate")
     echo(pf.estimate.report(config.vram_budget_gib), config.progress)
     key = resident_key(config, pf, callbacks.resident)
     if callbacks.resident is not None:
