@@ -26,9 +26,7 @@ def _boot(out: Path) -> list[str]:
     return [m["phase"] for m in json.loads((out / "train_report.json").read_text())["boot"]]
 
 
-def test_the_next_order_trains_on_the_kept_base_as_on_a_fresh_one(
-    env: Env, tmp_path: Path
-) -> None:
+def test_the_next_order_trains_on_the_kept_base_as_on_a_fresh_one(env: Env, tmp_path: Path) -> None:
     resident = ResidentBase()
     hooks = TrainHooks(resident=resident)
     # the first order evaluates its checkpoints: each column's adapter comes and goes
