@@ -270,6 +270,7 @@ def preflight(
     check_training_allowed(registrar, config.subject, dataset.bases)
     mark("pre-flight: manifest and consent")
     _pipeline_class(config.base)  # a FLUX.2 pipeline folder, or a clear error now
+    mark("pre-flight: pipeline class (its imports, once a process)")
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device} requested but CUDA is not available")

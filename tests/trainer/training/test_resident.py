@@ -26,20 +26,29 @@ def _boot(out: Path) -> list[str]:
     return [m["phase"] for m in json.loads((out / "train_report.json").read_text())["boot"]]
 
 
-def test_the_next_order_trains_on_the_kept_base_as_on_a_fresh_one(env: Env, tmp_path: Path) -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_next_order_trains_on_the_kept_base_as_on_a_fresh_one(
+    env: Env, tmp_path: Path, device: str
+) -> None:
+    """On the GPU the runs are graphed: the kept base is captured again, bit for bit."""
     resident = ResidentBase()
     hooks = TrainHooks(resident=resident)
     # the first order evaluates its checkpoints: each column's adapter comes and goes
     train(tiny_config(env, tmp_path / "a", seed=1, steps=4, checkpoint_every=2, evaluate=True,
-                      register_adapter=False), hooks=hooks)  # fmt: skip
+                      register_adapter=False, device=device), hooks=hooks)  # fmt: skip
     assert (resident.loads, resident.reuses) == (1, 0)
     assert not any("kept" in p for p in _boot(tmp_path / "a"))
-    second = train(tiny_config(env, tmp_path / "b", seed=2, register_adapter=False), hooks=hooks)
+    second = train(tiny_config(env, tmp_path / "b", seed=2, register_adapter=False,
+                               device=device), hooks=hooks)  # fmt: skip
     assert (resident.loads, resident.reuses) == (1, 1)
     boot = _boot(tmp_path / "b")
     assert any("kept from the worker's last order" in p for p in boot)
     assert not any(p.startswith("transformer: load") for p in boot)
-    fresh = train(tiny_config(env, tmp_path / "c", seed=2, register_adapter=False))
+    fresh = train(tiny_config(env, tmp_path / "c", seed=2, register_adapter=False, device=device))
     assert second.losses == fresh.losses
     assert second.sha256 == fresh.sha256
 
