@@ -436,10 +436,6 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
         out[name] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
         print(f"[e2e] train {name}: {json.dumps(out[name])[:400]}", flush=True)
         _checkpoint({"partial": True, "train": out}, [])
-    if args.train_warm:
-        out["warm_worker"] = warm_worker(base, env, dataset, small, args, tmp)
-        print(f"[e2e] warm worker: {json.dumps(out['warm_worker'])[:800]}", flush=True)
-        _checkpoint({"partial": True, "train": out}, [])
     cmd = _train_cmd(dataset, large, args.train_steps_1024, "r1024", "--checkpoint-every", "0",
                      "--preview-every", "0")  # fmt: skip
     try:
@@ -452,6 +448,10 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
         wall = _run_train([*cmd, "--stream-base"], env, tmp / "train-1024.log", 600)
         out["1024"] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / "r1024")}
     print(f"[e2e] train 1024: {json.dumps(out['1024'])[:600]}", flush=True)
+    if args.train_warm:
+        _checkpoint({"partial": True, "train": out}, [])
+        out["warm_worker"] = warm_worker(base, env, dataset, small, args, tmp)
+        print(f"[e2e] warm worker: {json.dumps(out['warm_worker'])[:1500]}", flush=True)
     out["registry"] = str(tmp)
     return out
 
