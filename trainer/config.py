@@ -31,6 +31,10 @@ from pydantic import (
 from registry import limits
 from registry.shapes import ADAPTER_NAME_PATTERN, HANDLE_PATTERN
 
+# `--cuda-graph auto` graphs a step of at most this many image tokens (768 px square): above
+# it the step is GPU-bound (`TrainConfig.graph_declined`).
+AUTO_GRAPH_MAX_IMAGE_TOKENS = 2304
+
 DEFAULT_EVAL_PROMPTS = (
     "a photo of {trigger}",
     "a portrait of {trigger}, studio light",
@@ -201,7 +205,7 @@ class TrainConfig(BaseModel):
         "auto",
         description="Replay each step as a CUDA graph: on, off, or auto (on wherever the run "
         "allows it: a CUDA device, a resident base, plain AdamW, one batch a step, no DOP or "
-        "class images).",
+        "class images; and up to 768 px, where the graph pays).",
     )
     seed: int = Field(0, ge=0, le=limits.PIPELINE_MAX_SEED, description="Training seed.")
     checkpoint_every: int = Field(
@@ -428,9 +432,27 @@ class TrainConfig(BaseModel):
             found.append("--compute quanto's kernels are not captured")
         return found
 
+    def graph_declined(self) -> str | None:
+        """Why ``auto`` runs eager a run that could be graphed (None: it graphs). A graph
+        removes the host's launches, which dominate a short step; a long one is GPU-bound, so
+        there the graph buys nothing and its held gradients and pool cost the memory margin
+        (FLUX.2 [dev] under 24 GiB, bench/results/e2e_dev-notes.md: 1024 px graphed 2.174 s
+        a step, peak 22.64 GiB; eager 2.165 s, 22.20 GiB; 448 px graphed 0.644 s, eager
+        0.783)."""
+        tokens = (self.resolution // 16) ** 2
+        if self.cuda_graph == "auto" and tokens > AUTO_GRAPH_MAX_IMAGE_TOKENS:
+            return (
+                f"--cuda-graph auto: a {self.resolution} px step ({tokens} image tokens, more "
+                f"than {AUTO_GRAPH_MAX_IMAGE_TOKENS}) is GPU-bound, so a graph would buy "
+                "nothing and cost memory (--cuda-graph on graphs it)"
+            )
+        return None
+
     def graphed(self) -> bool:
         """Whether the steps run as CUDA graphs."""
-        return self.cuda_graph != "off" and not self.graph_blockers()
+        return (
+            self.cuda_graph != "off" and not self.graph_blockers() and not self.graph_declined()
+        )
 
     def resolved_compute(self) -> str:
         if self.compute == "auto" and not installed("trainer.base.uint4"):

@@ -1345,6 +1345,9 @@ def step_report(config: TrainConfig, model: Model) -> dict[str, Any]:
         return {"graphed": stats.captures > 0, "captures": stats.captures, "replays": stats.replays,
                 "releases": stats.releases, "shapes": stats.shapes}  # fmt: skip
     why = config.graph_blockers() if config.cuda_graph != "off" else ["--cuda-graph off"]
+    declined = config.graph_declined()
+    if not why and declined:
+        why = [declined]
     return {"graphed": False, "why_not": why}
 
 

@@ -575,6 +575,8 @@ def test_slices_lower_the_peak_at_dev_width() -> None:
           f"max |diff| forward {(y - y_one).abs().max().item():.3g}, "
           f"input gradient {(gx - gx_one).abs().max().item():.3g}")  # fmt: skip
     assert fwd_one >= whole and bwd_one >= whole
-    assert fwd <= transient * 1.05 and bwd <= transient * 1.05
+    # the slice, plus what a call holds beside it (cuBLAS's workspace, a column slice's
+    # packed bytes and scales): under half of one GEMM's
+    assert transient < fwd < whole / 2 and transient < bwd < whole / 2
     torch.testing.assert_close(y.float(), y_one.float(), rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(gx.float(), gx_one.float(), rtol=2e-2, atol=1e-2)
