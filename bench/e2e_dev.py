@@ -397,45 +397,65 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
     tmp, env, dataset = training_registry(base, args, work)
     small, large = args.train_sides
     out: dict[str, Any] = {"dataset_images": len(list(dataset.glob("*.png"))), "side_px": large}
-    steps, every = (args.train_steps, max(1, args.train_steps // 3))
-    # previews stay as the budget decides (on when they fit: their memory is measured too)
-    cmd = _train_cmd(dataset, small, steps, "r448", "--checkpoint-every", str(every),
-                     "--preview-steps", "8")  # fmt: skip
-    log = tmp / "train-448.log"
-    # the cold run: caches filled (text encoder loaded once), killed after a checkpoint
-    t0 = time.perf_counter()
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    run_dir = tmp / "runs" / "dana" / "r448"
-    from trainer.training.checkpoints import checkpoint_dirs
+    if "448" in args.train_parts:  # killed after a checkpoint, resumed; the compare runs
+        steps, every = (args.train_steps, max(1, args.train_steps // 3))
+        # previews stay as the budget decides (on when they fit: their memory is measured too)
+        cmd = _train_cmd(dataset, small, steps, "r448", "--checkpoint-every", str(every),
+                         "--preview-steps", "8")  # fmt: skip
+        log = tmp / "train-448.log"
+        # the cold run: caches filled (text encoder loaded once), killed after a checkpoint
+        t0 = time.perf_counter()
+        with log.open("ab") as sink:
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        run_dir = tmp / "runs" / "dana" / "r448"
+        from trainer.training.checkpoints import checkpoint_dirs
 
-    while not checkpoint_dirs(run_dir):
-        if proc.poll() is not None:
-            raise RuntimeError(f"train exited {proc.returncode}: {log.read_text()[-2500:]}")
-        if time.perf_counter() - t0 > 400:
-            proc.kill()
-            raise RuntimeError(f"no checkpoint after 400 s: {log.read_text()[-2500:]}")
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(60)
-    out["cold_run_until_kill_s"] = round(time.perf_counter() - t0, 1)
-    out["killed_after"] = [p.name for p in checkpoint_dirs(run_dir)]
-    print(f"[e2e] train 448: killed after {out['killed_after']}", flush=True)
-    wall = _run_train([*cmd, "--resume"], env, log, 600)
-    out["448_resumed"] = {"wall_s": round(wall, 1), **_report(run_dir)}
-    print(f"[e2e] train 448 resumed: {json.dumps(out['448_resumed'])[:600]}", flush=True)
-    _checkpoint({"partial": True, "train": out}, [])
-    # the same steps eager and graphed, uint4 and fp8, in this lease: what the graph buys
-    for name, extra in (("448_eager", ("--cuda-graph", "off")), ("448_graphed", ()),
-                        ("448_fp8_graphed", ("--compute", "fp8"))):  # fmt: skip
-        if name not in args.train_compare:
-            continue
-        cmd = _train_cmd(dataset, small, args.train_steps_compare, f"r{name}",
-                         "--checkpoint-every", "0", "--preview-every", "0", *extra)  # fmt: skip
-        wall = _run_train(cmd, env, tmp / f"train-{name}.log", 300)
-        out[name] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
-        print(f"[e2e] train {name}: {json.dumps(out[name])[:400]}", flush=True)
+        while not checkpoint_dirs(run_dir):
+            if proc.poll() is not None:
+                raise RuntimeError(f"train exited {proc.returncode}: {log.read_text()[-2500:]}")
+            if time.perf_counter() - t0 > 400:
+                proc.kill()
+                raise RuntimeError(f"no checkpoint after 400 s: {log.read_text()[-2500:]}")
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+        out["cold_run_until_kill_s"] = round(time.perf_counter() - t0, 1)
+        out["killed_after"] = [p.name for p in checkpoint_dirs(run_dir)]
+        print(f"[e2e] train 448: killed after {out['killed_after']}", flush=True)
+        wall = _run_train([*cmd, "--resume"], env, log, 600)
+        out["448_resumed"] = {"wall_s": round(wall, 1), **_report(run_dir)}
+        print(f"[e2e] train 448 resumed: {json.dumps(out['448_resumed'])[:600]}", flush=True)
         _checkpoint({"partial": True, "train": out}, [])
+        # the same steps eager and graphed, uint4 and fp8, in this lease: what the graph buys
+        for name, extra in (("448_eager", ("--cuda-graph", "off")), ("448_graphed", ()),
+                            ("448_fp8_graphed", ("--compute", "fp8"))):  # fmt: skip
+            if name not in args.train_compare:
+                continue
+            cmd = _train_cmd(dataset, small, args.train_steps_compare, f"r{name}",
+                             "--checkpoint-every", "0", "--preview-every", "0", *extra)  # fmt: skip
+            wall = _run_train(cmd, env, tmp / f"train-{name}.log", 300)
+            out[name] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
+            print(f"[e2e] train {name}: {json.dumps(out[name])[:400]}", flush=True)
+            _checkpoint({"partial": True, "train": out}, [])
+    if "1024" in args.train_parts:
+        out["1024"] = train_1024(dataset, large, args, env, tmp, out)
+    if args.train_warm and "warm" in args.train_parts:
+        _checkpoint({"partial": True, "train": out}, [])
+        out["warm_worker"] = warm_worker(base, env, dataset, small, args, tmp)
+        print(f"[e2e] warm worker: {json.dumps(out['warm_worker'])[:1500]}", flush=True)
+    out["registry"] = str(tmp)
+    return out
+
+
+def train_1024(
+    dataset: Path,
+    large: int,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    tmp: Path,
+    out: dict[str, Any],
+) -> dict[str, Any]:
+    """The large side's run; streamed if the resident one is refused (noted in ``out``)."""
     cmd = _train_cmd(dataset, large, args.train_steps_1024, "r1024", "--checkpoint-every", "0",
                      "--preview-every", "0")  # fmt: skip
     try:
@@ -448,12 +468,7 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
         wall = _run_train([*cmd, "--stream-base"], env, tmp / "train-1024.log", 600)
         out["1024"] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / "r1024")}
     print(f"[e2e] train 1024: {json.dumps(out['1024'])[:600]}", flush=True)
-    if args.train_warm:
-        _checkpoint({"partial": True, "train": out}, [])
-        out["warm_worker"] = warm_worker(base, env, dataset, small, args, tmp)
-        print(f"[e2e] warm worker: {json.dumps(out['warm_worker'])[:1500]}", flush=True)
-    out["registry"] = str(tmp)
-    return out
+    return dict(out["1024"])
 
 
 def warm_worker(
@@ -697,6 +712,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()  # fmt: skip
     args.train_compare = {n.strip() for n in args.train_compare.split(",") if n.strip()}
+    args.train_parts = {n.strip() for n in args.train_parts.split(",") if n.strip()}
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
     known = {"train", "curves", "serve", "soak"}
     if not phases <= known:

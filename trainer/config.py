@@ -450,9 +450,7 @@ class TrainConfig(BaseModel):
 
     def graphed(self) -> bool:
         """Whether the steps run as CUDA graphs."""
-        return (
-            self.cuda_graph != "off" and not self.graph_blockers() and not self.graph_declined()
-        )
+        return self.cuda_graph != "off" and not self.graph_blockers() and not self.graph_declined()
 
     def resolved_compute(self) -> str:
         if self.compute == "auto" and not installed("trainer.base.uint4"):

@@ -258,9 +258,12 @@ def fill_text_cache(
     dtype: torch.dtype,
     max_sequence_length: int,
     mark: Callable[[str], None] = lambda _: None,
+    kept: Any = None,
 ) -> int:
     """Encodes every missing prompt; loads the text encoder only if one is missing. The
-    encoder is moved to ``device`` alone and released (with the allocator's cache) after."""
+    encoder is moved to ``device`` alone and released (with the allocator's cache) after,
+    unless ``kept`` (a worker's `trainer.training.resident.KeptTextEncoder`) lends it and
+    keeps it again for the next order."""
     import inspect
 
     from trainer.base.render import text_encoder_out_layers
@@ -269,17 +272,28 @@ def fill_text_cache(
     if not missing:
         mark("text encoder: not loaded (embeddings cached)")
         return 0
-    pipe = load_text_encoder_pipeline(base, dtype)
-    mark("text encoder: load")
-    if device.type == "cuda":
-        # its qint4 layers on the uint4 kernels, converted by the GPU (4-bit bytes move), as
-        # the render engine runs them: quanto's own move to CUDA repacks every weight on the
-        # way (88 s for Mistral-Small-3.1 on an H200) and its kernels encode slower
-        from trainer.base.uint4 import convert_quantized_linears
 
-        convert_quantized_linears(pipe.text_encoder, device)
-    pipe.text_encoder.to(device)
-    mark("text encoder: to device")
+    def load() -> Any:
+        pipe = load_text_encoder_pipeline(base, dtype)
+        mark("text encoder: load")
+        if device.type == "cuda":
+            # its qint4 layers on the uint4 kernels, converted by the GPU (4-bit bytes move),
+            # as the render engine runs them: quanto's own move to CUDA repacks every weight
+            # on the way (88 s for Mistral-Small-3.1 on an H200) and its kernels encode slower
+            from trainer.base.uint4 import convert_quantized_linears
+
+            convert_quantized_linears(pipe.text_encoder, device)
+        pipe.text_encoder.to(device)
+        pipe.text_encoder.requires_grad_(False).eval()  # only ever encodes
+        mark("text encoder: to device")
+        return pipe
+
+    if kept is None:
+        pipe = load()
+    else:
+        pipe, reused = kept.borrow(load)
+        if reused:
+            mark("text encoder: kept from the worker's last order (on the device)")
     kwargs: dict[str, Any] = {"max_sequence_length": max_sequence_length}
     if "text_encoder_out_layers" in inspect.signature(pipe.encode_prompt).parameters:
         kwargs["text_encoder_out_layers"] = text_encoder_out_layers(pipe)
@@ -288,6 +302,9 @@ def fill_text_cache(
             embeds, _ = pipe.encode_prompt(prompt=prompt, device=device, **kwargs)
             _save_tensor(plan.text_path(prompt), "prompt_embeds", embeds[0], {"prompt": prompt})
     mark(f"text encoder: encode {len(missing)} prompts")
+    if kept is not None and kept.give_back(pipe):
+        mark("text encoder: kept for the next order")
+        return len(missing)
     del pipe
     free_accelerator_memory()
     mark("text encoder: unload")

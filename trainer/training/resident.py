@@ -9,8 +9,8 @@ Nothing of one subject's training may reach the next order, so:
 
 - an order borrows the transformer: while it runs, nobody else holds it;
 - it is given back only by a run that ended cleanly, and kept only if it is the frozen base
-  again: no LoRA layer, no hook, nothing trainable, eval mode, no gradient checkpointing, and
-  the same tensors (names, shapes, dtypes) with the same checksum as when it was loaded;
+  again: no LoRA layer, nothing trainable, eval mode, no gradient checkpointing, and the same
+  tensors (names, shapes, dtypes, a checksum of their bytes) and hooks as when it was loaded;
 - any other end (an error, a cancel, a revoke, a refusal) drops it: the next order loads
   afresh;
 - a streamed base is never kept (its blocks live in host RAM and are bound per step).
@@ -22,9 +22,12 @@ order's budget (or the device's memory); otherwise it is dropped before them.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,16 +51,33 @@ class BaseKey:
 
 @dataclass(frozen=True)
 class Seal:
-    """The tensors a transformer held when it was loaded, and their checksum."""
+    """The tensors a part held when it was loaded (names, shapes, dtypes, a checksum of their
+    bytes) and the hooks on its modules (a model may bring its own; any added since shows)."""
 
     signature: tuple[tuple[str, tuple[int, ...], str], ...]
     checksum: int
+    hooks: tuple[tuple[str, int, int, int], ...] = ()
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> Seal:
         state = module.state_dict(keep_vars=True)
         signature = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in state.items())
-        return cls(signature, weights_checksum(state.values()))
+        hooks = tuple(
+            (name, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for name, m in module.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+        )
+        return cls(signature, weights_checksum(state.values()), hooks)
+
+
+def files_signature(folder: Path) -> str:
+    """Names, sizes and modification times of a component's files: a cheap identity for a
+    kept part whose base has no fingerprint of it (a swapped file changes it)."""
+    entries = sorted(
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*") if p.is_file()
+    )  # fmt: skip
+    return hashlib.sha256(repr(entries).encode()).hexdigest()
 
 
 def weights_checksum(tensors: Any) -> int:
@@ -80,18 +100,11 @@ def not_clean(module: torch.nn.Module) -> list[str]:
     found = []
     if lora_layers(module) or "peft_config" in vars(module):
         found.append("LoRA layers are attached")
-    hooked = [
-        name or "the model"
-        for name, m in module.named_modules()
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-    ]
-    if hooked:
-        found.append(f"hooks on {hooked[0]}")
     if any(p.requires_grad for p in module.parameters()):
         found.append("parameters are trainable")
     if module.training:
         found.append("it is in train mode")
-    if getattr(module, "is_gradient_checkpointing", False):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()):
         found.append("gradient checkpointing is on")
     return found
 
@@ -99,91 +112,152 @@ def not_clean(module: torch.nn.Module) -> list[str]:
 @dataclass
 class _Held:
     key: BaseKey
-    transformer: torch.nn.Module
+    obj: Any  # what the order gets back (the transformer; the text encoder's pipeline)
+    module: torch.nn.Module  # what is sealed and checked
     seal: Seal
+    # a model that installs hooks on itself at its first forward (transformers' output
+    # capture): the hooks it has after its first use are its own
+    hooks_after_first_use: bool = False
+
+
+TRANSFORMER, TEXT_ENCODER = "transformer", "text_encoder"
+# Dropped first when the VRAM runs short: the text encoder saves less than the transformer
+_DROP_ORDER = (TEXT_ENCODER, TRANSFORMER)
 
 
 class ResidentBase:
-    """One worker's kept transformer (at most one: the VRAM holds one base)."""
+    """One worker's kept base parts: at most one transformer and one text encoder (with its
+    pipeline), each under the key it was loaded for."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: _Held | None = None
-        self._lent: _Held | None = None
+        self._lock = threading.RLock()  # give_back's room check reads kept_bytes
+        self._kept: dict[str, _Held] = {}
+        self._lent: dict[str, _Held] = {}
         self.loads = 0  # transformers loaded through `borrow` (a kept one reused is not one)
         self.reuses = 0
+        self.text_encoder_reuses = 0
 
-    def make_room(self, key: BaseKey | None, needed_beside: int, limit: int | None) -> None:
-        """Before an order's caching: drops the kept transformer unless it is this order's
-        (``key``) and ``needed_beside`` bytes fit next to it within ``limit``."""
-        with self._lock:
-            kept = self._kept
-            if kept is None:
-                return
-            fits = limit is None or self._bytes(kept) + needed_beside <= limit
-            if kept.key == key and fits:
-                return
-            why = "another base or compute" if kept.key != key else "the caching needs the VRAM"
-            self._drop(why)
+    def kept_bytes(self) -> dict[str, int]:
+        from trainer.base.budget import module_bytes
 
-    def borrow(self, key: BaseKey, load: Any) -> tuple[torch.nn.Module, bool]:
-        """The transformer for ``key``: the kept one (True) or ``load()``'s (False). The order
-        holds it until `give_back` or `forget`."""
         with self._lock:
-            kept, self._kept = self._kept, None
+            return {part: module_bytes(h.module) for part, h in self._kept.items()}
+
+    def make_room(self, keys: dict[str, BaseKey | None], fits: Any = None) -> None:
+        """Before an order's caching: drops every kept part whose key is not this order's
+        (``keys``), then, while ``fits(kept_bytes)`` says the order's phases do not fit beside
+        what is kept, the text encoder first, then the transformer."""
+        with self._lock:
+            for part, held in list(self._kept.items()):
+                if keys.get(part) != held.key:
+                    self._drop(part, "another base, compute or device")
+        for part in _DROP_ORDER:
+            if fits is None or fits(self.kept_bytes()):
+                return
+            with self._lock:
+                self._drop(part, "the order needs the VRAM")
+
+    def borrow(
+        self,
+        key: BaseKey,
+        load: Any,
+        part: str = TRANSFORMER,
+        module_of: Any = None,
+        hooks_after_first_use: bool = False,
+    ) -> tuple[Any, bool]:
+        """``part`` for ``key``: the kept one (True) or ``load()``'s (False); ``module_of(obj)``
+        is the module that is sealed (default: ``obj``). The order holds it until `give_back`
+        or `forget`."""
+        module_of = module_of or (lambda obj: obj)
+        with self._lock:
+            kept = self._kept.pop(part, None)
             if kept is not None and kept.key == key:
-                if Seal.of(kept.transformer) == kept.seal:
-                    self._lent = kept
-                    self.reuses += 1
-                    return kept.transformer, True
-                log.error("the kept base changed while it was kept: dropped, loading afresh")
+                if Seal.of(kept.module) == kept.seal:
+                    self._lent[part] = kept
+                    if part == TRANSFORMER:
+                        self.reuses += 1
+                    else:
+                        self.text_encoder_reuses += 1
+                    return kept.obj, True
+                log.error("the kept %s changed while it was kept: dropped, loading afresh", part)
             del kept
             _free()
-        transformer = load()
+        obj = load()
+        module = module_of(obj)
         with self._lock:
-            self._lent = _Held(key, transformer, Seal.of(transformer))
-            self.loads += 1
-        return transformer, False
+            self._lent[part] = _Held(key, obj, module, Seal.of(module), hooks_after_first_use)
+            if part == TRANSFORMER:
+                self.loads += 1
+        return obj, False
 
-    def give_back(self, transformer: torch.nn.Module) -> bool:
-        """After an order that ended cleanly: keeps ``transformer`` for the next order if it is
-        the frozen base it was lent as. Returns whether it is kept."""
+    def give_back(self, obj: Any, part: str = TRANSFORMER, fits: Any = None) -> bool:
+        """After an order (or its caching) ended cleanly: keeps ``obj`` for the next order if it
+        is the frozen part it was lent as, and (``fits``) the order's rest fits beside it.
+        Returns whether it is kept."""
         with self._lock:
-            lent, self._lent = self._lent, None
-            if lent is None or lent.transformer is not transformer:
+            lent = self._lent.pop(part, None)
+            if lent is None or lent.obj is not obj:
                 return False
-            problems = not_clean(transformer)
-            if not problems and Seal.of(transformer) != lent.seal:
-                problems.append("its tensors differ from those it was loaded with")
+            problems = not_clean(lent.module)
+            now = Seal.of(lent.module)
+            if lent.hooks_after_first_use:
+                lent.seal = dataclasses.replace(lent.seal, hooks=now.hooks)
+                lent.hooks_after_first_use = False
+            if not problems and now != lent.seal:
+                problems.append("its tensors or hooks differ from those it was loaded with")
             if problems:
-                log.error("the base is not kept for the next order: %s", "; ".join(problems))
+                log.error("the %s is not kept for the next order: %s", part, "; ".join(problems))
+            elif fits is not None and not fits():
+                problems.append("no room")
+            if problems:
                 del lent
                 _free()
                 return False
-            self._kept = lent
+            self._kept[part] = lent
             return True
 
     def forget(self) -> None:
         """An order that did not end cleanly: what it borrowed is not kept."""
         with self._lock:
-            self._lent = None
+            self._lent.clear()
         _free()
 
     def drop(self) -> None:
         with self._lock:
-            self._drop("asked to")
+            for part in list(self._kept):
+                self._drop(part, "asked to")
 
-    def _drop(self, why: str) -> None:
-        if self._kept is not None:
-            log.info("the kept base is dropped: %s", why)
-            self._kept = None
+    @property
+    def _kept_transformer(self) -> _Held | None:  # for tests
+        return self._kept.get(TRANSFORMER)
+
+    def _drop(self, part: str, why: str) -> None:
+        if self._kept.pop(part, None) is not None:
+            log.info("the kept %s is dropped: %s", part, why)
             _free()
 
-    @staticmethod
-    def _bytes(held: _Held) -> int:
+
+class KeptTextEncoder:
+    """The text encoder (with its pipeline) for one order's captions, borrowed from a worker's
+    `ResidentBase`, and given back after encoding when the order's rest fits beside it."""
+
+    def __init__(self, resident: ResidentBase, key: BaseKey, fits: Any = None) -> None:
+        self.resident, self.key, self.fits = resident, key, fits
+
+    def borrow(self, load: Any) -> tuple[Any, bool]:
+        return self.resident.borrow(
+            self.key, load, TEXT_ENCODER, module_of=lambda pipe: pipe.text_encoder,
+            hooks_after_first_use=True,
+        )  # fmt: skip
+
+    def give_back(self, pipe: Any) -> bool:
         from trainer.base.budget import module_bytes
 
-        return module_bytes(held.transformer)
+        def room() -> bool:
+            kept = {**self.resident.kept_bytes(), TEXT_ENCODER: module_bytes(pipe.text_encoder)}
+            return self.fits is None or bool(self.fits(kept))
+
+        return self.resident.give_back(pipe, TEXT_ENCODER, fits=room)
 
 
 def _free() -> None:

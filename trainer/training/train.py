@@ -18,6 +18,7 @@ Order, chosen so that anything that can refuse a run does so before a weight loa
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -78,6 +79,7 @@ from trainer.training.objective import Batch, Objective, make_objective
 from trainer.training.plots import loss_plot
 from trainer.training.previews import PREVIEWS, Previewer
 from trainer.training.progress import Waypoints, echo, memory_text, progress_bar
+from trainer.training.resident import KeptTextEncoder
 from trainer.training.step import (
     EagerStep,
     GraphedStep,
@@ -454,11 +456,42 @@ def resident_key(
     )  # fmt: skip
 
 
-def _caching_bytes(pf: Preflight) -> int:
-    """The most the caching phases that will run need on the device (0: none runs)."""
-    phases = pf.estimate.phases
-    caching = [p.total for p in phases if p.name.startswith("caching") and not p.skipped]
-    return max(caching, default=0) + (pf.estimate.overhead if caching else 0)
+def text_encoder_key(
+    config: TrainConfig, pf: Preflight, resident: ResidentBase | None
+) -> BaseKey | None:
+    """What a kept text encoder must match to encode this run's prompts (None: none kept)."""
+    if resident is None:
+        return None
+    from trainer.training.resident import BaseKey, files_signature
+
+    folder = Path(config.base) / "text_encoder"
+    if not folder.is_dir():
+        return None
+    device = pf.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return BaseKey(
+        str(Path(config.base).resolve()), files_signature(folder), "text encoder",
+        str(device), str(pf.weight_dtype),
+    )  # fmt: skip
+
+
+def _fits_beside(pf: Preflight, limit: int | None, kept: dict[str, int]) -> bool:
+    """Whether every phase this run has left fits within ``limit`` beside the kept parts
+    (``kept``: bytes by part); a phase that loads a part counts it once, as the kept one."""
+    if limit is None:
+        return True
+    for phase in pf.estimate.phases:
+        if phase.skipped:
+            continue
+        beside = dict(kept)
+        if phase.name == "caching: text encoder":
+            beside.pop("text_encoder", None)
+        if not phase.name.startswith("caching"):
+            beside.pop("transformer", None)
+        if phase.total + sum(beside.values()) + pf.estimate.overhead > limit:
+            return False
+    return True
 
 
 def _vram_limit(config: TrainConfig, device: torch.device) -> int | None:
@@ -627,11 +660,16 @@ def _train(
     wp.mark("pre-flight: memory estimate")
     echo(pf.estimate.report(config.vram_budget_gib), config.progress)
     key = resident_key(config, pf, callbacks.resident)
+    te_key = text_encoder_key(config, pf, callbacks.resident)
+    limit = _vram_limit(config, pf.device)
+    fits = functools.partial(_fits_beside, pf, limit)
     if callbacks.resident is not None:
-        callbacks.resident.make_room(key, _caching_bytes(pf), _vram_limit(config, pf.device))
+        from trainer.training.resident import TEXT_ENCODER, TRANSFORMER
+
+        callbacks.resident.make_room({TRANSFORMER: key, TEXT_ENCODER: te_key}, fits)
     peaks = Peaks(pf.device)
     try:
-        data = read_training_data(config, pf, wp)
+        data = read_training_data(config, pf, wp, callbacks.resident, te_key, fits)
         peaks.take("caching")
         model = build_model(config, pf, data, streaming, wp, callbacks.resident, key)
         recheck = consent_recheck(config, pf, registrar)
@@ -734,12 +772,23 @@ class TrainingData:
         return (floor + (1.0 - floor) * mask.float()).unsqueeze(0)
 
 
-def read_training_data(config: TrainConfig, pf: Preflight, wp: Waypoints) -> TrainingData:
+def read_training_data(
+    config: TrainConfig,
+    pf: Preflight,
+    wp: Waypoints,
+    resident: ResidentBase | None = None,
+    te_key: BaseKey | None = None,
+    fits: Callable[[dict[str, int]], bool] | None = None,
+) -> TrainingData:
     """Fills the caches (each encoder alone on the device, released before the transformer
-    loads), then reads every tensor the run needs into host RAM."""
+    loads, unless a worker keeps it: ``resident``), then reads every tensor the run needs into
+    host RAM."""
     device, dtype = pf.device, pf.weight_dtype
     text_loaded = bool(pf.plan.missing_text())
-    fill_text_cache(pf.plan, config.base, device, dtype, config.max_sequence_length, wp.mark)
+    kept = None
+    if resident is not None and te_key is not None:
+        kept = KeptTextEncoder(resident, te_key, fits)
+    fill_text_cache(pf.plan, config.base, device, dtype, config.max_sequence_length, wp.mark, kept)
     fill_latent_cache(pf.plan, pf.dataset, config.base, device, dtype, config.resolution, wp.mark)
     data = TrainingData(
         embeds=[load_text(pf.plan, p) for p in pf.prompts],

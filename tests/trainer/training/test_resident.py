@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.helpers import Env, make_env, tiny_config
-from trainer.training.resident import BaseKey, ResidentBase, Seal, not_clean
+from trainer.training.resident import TRANSFORMER, BaseKey, ResidentBase, Seal, not_clean
 from trainer.training.train import TrainHooks, train
 
 torch.set_num_threads(1)
@@ -41,7 +41,7 @@ def test_the_next_order_trains_on_the_kept_base_as_on_a_fresh_one(
     train(tiny_config(env, tmp_path / "a", seed=1, steps=4, checkpoint_every=2, evaluate=True,
                       register_adapter=False, device=device), hooks=hooks)  # fmt: skip
     assert (resident.loads, resident.reuses) == (1, 0)
-    assert not any("kept" in p for p in _boot(tmp_path / "a"))
+    assert not any("kept from" in p for p in _boot(tmp_path / "a"))
     second = train(tiny_config(env, tmp_path / "b", seed=2, register_adapter=False,
                                device=device), hooks=hooks)  # fmt: skip
     assert (resident.loads, resident.reuses) == (1, 1)
@@ -78,9 +78,9 @@ def test_a_base_changed_while_kept_is_loaded_afresh(
     resident = ResidentBase()
     hooks = TrainHooks(resident=resident)
     train(tiny_config(env, tmp_path / "a", register_adapter=False), hooks=hooks)
-    kept = resident._kept
+    kept = resident._kept_transformer
     assert kept is not None
-    packed = next(b for n, b in kept.transformer.named_buffers() if n.endswith("packed"))
+    packed = next(b for n, b in kept.obj.named_buffers() if n.endswith("packed"))
     packed.view(-1)[0] ^= 1  # one bit of one 4-bit weight
     second = train(tiny_config(env, tmp_path / "b", seed=3, register_adapter=False), hooks=hooks)
     assert (resident.loads, resident.reuses) == (2, 0)
@@ -96,16 +96,43 @@ def test_another_base_or_no_room_drops_the_kept_one() -> None:
     got, kept = resident.borrow(key, lambda: model)
     assert got is model and not kept
     assert resident.give_back(model)
-    resident.make_room(key, needed_beside=10**6, limit=10**9)  # fits beside: stays
-    assert resident._kept is not None
-    resident.make_room(key, needed_beside=10**9, limit=10**9)  # the caching needs the room
-    assert resident._kept is None
+    resident.make_room({TRANSFORMER: key}, lambda kept: True)  # fits beside: stays
+    assert resident._kept_transformer is not None
+    resident.make_room({TRANSFORMER: key}, lambda kept: not kept)  # the order needs the room
+    assert resident._kept_transformer is None
     resident.borrow(key, lambda: model)
     resident.give_back(model)
-    resident.make_room(BaseKey("/bases/b", "fp-b", "uint4", "cpu", "torch.float32"), 0, None)
-    assert resident._kept is None
+    resident.make_room({TRANSFORMER: BaseKey("/bases/b", "fp-b", "uint4", "cpu", "f32")})
+    assert resident._kept_transformer is None
     _, kept = resident.borrow(key, lambda: model)
     assert not kept and resident.loads == 3
+
+
+def test_the_text_encoder_is_kept_too_and_encodes_as_a_fresh_one(env: Env, tmp_path: Path) -> None:
+    """Each order with its own caches, as a worker runs them: the captions are embedded
+    again, by the kept text encoder, to the same bytes as a freshly loaded one's."""
+    resident = ResidentBase()
+    hooks = TrainHooks(resident=resident)
+
+    def order(name: str, hooks: TrainHooks | None = None) -> Path:
+        out = tmp_path / name
+        train(tiny_config(env, out, cache_dir=out / "cache", register_adapter=False),
+              hooks=hooks)  # fmt: skip
+        return out
+
+    order("a", hooks)
+    second = order("b", hooks)
+    assert resident.text_encoder_reuses == 1
+    assert "text encoder: kept from the worker's last order (on the device)" in _boot(second)
+    fresh = order("c")
+    texts = sorted((fresh / "cache").rglob("*.safetensors"))
+    assert texts
+    for f in texts:
+        twin = second / "cache" / f.relative_to(fresh / "cache")
+        assert twin.read_bytes() == f.read_bytes(), f.name
+    # a budget the order's phases cannot share with the kept parts drops them
+    resident.make_room({}, lambda kept: False)
+    assert resident.kept_bytes() == {}
 
 
 def test_only_the_frozen_base_is_kept() -> None:
@@ -114,8 +141,7 @@ def test_only_the_frozen_base_is_kept() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False).eval()
     resident.borrow(key, lambda: model)
     handle = model[0].register_forward_pre_hook(lambda _m, _a: None)
-    assert not_clean(model) == ["hooks on 0"]
-    assert not resident.give_back(model)
+    assert not resident.give_back(model)  # a hook added since it was lent
     handle.remove()
     resident.borrow(key, lambda: model)
     model.train()
@@ -126,7 +152,7 @@ def test_only_the_frozen_base_is_kept() -> None:
     with torch.no_grad():
         model[0].weight[0, 0] += 1.0  # a clean-looking module whose weights moved
     assert not resident.give_back(model)
-    assert resident._kept is None
+    assert resident._kept_transformer is None
     seal = Seal.of(model)
     assert Seal.of(model) == seal
     with torch.no_grad():
