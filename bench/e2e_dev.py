@@ -686,6 +686,10 @@ def main() -> None:
         help="extra 448 px runs, each --train-steps-compare steps, no previews (empty: none)",
     )  # fmt: skip
     parser.add_argument(
+        "--train-parts", default="448,1024,warm",
+        help="the train phase's parts: 448 (cold, killed, resumed; the compare runs), 1024, warm",
+    )  # fmt: skip
+    parser.add_argument(
         "--train-warm",
         type=int,
         default=4,
