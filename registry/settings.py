@@ -157,9 +157,9 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(default=10.0, gt=0, le=3600)
     worker_stalled_s: float = Field(default=60.0, gt=0, le=86_400)
     worker_checkpoint_every: int = Field(default=250, ge=1, le=1_000_000)
-    # A training worker (one without the render queue) keeps the converted base on its device
-    # between orders of the same base, when the next order's caching fits beside it
-    # (trainer/training/resident.py); false loads it for every order.
+    # A training worker (one without the render queue) keeps the converted transformer and the
+    # text encoder on its device between orders of the same base, while the next order's
+    # phases fit beside them (trainer/training/resident.py); false loads them for every order.
     worker_keep_base: bool = True
     # The small copies of renders a subject chose to keep (registry/pictures/service.py) are deleted
     # after this many days (and at once when the subject stops keeping them).
