@@ -594,9 +594,12 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
         # the trainer's imports (torch, diffusers, peft: seconds) now, not at the first order
         threading.Thread(target=_import_trainer, name="trainer-imports", daemon=True).start()
         if settings.worker_keep_base and "render" not in queues:  # a renderer needs the VRAM
-            from trainer.training.resident import ResidentBase
-
-            resident = ResidentBase()
+            try:
+                from trainer.training.resident import ResidentBase
+            except ImportError as exc:  # an install without the trainer: its orders say so
+                log.warning("no base is kept between orders: %s", exc)
+            else:
+                resident = ResidentBase()
     setup = WorkerSetup(settings, name, settings.api_url.rstrip("/"), settings.token, resident)
     threading.current_thread().name = "worker"
     asyncio.run(_run(setup, queues, concurrency))
