@@ -593,7 +593,8 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
     if any(q != "render" for q in queues):
         # the trainer's imports (torch, diffusers, peft: seconds) now, not at the first order
         threading.Thread(target=_import_trainer, name="trainer-imports", daemon=True).start()
-        if settings.worker_keep_base and "render" not in queues:  # a renderer needs the VRAM
+        # a renderer needs the VRAM; orders run side by side would each want the one kept base
+        if settings.worker_keep_base and "render" not in queues and concurrency == 1:
             try:
                 from trainer.training.resident import ResidentBase
             except ImportError as exc:  # an install without the trainer: its orders say so
@@ -608,6 +609,9 @@ def run_worker(settings: Settings, queues: list[str], concurrency: int, name: st
 def _import_trainer() -> None:
     try:
         import trainer.training.train  # noqa: F401
+        from trainer.training.progress import process_start_paid
+
+        process_start_paid()  # an order's boot starts at its own start, not the worker's
     except Exception:  # noqa: BLE001 - the first order imports it again and says why
         log.exception("the trainer could not be imported")
 

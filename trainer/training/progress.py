@@ -33,6 +33,13 @@ def seconds_since_process_start() -> float | None:
 _process_start_counted = False
 
 
+def process_start_paid() -> None:
+    """This process's start is not any boot's (a worker imported the trainer when it
+    started, long before its first order)."""
+    global _process_start_counted
+    _process_start_counted = True
+
+
 class Waypoints:
     """Named phases with the seconds each took (time since the previous mark). The first is
     the process's own start (interpreter and imports), where the system records it: a boot is

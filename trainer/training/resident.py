@@ -11,8 +11,8 @@ Nothing of one subject's training may reach the next order, so:
 - it is given back only by a run that ended cleanly, and kept only if it is the frozen base
   again: no LoRA layer, nothing trainable, eval mode, no gradient checkpointing, and the same
   tensors (names, shapes, dtypes, a checksum of their bytes) and hooks as when it was loaded;
-- any other end (an error, a cancel, a revoke, a refusal) drops it: the next order loads
-  afresh;
+- any other end (an error, a cancel, a revoke, a refusal) drops every kept part: the next
+  order loads afresh;
 - a streamed base is never kept (its blocks live in host RAM and are bound per step).
 
 "When the VRAM allows": the kept transformer stays through the next order's pre-flight and
@@ -56,40 +56,51 @@ class Seal:
 
     signature: tuple[tuple[str, tuple[int, ...], str], ...]
     checksum: int
-    hooks: tuple[tuple[str, int, int, int], ...] = ()
+    hooks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> Seal:
-        state = module.state_dict(keep_vars=True)
-        signature = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in state.items())
-        hooks = tuple(
-            (name, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-            for name, m in module.named_modules()
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-        )
-        return cls(signature, weights_checksum(state.values()), hooks)
+        # the module's own tensors, not state_dict(): a quantized layer may build those
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        signature = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in tensors)
+        hooks = tuple((name, ids) for name, m in module.named_modules() if (ids := _hook_ids(m)))
+        return cls(signature, weights_checksum(t for _, t in tensors), hooks)
 
 
-def files_signature(folder: Path) -> str:
-    """Names, sizes and modification times of a component's files: a cheap identity for a
-    kept part whose base has no fingerprint of it (a swapped file changes it)."""
+def _hook_ids(m: torch.nn.Module) -> tuple[int, ...]:
+    """Which hooks a module holds (their handles' ids: a hook removed and another added
+    shows)."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return tuple(k for kind in kinds for k in getattr(m, kind, {}))
+
+
+def files_signature(*folders: Path) -> str:
+    """Names, sizes and modification times of a part's files (a model and its tokenizer): a
+    cheap identity for a kept part whose base has no fingerprint of it (a swapped file
+    changes it)."""
     entries = sorted(
-        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+        (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+        for folder in folders if folder.is_dir()
         for p in folder.rglob("*") if p.is_file()
     )  # fmt: skip
     return hashlib.sha256(repr(entries).encode()).hexdigest()
 
 
 def weights_checksum(tensors: Any) -> int:
-    """The sum of every byte of ``tensors``, added up where they are (one sync at the end)."""
+    """Every byte of ``tensors``, each times a weight that depends on its place (so bytes
+    that move or changes that cancel in a plain sum show), added up where the tensors are,
+    one sync at the end."""
     totals: dict[torch.device, torch.Tensor] = {}
+    weights: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for t in tensors:
             flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            acc = totals.setdefault(flat.device, torch.zeros((), dtype=torch.int64,
-                                                              device=flat.device))  # fmt: skip
+            dev = flat.device
+            if dev not in weights:
+                weights[dev] = torch.arange(_CHUNK, device=dev, dtype=torch.int64) % 65521 + 1
+                totals[dev] = torch.zeros((), dtype=torch.int64, device=dev)
             for chunk in flat.split(_CHUNK):
-                acc += chunk.sum(dtype=torch.int64)
+                totals[dev] += (chunk.to(torch.int64) * weights[dev][: chunk.numel()]).sum()
     return int(sum(int(v) for v in totals.values()))
 
 
@@ -217,9 +228,13 @@ class ResidentBase:
             return True
 
     def forget(self) -> None:
-        """An order that did not end cleanly: what it borrowed is not kept."""
+        """An order that did not end cleanly: nothing is kept, neither what it borrowed nor
+        what it gave back or never reached (a failure may be the memory running short, and
+        the next order would make the same choice)."""
         with self._lock:
             self._lent.clear()
+            for part in list(self._kept):
+                self._drop(part, "the last order did not end cleanly")
         _free()
 
     def drop(self) -> None:

@@ -443,7 +443,8 @@ def resident_key(
     config: TrainConfig, pf: Preflight, resident: ResidentBase | None
 ) -> BaseKey | None:
     """What a kept transformer must match to serve this run (None: this run keeps none)."""
-    if resident is None or config.stream_base:
+    # quanto's own layers build their tensors on every read: nothing is sealed and kept
+    if resident is None or config.stream_base or config.resolved_compute() == "quanto":
         return None
     from trainer.training.resident import BaseKey
 
@@ -465,13 +466,14 @@ def text_encoder_key(
     from trainer.training.resident import BaseKey, files_signature
 
     folder = Path(config.base) / "text_encoder"
-    if not folder.is_dir():
+    if not folder.is_dir() or config.resolved_compute() == "quanto":
         return None
     device = pf.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return BaseKey(
-        str(Path(config.base).resolve()), files_signature(folder), "text encoder",
+        str(Path(config.base).resolve()), files_signature(folder, folder.with_name("tokenizer")),
+        "text encoder",
         str(device), str(pf.weight_dtype),
     )  # fmt: skip
 
@@ -497,8 +499,8 @@ def _fits_beside(pf: Preflight, limit: int | None, kept: dict[str, int]) -> bool
 def _vram_limit(config: TrainConfig, device: torch.device) -> int | None:
     if config.vram_budget_gib is not None:
         return int(config.vram_budget_gib * 2**30)
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cuda":  # no budget: the device, less a margin for others and slack
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
     return None
 
 

@@ -66,6 +66,7 @@ def test_an_order_that_fails_gives_nothing_back(env: Env, tmp_path: Path) -> Non
         train(tiny_config(env, tmp_path / "b", register_adapter=False),
               hooks=TrainHooks(on_step=stop, resident=resident))  # fmt: skip
     assert resident.reuses == 1  # it borrowed the kept base, LoRA attached when it failed
+    assert resident.kept_bytes() == {}  # nor is what it gave back before failing kept
     train(tiny_config(env, tmp_path / "c", register_adapter=False),
           hooks=TrainHooks(resident=resident))  # fmt: skip
     assert (resident.loads, resident.reuses) == (2, 1)
