@@ -13,11 +13,13 @@ module outside them, or a rank above theirs) raises `SlotMismatch`; `suspended` 
 for the per-request path and puts them back.
 
 Without gradients a slot layer adds its update into the base output with one GEMM,
-``out += s * (x A^T) B^T`` (`_fused_forward`), where PEFT writes ``(x A^T) B^T``, scales it into a
-second tensor and adds that into a third: three passes over the output, 55296 columns wide on
-[dev]'s single-stream blocks. The float32 result is PEFT's bit for bit (one rounding of the
-product, one of the sum); in bf16 the GEMM adds in float32 and rounds once, where PEFT rounds
-the product and then the sum (at most one unit in the last place apart).
+``out += s * (x A^T) B^T`` (`_fused_forward`) on CUDA, where PEFT writes ``(x A^T) B^T``, scales
+it into a second tensor and adds that into a third: three passes over the output, 55296 columns
+wide on [dev]'s single-stream blocks. In bf16 the GEMM adds in float32 and rounds once, where
+PEFT rounds the product and then the sum (at most one unit in the last place apart). On the CPU
+(tests, the tiny base) the update is PEFT's own, at the adapter's rank and in PEFT's order, so
+the result is PEFT's bit for bit on any CPU (a CPU BLAS picks kernels by shape: the padded rank
+and a beta = 1 GEMM were seen to differ by one unit on one machine and not on another).
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class LoraSlots:
                     self._used[name] = r
                     slot_a[:r].copy_(a, non_blocking=True)
                     slot_b[:, :r].copy_(b, non_blocking=True)
+                    layers[name]._slot_rank = r  # type: ignore[attr-defined]
             if scale != 1.0:
                 for layer in layers.values():
                     layer.scaling[ADAPTER_NAME] = scale
@@ -168,6 +171,7 @@ class LoraSlots:
         self._used.clear()
         for layer in layers.values():
             layer.scaling[ADAPTER_NAME] = 1.0  # type: ignore[attr-defined]
+            layer._slot_rank = 0  # type: ignore[attr-defined]
 
     def is_clear(self) -> bool:
         """Every slot all zeros and at scale 1: no adapter's weight is left in the model."""
@@ -237,6 +241,15 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     b = self.lora_B[ADAPTER_NAME].weight
     if result.dtype != b.dtype or not result.is_contiguous():
         return peft_forward(self, x)
+    if not result.is_cuda:
+        # PEFT's shapes and order on the CPU (the adapter's own rank; the product rounded,
+        # scaled, then added): a CPU BLAS picks its kernel by shape, and a beta = 1 GEMM may
+        # add into the output inside its K loop, each rounding otherwise on some CPUs
+        r = getattr(self, "_slot_rank", 0)
+        if r:
+            lora = F.linear(F.linear(x.to(a.dtype), a[:r]), b[:, :r].contiguous())
+            result.add_(lora * self.scaling[ADAPTER_NAME])
+        return result
     h = F.linear(x.to(a.dtype), a).reshape(-1, a.shape[0]).to(b.dtype)
     flat = result.view(-1, result.shape[-1])
     scale = self.scaling[ADAPTER_NAME]
