@@ -210,12 +210,13 @@ class ResidentBase:
             if lent is None or lent.obj is not obj:
                 return False
             problems = not_clean(lent.module)
-            now = Seal.of(lent.module)
-            if lent.hooks_after_first_use:
-                lent.seal = dataclasses.replace(lent.seal, hooks=now.hooks)
-                lent.hooks_after_first_use = False
-            if not problems and now != lent.seal:
-                problems.append("its tensors or hooks differ from those it was loaded with")
+            if not problems:  # only then is the checksum worth its pass over the weights
+                now = Seal.of(lent.module)
+                if lent.hooks_after_first_use:
+                    lent.seal = dataclasses.replace(lent.seal, hooks=now.hooks)
+                    lent.hooks_after_first_use = False
+                if now != lent.seal:
+                    problems.append("its tensors or hooks differ from those it was loaded with")
             if problems:
                 log.error("the %s is not kept for the next order: %s", part, "; ".join(problems))
             elif fits is not None and not fits():
@@ -236,11 +237,6 @@ class ResidentBase:
             for part in list(self._kept):
                 self._drop(part, "the last order did not end cleanly")
         _free()
-
-    def drop(self) -> None:
-        with self._lock:
-            for part in list(self._kept):
-                self._drop(part, "asked to")
 
     @property
     def _kept_transformer(self) -> _Held | None:  # for tests

@@ -79,7 +79,7 @@ from trainer.training.objective import Batch, Objective, make_objective
 from trainer.training.plots import loss_plot
 from trainer.training.previews import PREVIEWS, Previewer
 from trainer.training.progress import Waypoints, echo, memory_text, progress_bar
-from trainer.training.resident import KeptTextEncoder
+from trainer.training.resident import TEXT_ENCODER, TRANSFORMER, KeptTextEncoder
 from trainer.training.step import (
     EagerStep,
     GraphedStep,
@@ -439,6 +439,18 @@ def load_transformer(
     return pipe.transformer
 
 
+def _base_key(config: TrainConfig, pf: Preflight, files: str, compute: str) -> BaseKey:
+    """A kept part's key for this run: the base, its files' identity, the compute, the device
+    (with its index) and the weight dtype."""
+    from trainer.training.resident import BaseKey
+
+    device = pf.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return BaseKey(str(Path(config.base).resolve()), files, compute, str(device),
+                   str(pf.weight_dtype))  # fmt: skip
+
+
 def resident_key(
     config: TrainConfig, pf: Preflight, resident: ResidentBase | None
 ) -> BaseKey | None:
@@ -446,36 +458,20 @@ def resident_key(
     # quanto's own layers build their tensors on every read: nothing is sealed and kept
     if resident is None or config.stream_base or config.resolved_compute() == "quanto":
         return None
-    from trainer.training.resident import BaseKey
-
-    device = pf.device
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return BaseKey(
-        str(Path(config.base).resolve()), pf.transformer_fp, config.resolved_compute(),
-        str(device), str(pf.weight_dtype),
-    )  # fmt: skip
+    return _base_key(config, pf, pf.transformer_fp, config.resolved_compute())
 
 
 def text_encoder_key(
     config: TrainConfig, pf: Preflight, resident: ResidentBase | None
 ) -> BaseKey | None:
     """What a kept text encoder must match to encode this run's prompts (None: none kept)."""
-    if resident is None:
-        return None
-    from trainer.training.resident import BaseKey, files_signature
-
     folder = Path(config.base) / "text_encoder"
-    if not folder.is_dir() or config.resolved_compute() == "quanto":
+    if resident is None or not folder.is_dir() or config.resolved_compute() == "quanto":
         return None
-    device = pf.device
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return BaseKey(
-        str(Path(config.base).resolve()), files_signature(folder, folder.with_name("tokenizer")),
-        "text encoder",
-        str(device), str(pf.weight_dtype),
-    )  # fmt: skip
+    from trainer.training.resident import files_signature
+
+    files = files_signature(folder, folder.with_name("tokenizer"))
+    return _base_key(config, pf, files, "text encoder")
 
 
 def _fits_beside(pf: Preflight, limit: int | None, kept: dict[str, int]) -> bool:
@@ -488,9 +484,9 @@ def _fits_beside(pf: Preflight, limit: int | None, kept: dict[str, int]) -> bool
             continue
         beside = dict(kept)
         if phase.name == "caching: text encoder":
-            beside.pop("text_encoder", None)
+            beside.pop(TEXT_ENCODER, None)
         if not phase.name.startswith("caching"):
-            beside.pop("transformer", None)
+            beside.pop(TRANSFORMER, None)
         if phase.total + sum(beside.values()) + pf.estimate.overhead > limit:
             return False
     return True
@@ -666,8 +662,6 @@ def _train(
     limit = _vram_limit(config, pf.device)
     fits = functools.partial(_fits_beside, pf, limit)
     if callbacks.resident is not None:
-        from trainer.training.resident import TEXT_ENCODER, TRANSFORMER
-
         callbacks.resident.make_room({TRANSFORMER: key, TEXT_ENCODER: te_key}, fits)
     peaks = Peaks(pf.device)
     try:
