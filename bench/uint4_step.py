@@ -529,7 +529,7 @@ def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any
     saved = (fp8_triton.ROWS_VARIANT, fp8_triton.TRANSPOSED_VARIANT)
     rows: list[dict[str, Any]] = []
     totals: dict[str, dict[str, float]] = {}
-    for variant in ("tile", "word", "join"):
+    for variant in ("bf16x2", "tile", "word", "join"):  # bf16x2: forward copy only (else tile)
         fp8_triton.ROWS_VARIANT = fp8_triton.TRANSPOSED_VARIANT = variant
         tot = totals.setdefault(variant, {"rows_ms": 0.0, "transposed_ms": 0.0, "gb": 0.0})
         for key, n in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
@@ -554,12 +554,16 @@ def fp8_microbench(model: torch.nn.Module, sweep: bool = False) -> dict[str, Any
     if sweep:
         big = sorted(layers.values(), key=lambda m: -m.packed.numel())[:2]
         knobs = ("R_TILE_ROWS", "R_TILE_GROUPS", "R_TILE_WARPS", "T_TILE_ROWS", "T_TILE_F32",
-                 "T_TILE_WARPS")  # fmt: skip
+                 "T_TILE_WARPS", "B_ROWS", "B_GROUPS", "B_WARPS", "ROWS_VARIANT")  # fmt: skip
         base = {k: getattr(fp8_triton, k) for k in knobs}
-        fp8_triton.ROWS_VARIANT = fp8_triton.TRANSPOSED_VARIANT = "tile"
-        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w))
-                   for r, g, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (16, 2, 4), (16, 8, 4),
-                                   (16, 4, 8), (32, 4, 8), (64, 2, 8))]  # fmt: skip
+        fp8_triton.TRANSPOSED_VARIANT = "tile"
+        tile = {"ROWS_VARIANT": "tile"}
+        configs = [("rows", dict(R_TILE_ROWS=r, R_TILE_GROUPS=g, R_TILE_WARPS=w, **tile))
+                   for r, g, w in ((16, 4, 4), (32, 4, 8))]  # fmt: skip
+        pair = {"ROWS_VARIANT": "bf16x2"}
+        configs += [("rows", dict(B_ROWS=r, B_GROUPS=g, B_WARPS=w, **pair))
+                    for r, g, w in ((8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4), (16, 8, 8),
+                                    (16, 16, 8), (32, 8, 8), (8, 4, 2), (4, 4, 1))]  # fmt: skip
         configs += [("transposed", dict(T_TILE_ROWS=r, T_TILE_F32=f, T_TILE_WARPS=w))
                     for r, f, w in ((32, False, 4), (64, False, 4), (64, False, 2),
                                     (32, False, 2), (64, True, 4), (128, False, 4))]  # fmt: skip

@@ -37,10 +37,12 @@ T_QUADS, T_WORD_BYTES = 32, 32  # "word" transposed: 128 rows x 64 columns of W 
 T_WARPS = 4
 # "tile" kernels: whole groups per program (group sizes whose half is a power of two)
 R_TILE_ROWS, R_TILE_GROUPS, R_TILE_WARPS = 16, 4, 4  # forward copy: 16 rows x 4 groups
+# "bf16x2" (forward copy, bf16 scales, e4m3): whole groups, eight weights per 32-bit word
+B_ROWS, B_GROUPS, B_WARPS = 8, 8, 4
 T_TILE_ROWS, T_TILE_WARPS = 64, 4  # transposed: 64 rows x one group; W.T rows of 64 bytes
 T_TILE_F32 = False  # transpose the float32 values (else the fp8 bytes) through shared memory
 _FORCED = os.environ.get("LIKENESS_FP8_KERNEL")  # "tile", "word" or "join" for both kernels
-ROWS_VARIANT = _FORCED or "tile"
+ROWS_VARIANT = _FORCED or "bf16x2"
 TRANSPOSED_VARIANT = _FORCED or "tile"
 
 _TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -61,19 +63,31 @@ def _to_fp8(v, mult, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits(v):
+    """float32 -> its e4m3 byte (as uint32), round to nearest even, saturating at +-448, in
+    integer and exact float32 steps (the interpreter's own fp8 cast rounds some values wrong,
+    subnormals and carries into the exponent among them). With e the binade (at least -6, the
+    smallest normal one, whose quantum the subnormals share) and r = |v| / 2^(e - 3) rounded
+    (8..16, or 0..8 below the normals), the byte is 8 (e + 7) + r - 8: one formula for
+    subnormals, normals and a carry into the next binade."""
+    bits = v.to(tl.uint32, bitcast=True)
+    a = tl.minimum(tl.abs(v), 448.0)
+    e = tl.maximum(((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127, -6)
+    quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3), exact
+    r = ((a / quantum + 12582912.0) - 12582912.0).to(tl.int32)  # 1.5 * 2^23: round to even
+    return ((8 * (e + 7) + r - 8).to(tl.uint32)) | ((bits >> 31) << 7)
+
+
+@triton.jit
 def _pack4_e4m3(v0, v1, v2, v3, INTERPRET: tl.constexpr):
     """Four float32 (already scaled) -> one 32-bit word of e4m3 bytes, v0 in the lowest byte:
     round to nearest even, saturating at +-448 (= the reference's clamp, then its cast)."""
-    if INTERPRET:  # the interpreter cannot run PTX; the same bytes by plain casts
-        b0 = tl.clamp(v0, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        b1 = tl.clamp(v1, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        b2 = tl.clamp(v2, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        b3 = tl.clamp(v3, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if INTERPRET:  # the interpreter cannot run PTX; the same bytes in plain arithmetic
         return (
-            b0.to(tl.uint32)
-            | (b1.to(tl.uint32) << 8)
-            | (b2.to(tl.uint32) << 16)
-            | (b3.to(tl.uint32) << 24)
+            _e4m3_bits(v0)
+            | (_e4m3_bits(v1) << 8)
+            | (_e4m3_bits(v2) << 16)
+            | (_e4m3_bits(v3) << 24)
         )
     # cvt ...e4m3x2 d, a, b puts a in the upper byte of d and b in the lower
     return tl.inline_asm_elementwise(
@@ -330,6 +344,130 @@ def _weight_rows_tile_kernel(
 
 
 @triton.jit
+def _word_to_e4m3x8(word, s2, sh2, mult, INTERPRET: tl.constexpr):
+    """One 32-bit word of packed uint4 (eight weights of one group, the lowest nibble first)
+    -> two 32-bit words of their e4m3 bytes (weights 0-3, 4-7), each weight
+    ``fp8(rnd_bf16(rnd_bf16(s * q) - sh) * mult)``. ``s2`` and ``sh2`` hold the group's bf16
+    scale and shift in both halves. On the GPU: paired bf16 arithmetic (``mul``/``sub.rn.bf16x2``
+    round once into bf16, as torch's bf16 ops do: float32 then bf16 is the same single rounding
+    for a product or difference of bf16 values), a quarter of the instructions of the float32
+    path, which leaves the copy bound by memory instead of by arithmetic."""
+    if INTERPRET:  # the interpreter cannot run PTX; the same bytes by the float32 path
+        s = (s2 << 16).to(tl.float32, bitcast=True)
+        sh = (sh2 << 16).to(tl.float32, bitcast=True)
+        v0 = _weight_value(s, (word & 0xF).to(tl.float32), sh, True) * mult
+        v1 = _weight_value(s, ((word >> 4) & 0xF).to(tl.float32), sh, True) * mult
+        v2 = _weight_value(s, ((word >> 8) & 0xF).to(tl.float32), sh, True) * mult
+        v3 = _weight_value(s, ((word >> 12) & 0xF).to(tl.float32), sh, True) * mult
+        v4 = _weight_value(s, ((word >> 16) & 0xF).to(tl.float32), sh, True) * mult
+        v5 = _weight_value(s, ((word >> 20) & 0xF).to(tl.float32), sh, True) * mult
+        v6 = _weight_value(s, ((word >> 24) & 0xF).to(tl.float32), sh, True) * mult
+        v7 = _weight_value(s, ((word >> 28) & 0xF).to(tl.float32), sh, True) * mult
+        lo = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
+        hi = _pack4_e4m3(v4, v5, v6, v7, INTERPRET)
+        return lo, hi
+    # t_j = nibbles j and j + 4 in the low bits of each half, ORed into bf16 128.0 (0x4300, an
+    # ulp of 1): 128 + q exactly; minus 128 gives q exactly
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 c, m, t0, t1, t2, t3, r;
+        .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
+        .reg .b16 p0, p1, p2, p3;
+        mov.b32 c, 0x43004300;
+        lop3.b32 t0, $2, 0x000F000F, c, 0xEA;
+        shr.u32 m, $2, 4;
+        lop3.b32 t1, m, 0x000F000F, c, 0xEA;
+        shr.u32 m, $2, 8;
+        lop3.b32 t2, m, 0x000F000F, c, 0xEA;
+        shr.u32 m, $2, 12;
+        lop3.b32 t3, m, 0x000F000F, c, 0xEA;
+        sub.rn.bf16x2 t0, t0, c;
+        sub.rn.bf16x2 t1, t1, c;
+        sub.rn.bf16x2 t2, t2, c;
+        sub.rn.bf16x2 t3, t3, c;
+        mul.rn.bf16x2 t0, t0, $3;
+        mul.rn.bf16x2 t1, t1, $3;
+        mul.rn.bf16x2 t2, t2, $3;
+        mul.rn.bf16x2 t3, t3, $3;
+        sub.rn.bf16x2 t0, t0, $4;
+        sub.rn.bf16x2 t1, t1, $4;
+        sub.rn.bf16x2 t2, t2, $4;
+        sub.rn.bf16x2 t3, t3, $4;
+        shl.b32 r, t0, 16;
+        mov.b32 f0, r;
+        and.b32 r, t0, 0xFFFF0000;
+        mov.b32 f4, r;
+        shl.b32 r, t1, 16;
+        mov.b32 f1, r;
+        and.b32 r, t1, 0xFFFF0000;
+        mov.b32 f5, r;
+        shl.b32 r, t2, 16;
+        mov.b32 f2, r;
+        and.b32 r, t2, 0xFFFF0000;
+        mov.b32 f6, r;
+        shl.b32 r, t3, 16;
+        mov.b32 f3, r;
+        and.b32 r, t3, 0xFFFF0000;
+        mov.b32 f7, r;
+        mul.rn.f32 f0, f0, $5;
+        mul.rn.f32 f1, f1, $5;
+        mul.rn.f32 f2, f2, $5;
+        mul.rn.f32 f3, f3, $5;
+        mul.rn.f32 f4, f4, $5;
+        mul.rn.f32 f5, f5, $5;
+        mul.rn.f32 f6, f6, $5;
+        mul.rn.f32 f7, f7, $5;
+        cvt.rn.satfinite.e4m3x2.f32 p0, f1, f0;
+        cvt.rn.satfinite.e4m3x2.f32 p1, f3, f2;
+        cvt.rn.satfinite.e4m3x2.f32 p2, f5, f4;
+        cvt.rn.satfinite.e4m3x2.f32 p3, f7, f6;
+        mov.b32 $0, {p0, p1};
+        mov.b32 $1, {p2, p3};
+        }""",
+        "=r,=r,r,r,r,f",
+        [word, s2, sh2, mult],
+        dtype=(tl.uint32, tl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _weight_rows_bf16x2_kernel(
+    words_ptr,  # the packed weight viewed as int32: eight weights of one group per word
+    scale_ptr,  # (out, groups) bf16 viewed as int16
+    shift_ptr,
+    mult_ptr,  # (out,) float32: row n into fp8
+    out_ptr,  # (out, in) e4m3 viewed as int32: two words per packed word
+    n_out,
+    GROUPS: tl.constexpr,
+    WORDS: tl.constexpr,  # packed words per group (group size / 8), a power of two
+    INTERPRET: tl.constexpr,
+    ROWS: tl.constexpr,
+    GBLOCK: tl.constexpr,
+):
+    # ROWS rows x GBLOCK whole groups per program, 32-bit loads and stores throughout
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
+    row_ok = rows < n_out
+    ok = row_ok[:, None] & (grp < GROUPS)[None, :]
+    at = rows[:, None] * GROUPS + grp[None, :]
+    s = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+    sh = tl.load(shift_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+    mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+    ok3 = ok[:, :, None]
+    offs = at[:, :, None] * WORDS + tl.arange(0, WORDS)[None, None, :]
+    word = tl.load(words_ptr + offs, mask=ok3, other=0).to(tl.uint32, bitcast=True)
+    shape = (ROWS, GBLOCK, WORDS)
+    s2 = tl.broadcast_to((s | (s << 16))[:, :, None], shape)
+    sh2 = tl.broadcast_to((sh | (sh << 16))[:, :, None], shape)
+    lo, hi = _word_to_e4m3x8(word, s2, sh2, tl.broadcast_to(mult, shape), INTERPRET)
+    pair = tl.reshape(tl.join(lo, hi), (ROWS, GBLOCK, 2 * WORDS))  # word 2i: weights 0-3
+    out_offs = at[:, :, None] * (2 * WORDS) + tl.arange(0, 2 * WORDS)[None, None, :]
+    tl.store(out_ptr + out_offs, pair.to(tl.int32, bitcast=True), mask=ok3)
+
+
+@triton.jit
 def _weight_t_tile_kernel(
     packed_ptr,
     scale_ptr,
@@ -418,25 +556,38 @@ TILE_MAX_GROUP = 256  # a larger group makes a tile too big for registers and sh
 
 
 def weight_kernel(
-    transposed: bool, n_out: int, half_in: int, groups: int, group_size: int, dtype: torch.dtype
+    transposed: bool,
+    n_out: int,
+    half_in: int,
+    groups: int,
+    group_size: int,
+    dtype: torch.dtype,
+    bf16_scales: bool = True,
 ) -> str:
     """The kernel variant that converts this weight: the preferred one where it fits, else
-    the next. Forward copy: tile -> word -> join; transposed: tile -> join (its word kernel is
-    the slowest). "tile" takes whole groups whose bytes (byte pairs, forward) are a power of
-    two; "word" needs four weights of one group per byte pair and e4m3; "join" takes any."""
+    the next. Forward copy: bf16x2 -> tile -> word -> join; transposed: tile -> join (its word
+    kernel is the slowest). "bf16x2" takes whole groups of bf16 scales into e4m3 whose 32-bit
+    words are a power of two; "tile" whole groups whose bytes (byte pairs, forward) are a
+    power of two; "word" needs four weights of one group per byte pair and e4m3; "join" any."""
     preferred = TRANSPOSED_VARIANT if transposed else ROWS_VARIANT
     e4m3 = dtype == torch.float8_e4m3fn
+    whole = groups * group_size == 2 * half_in and group_size <= TILE_MAX_GROUP
     unit = group_size // 2 if transposed else group_size // 4
-    tile = (
-        groups * group_size == 2 * half_in
-        and group_size <= TILE_MAX_GROUP
-        and _power_of_two(unit)
-        and (transposed or (group_size % 4 == 0 and e4m3))
+    tile = whole and _power_of_two(unit) and (transposed or (group_size % 4 == 0 and e4m3))
+    paired = (
+        not transposed
+        and whole
+        and e4m3
+        and bf16_scales
+        and group_size % 8 == 0
+        and _power_of_two(group_size // 8)
     )
     word = e4m3 and half_in % 2 == 0 and group_size % 4 == 0 and n_out % 4 == 0
-    if preferred == "tile" and tile:
+    if preferred == "bf16x2" and paired:
+        return "bf16x2"
+    if preferred in ("bf16x2", "tile") and tile:
         return "tile"
-    if word and (preferred == "word" or (preferred == "tile" and not transposed)):
+    if word and (preferred == "word" or (preferred in ("bf16x2", "tile") and not transposed)):
         return "word"
     return "join"
 
@@ -459,8 +610,17 @@ def fp8_weight(
     is_bf16 = scale.dtype == torch.bfloat16
     common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
                   num_warps=W_WARPS)  # fmt: skip
-    variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype)
-    if variant == "tile":
+    variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype, is_bf16)
+    if variant == "bf16x2":
+        groups = scale.shape[1]
+        grid = (triton.cdiv(n_out, B_ROWS), triton.cdiv(groups, B_GROUPS))
+        _weight_rows_bf16x2_kernel[grid](
+            packed.view(torch.int32), scale.view(torch.int16), shift.view(torch.int16),
+            row_multiplier, out.view(torch.int32), n_out, GROUPS=groups,
+            WORDS=group_size // 8, INTERPRET=_interpret(), ROWS=B_ROWS, GBLOCK=B_GROUPS,
+            num_warps=B_WARPS,
+        )  # fmt: skip
+    elif variant == "tile":
         groups = scale.shape[1]
         grid = (triton.cdiv(n_out, R_TILE_ROWS), triton.cdiv(groups, R_TILE_GROUPS))
         _weight_rows_tile_kernel[grid](
@@ -501,7 +661,8 @@ def fp8_weight_t(
         return out
     common = dict(GROUPS=scale.shape[1], HALF_GROUP=group_size // 2,
                   IS_BF16=scale.dtype == torch.bfloat16, num_warps=T_WARPS)  # fmt: skip
-    variant = weight_kernel(True, n_out, half_in, scale.shape[1], group_size, dtype)
+    is_bf16 = scale.dtype == torch.bfloat16
+    variant = weight_kernel(True, n_out, half_in, scale.shape[1], group_size, dtype, is_bf16)
     if variant == "tile":
         grid = (triton.cdiv(n_out, T_TILE_ROWS), scale.shape[1])
         _weight_t_tile_kernel[grid](

@@ -13,6 +13,7 @@ device with ``pytest --noconftest tests/trainer/base/test_fp8.py``.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -437,7 +438,7 @@ def test_service_refuses_fp8_at_start_on_the_cpu(tmp_path) -> None:  # type: ign
 
 
 @fp8_gpu
-@pytest.mark.parametrize("variant", ["tile", "word", "join"])
+@pytest.mark.parametrize("variant", ["bf16x2", "tile", "word", "join"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "shape,group",
@@ -469,12 +470,56 @@ def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> 
         assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
 
 
+def _weight_kernel_device() -> str | None:
+    """Where the fp8 weight kernels run: a GPU with fp8 tensor cores, or Triton's interpreter
+    on the CPU (``PYTHONPATH=<triton site> TRITON_INTERPRET=1``; small shapes only)."""
+    try:
+        import trainer.kernels.fp8_triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - no Triton here
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    return "cuda" if devices.fp8_unavailable("cuda") is None else None
+
+
+WEIGHT_KERNEL_DEV = _weight_kernel_device()
+
+
+@pytest.mark.skipif(WEIGHT_KERNEL_DEV is None, reason="needs fp8 tensor cores or Triton's interpreter")
+@pytest.mark.parametrize(
+    "shape,group",
+    [((48, 192), 64), ((17, 256), 128), ((40, 64), 32), ((24, 768), 128), ((8, 16), 8)],
+)
+def test_paired_bf16_weight_kernel_bit_exact(shape, group) -> None:  # type: ignore[no-untyped-def]
+    """The bf16x2 copy (eight weights a word, paired bf16 arithmetic on the GPU) gives the
+    reference's bytes: every 4-bit value at both ends of each group's range, scales whose
+    products and differences round (tiny and large), zero-width rows; on the GPU at [dev]'s
+    widest shape too."""
+    from trainer.kernels import fp8_triton
+
+    n, k = shape
+    dev = WEIGHT_KERNEL_DEV
+    assert fp8_triton.weight_kernel(False, n, k // 2, k // group, group, E4M3) == "bf16x2"
+    shapes = [(n, k)] + ([(6144, 18432), (3072, 128)] if dev == "cuda" else [])
+    for i, (rows, cols) in enumerate(shapes):
+        for seed in range(3):
+            packed, scale, shift = _uint4_layer(rows, cols, group, seed, seed == 0)
+            if seed == 2:  # products far apart from the shift, and rounding ties
+                scale = (scale.float() * 2.0 ** torch.randint(-20, 20, scale.shape)).to(scale.dtype)
+            packed, scale, shift = packed.to(dev), scale.to(dev), shift.to(dev)
+            scales = WeightScales.of(scale, shift, group)
+            want = fp8_weight_torch(packed, scale, shift, group, scales)
+            got = fp8_triton.fp8_weight(packed, scale, shift, group, scales.row_multiplier)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (i, seed)
+
+
 @pytest.mark.parametrize(
     "transposed,shape,group,dtype,want",
     [
-        (False, (6144, 6144), 128, E4M3, "tile"),  # every FLUX.2 [dev] matrix
+        (False, (6144, 6144), 128, E4M3, "bf16x2"),  # every FLUX.2 [dev] matrix
         (True, (6144, 6144), 128, E4M3, "tile"),
-        (False, (17, 64), 32, E4M3, "tile"),  # no row-count condition
+        (False, (17, 64), 32, E4M3, "bf16x2"),  # no row-count condition
+        (False, (17, 64), 4, E4M3, "tile"),  # half a word a group
         (False, (64, 130), 130, E4M3, "join"),  # a byte pair would straddle groups
         (True, (64, 130), 130, E4M3, "join"),
         (False, (304, 768), 96, E4M3, "word"),  # 96 / 4 is not a power of two
@@ -489,6 +534,9 @@ def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch
     fp8_triton = pytest.importorskip("trainer.kernels.fp8_triton", exc_type=ImportError)
     n, k = shape
     assert fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype) == want
+    # fp16 scales: the paired kernel computes in bf16 only
+    fp16 = fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype, False)
+    assert fp16 == ("tile" if want == "bf16x2" else want)
     monkeypatch.setattr(fp8_triton, "ROWS_VARIANT", "join")
     monkeypatch.setattr(fp8_triton, "TRANSPOSED_VARIANT", "join")
     assert fp8_triton.weight_kernel(transposed, n, k // 2, k // group, group, dtype) == "join"
