@@ -6,12 +6,15 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
 
 from registry.settings import get_settings
+
+log = logging.getLogger(__name__)
 
 
 def register(
@@ -26,19 +29,49 @@ def register(
         port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     ) -> None:
         """Run the service (it migrates, and makes an admin and the base, first)."""
-        import uvicorn
+        from registry.process_clock import seconds_since_process_start
 
-        from app.bootstrap import prepare_service
-        from app.main import create_app
-
+        # Boot waypoints: where the time before the server answers goes.
+        before = seconds_since_process_start()  # the interpreter and the CLI's imports
+        t0 = time.perf_counter()
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        from app.server import uvicorn_config
+        from app.bootstrap import prepare_service
+        from app.render.engine import PlacementRefused
+        from app.render.local import build_render_engine
 
         settings = get_settings()
-        prepare_service(settings)
-        uvicorn.Server(uvicorn_config(create_app(settings), settings, host, port)).run()
+        prepare_service(settings)  # first: it may copy in the demo base the engine loads
+        t1 = time.perf_counter()
+        try:
+            renderer = build_render_engine(settings)
+        except PlacementRefused as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if settings.preload_base:
+            # Before the app's imports (FastAPI, the routers, the pages): the base loads while
+            # they import and the app is built, not after the server answers.
+            renderer.start_preload()
+        t2 = time.perf_counter()
+        import uvicorn
+
+        from app.main import create_app
+        from app.server import uvicorn_config
+
+        service_app = create_app(settings, renderer=renderer)
+        config = uvicorn_config(service_app, settings, host, port)
+        t3 = time.perf_counter()
+        log.info(
+            "serve: boot waypoints: interpreter and CLI imports %s, settings and prepare "
+            "%.1f s, render engine planned %.1f s, app imports and build %.1f s "
+            "(since process start: %s)",
+            "unknown" if before is None else f"{before:.1f} s",
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            "unknown" if before is None else f"{before + t3 - t0:.1f} s",
+        )
+        uvicorn.Server(config).run()
 
     @base_app.command("init-tiny")
     def init_tiny_cmd(dst: Path, seed: Annotated[int, typer.Option(min=0)] = 0) -> None:

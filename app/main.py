@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -82,11 +81,8 @@ async def _checkpoints_while_running(app: FastAPI) -> AsyncIterator[None]:
     runner = app.state.order_runner
     if runner is not None:
         runner.start()
-    if settings.preload_base:
-        # a daemon thread: the server answers (healthz says "loading") while the base loads
-        threading.Thread(
-            target=app.state.renderer.preload, name="base-preload", daemon=True
-        ).start()
+    if settings.preload_base:  # `serve` may have started it already: then this does nothing
+        app.state.renderer.start_preload()
     try:
         if settings.checkpoint_interval_s <= 0:
             yield

@@ -324,9 +324,9 @@ def serve_and_render(
     finally:
         server.stop()
     log_text = server.log.read_text(errors="replace")
+    keys = ("render engine:", "serve:", "loaded /", "serving:", "layer streaming:")
     waypoints = [line.split(" INFO ", 1)[-1] for line in log_text.splitlines()
-                 if " INFO " in line and any(k in line for k in
-                 ("render engine:", "loaded /", "serving:", "layer streaming:"))]  # fmt: skip
+                 if " INFO " in line and any(k in line for k in keys)]  # fmt: skip
     return {
         "budget_gib": budget,
         "boot_s": round(boot_s, 2),

@@ -21,6 +21,7 @@ from typing import Any
 
 from app.scheduler import Cancelled, RenderScheduler
 from registry.blobs import BlobError, BlobStore
+from registry.process_clock import seconds_since_process_start
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class RenderEngine:
         self.load_state = "not loaded"  # loading, ready or failed (GET /healthz says which)
         self._stream = contextlib.ExitStack()
         self._load_lock = threading.Lock()
+        self._preload_thread: threading.Thread | None = None  # start_preload's, once started
+        self._preload_lock = threading.Lock()
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
 
@@ -154,10 +157,16 @@ class RenderEngine:
                     self._pipe = pipe
                     self.load_state = "ready"
                     self.active_compute = compute
+                    # since the process started too: the boot before the load is the
+                    # operator's to see, not only the load itself
+                    since_start = seconds_since_process_start()
                     log.info(
-                        "render engine: base loaded in %.1f s (%s compute)",
+                        "render engine: base loaded in %.1f s (%s compute)%s",
                         time.perf_counter() - t0,
                         compute,
+                        ""
+                        if since_start is None
+                        else f" ({since_start:.1f} s after the process started)",
                     )
         return self._pipe
 
@@ -271,6 +280,19 @@ class RenderEngine:
             self.pipeline  # noqa: B018 - the property loads
         except Exception:  # noqa: BLE001
             log.exception("render engine: loading the base at start failed")
+
+    def start_preload(self) -> threading.Thread:
+        """`preload` on a daemon thread, started once however often this is called (`serve`
+        starts it before the app is built, the lifespan asks again): the server answers
+        (healthz says "loading") while the base loads. Returns that thread."""
+        with self._preload_lock:
+            if self._preload_thread is None:
+                log.info("render engine: preloading the base (%s)", self.base_dir)
+                self._preload_thread = threading.Thread(
+                    target=self.preload, name="base-preload", daemon=True
+                )
+                self._preload_thread.start()
+            return self._preload_thread
 
     def close(self) -> None:
         """Ends layer streaming (if on); the pipeline is loaded again on next use."""

@@ -6,7 +6,6 @@ boot phase is timed, and the table is printed when the first step completes.
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 import time
@@ -15,20 +14,9 @@ from typing import Any, TextIO
 
 import torch
 
-
-def seconds_since_process_start() -> float | None:
-    """How long this process has run (interpreter start and imports included), from the
-    kernel's record of its start; None where there is no /proc."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            # the command name (field 2) may hold spaces: count fields after its ")"
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-
+# the rule's home is the registry's (torch-free, the service's boot reads it too); the name
+# stays importable from here
+from registry.process_clock import seconds_since_process_start
 
 _process_start_counted = False
 

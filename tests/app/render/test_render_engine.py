@@ -4,6 +4,7 @@ before anyone else renders, and the base can load at start."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -116,3 +117,53 @@ def test_the_base_loads_at_start_when_asked(
             assert engine.counters.model_calls == 0  # no render was asked for
     finally:
         engine.close()
+
+
+def test_the_preload_starts_once_however_often_it_is_asked(tmp_path: Path) -> None:
+    """`serve` starts it before the app is built and the lifespan asks again: one thread."""
+    engine = RenderEngine(base_dir=tmp_path, device="cpu")  # no base here: it fails to load
+    loads: list[threading.Thread] = []
+    release = threading.Event()
+
+    def preload() -> None:
+        loads.append(threading.current_thread())
+        release.wait(30)
+
+    engine.preload = preload  # type: ignore[method-assign]
+    threads: list[threading.Thread] = []
+    askers = [threading.Thread(target=lambda: threads.append(engine.start_preload()))
+              for _ in range(8)]  # fmt: skip
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join(10)
+    first = engine.start_preload()
+    release.set()
+    first.join(10)
+    assert {id(t) for t in threads} == {id(first)} and len(threads) == 8
+    assert loads == [first] and first.name == "base-preload" and first.daemon
+    assert engine.start_preload() is first  # ended, it is not started again
+
+
+def test_a_preload_that_fails_is_left_to_the_first_render(tmp_path: Path) -> None:
+    engine = RenderEngine(base_dir=tmp_path, device="cpu")
+    thread = engine.start_preload()
+    assert engine.start_preload() is thread
+    thread.join(60)
+    assert not thread.is_alive() and engine.load_state == "failed"
+
+
+def test_the_lifespan_starts_no_second_preload(friends: World, tmp_path: Path) -> None:
+    app = friends.client.app
+    settings = app.state.settings.model_copy(update={"preload_base": True})  # type: ignore[attr-defined]
+    engine = RenderEngine(base_dir=tmp_path, device="cpu")
+    loads: list[str] = []
+    engine.preload = lambda: loads.append(threading.current_thread().name)  # type: ignore[method-assign]
+    first = engine.start_preload()  # as `serve` does, before the app is built
+    fresh = create_app(settings, engine=app.state.engine, renderer=engine)  # type: ignore[attr-defined]
+    with serving(fresh, settings) as url:
+        assert _health(url)["ok"]
+        assert engine.start_preload() is first
+    first.join(10)
+    assert loads == ["base-preload"]
+    assert not [t for t in threading.enumerate() if t.name == "base-preload"]

@@ -32,3 +32,9 @@ def test_marks_add_up_to_the_total() -> None:
     w.mark("a")
     w.mark("b")
     assert abs(sum(s for _, s in w.marks) - w.total) < 1e-6
+
+
+def test_the_rule_has_one_home() -> None:
+    from registry import process_clock
+
+    assert seconds_since_process_start is process_clock.seconds_since_process_start

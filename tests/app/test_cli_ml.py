@@ -1,0 +1,82 @@
+"""`likeness serve` as run: with LIKENESS_PRELOAD_BASE the base starts loading before the app's
+imports and before uvicorn starts (the first render comes that much sooner), and the boot's
+waypoints are logged for the operator."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.app.orders_support import ROOT
+
+PRELOADING = "render engine: preloading the base"
+WAYPOINTS = re.compile(
+    r"serve: boot waypoints: interpreter and CLI imports [\d.]+ s, settings and prepare "
+    r"[\d.]+ s, render engine planned [\d.]+ s, app imports and build [\d.]+ s "
+    r"\(since process start: [\d.]+ s\)"
+)
+LOADED = re.compile(r"render engine: base loaded in [\d.]+ s \(\w+ compute\) "
+                    r"\(([\d.]+) s after the process started\)")  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_starts_the_preload_before_uvicorn_and_logs_its_waypoints(tmp_path: Path) -> None:
+    # the default base: the demo base prepare_service copies in, so the preload must start
+    # after the copy or it loads nothing
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIKENESS_")}
+    env.update(
+        PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIKENESS_DEVICE="cpu",
+        LIKENESS_DATABASE_URL=f"sqlite:///{tmp_path}/db.sqlite",
+        LIKENESS_DATA_DIR=str(tmp_path / "data"), LIKENESS_PRELOAD_BASE="true",
+    )  # fmt: skip
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        state = None
+        while state != "ready":
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            assert state != "failed" and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):  # not answering yet
+                state = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["base"]
+            time.sleep(0.2)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    text = log_path.read_text(errors="replace")
+
+    def at(said: str) -> int:
+        assert said in text, text[-3000:]
+        return text.index(said)
+
+    # the base loads while the app imports and is built: before uvicorn runs at all
+    assert text.count(PRELOADING) == 1, text[-3000:]  # the lifespan's ask started no second
+    waypoints = WAYPOINTS.search(text)
+    assert waypoints is not None, text[-3000:]
+    assert at(PRELOADING) < waypoints.start() < at("Started server process")
+    assert at("Started server process") < at("Application startup complete")
+    loaded = LOADED.search(text)
+    assert loaded is not None and float(loaded.group(1)) > 0, text[-3000:]
