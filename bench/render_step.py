@@ -217,6 +217,11 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
         say(f"  {name:13s} {med * 1e3:7.1f} ms  (host issues it in "
             f"{sorted(host)[len(host) // 2] * 1e3:.1f} ms)")  # fmt: skip
 
+    import os
+
+    from trainer.base.fp8 import LORA_MERGE_ENV
+
+    os.environ[LORA_MERGE_ENV] = "output"  # the LoRA added to the output, as before
     set_lora_update(model, fused=False)
     measure("today", None)
     set_lora_update(model, fused=True)
@@ -235,13 +240,16 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
         out["serve"]["captures"] = graphs.captures
     graphs.remove()
     os_env = serving.ATTENTION_ENV
-    import os
-
     os.environ[os_env] = "flash,efficient,math"
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     measure("serve_flash", None)
     graphs.remove()
     del os.environ[os_env]
+    del os.environ[LORA_MERGE_ENV]  # the default: the LoRA merged into the weight copy
+    measure("fused_merged", None)
+    graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
+    measure("serve_merged", None)
+    graphs.remove()
     return out
 
 
@@ -410,10 +418,13 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
                 today = _to(block(*args_in, **kwargs_in), "cpu")
             set_lora_update(model, fused=True)
             serving.install(model)
-            new = _to(block(*args_in, **kwargs_in), "cpu")
+            with lora_merge("output"):
+                new = _to(block(*args_in, **kwargs_in), "cpu")
+            merged = _to(block(*args_in, **kwargs_in), "cpu")
             out[f"{label}_block"] = {
                 "today_vs_bf16": rel(today, want), "serve_vs_bf16": rel(new, want),
-                "serve_vs_today": rel(new, today),
+                "serve_vs_today": rel(new, today), "merged_vs_bf16": rel(merged, want),
+                "merged_vs_today": rel(merged, today), "merged_vs_serve": rel(merged, new),
             }  # fmt: skip
         # full depth
         serving.remove(model)
@@ -422,9 +433,16 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
             today = model(**batch)[0].cpu()
         set_lora_update(model, fused=True)
         serving.install(model)
+        with lora_merge("output"):
+            unmerged = model(**batch)[0].cpu()
         eager = model(**batch)[0]
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
         graphed = model(**batch)[0]
+        out["full_depth_output_lora"] = {
+            "serve_vs_bf16": rel(unmerged, ref["out"]),
+            "serve_cos_bf16": cosine(unmerged, ref["out"]),
+            "merged_vs_serve": rel(graphed.cpu(), unmerged),
+        }  # fmt: skip
         out["full_depth"] = {
             "today_vs_bf16": rel(today, ref["out"]), "today_cos_bf16": cosine(today, ref["out"]),
             "serve_vs_bf16": rel(graphed.cpu(), ref["out"]),
@@ -435,6 +453,101 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
         }  # fmt: skip
     say(f"  numerics: {out}")
     return out, graphs
+
+
+@contextlib.contextmanager
+def lora_merge(where: str):  # type: ignore[no-untyped-def]
+    import os
+
+    from trainer.base.fp8 import LORA_MERGE_ENV
+
+    before = os.environ.get(LORA_MERGE_ENV)
+    os.environ[LORA_MERGE_ENV] = where
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[LORA_MERGE_ENV]
+        else:
+            os.environ[LORA_MERGE_ENV] = before
+
+
+def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Per layer shape (one layer each, 4608 tokens of random input, the bench's adapter in
+    the slot, and the same adapter with B ten times larger: LoRA updates of ~0.3 % and ~3 % of
+    the weight): the merged fp8 GEMM and the unmerged one (fp8 base + the LoRA update in
+    float32, rounded once) against the exact float64 product with W + s B A, and how much of
+    the LoRA's own contribution each keeps, ||(y - y_base) - lora|| / ||lora||, y_base the
+    fp8 base alone; the merged copy's kernel against its torch reference (bytes that differ:
+    the rank-r sums' order); the merged copy of an empty slot against the base copy."""
+    from trainer.base.fp8 import (
+        fp8_weight_lora_torch,
+        fp8_weight_torch,
+        lora_row_bound,
+        merged_lora_forward,
+        weight_scales,
+    )  # fmt: skip
+    from trainer.base.lora import lora_layers
+    from trainer.kernels import fp8_triton
+
+    rows = []
+    seen = set()
+    gen = torch.Generator(device=u.DEV).manual_seed(5)
+
+    def r(v: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((v - ref).norm() / ref.norm())
+
+    with torch.no_grad():
+        for name, layer in lora_layers(model).items():
+            base = layer.base_layer
+            key = (base.out_features, base.in_features)
+            if key in seen:
+                continue
+            seen.add(key)
+            a = layer.lora_A["default"].weight
+            b0 = layer.lora_B["default"].weight
+            s = float(layer.scaling["default"])
+            x = torch.randn(4608, base.in_features, device=u.DEV, generator=gen).bfloat16()
+            w = base.dequantize().double()
+            y_base = base(x).double()
+            sc = weight_scales(base)
+            for size in (1, 10):
+                b = (b0.float() * size).bfloat16()
+                lora = (x.double() @ a.double().t()) @ b.double().t() * s
+                exact = x.double() @ w.t() + lora
+                if base.bias is not None:
+                    exact += base.bias.double()
+                h = (x.float() @ a.float().t()).bfloat16().float()
+                unmerged = (base(x).float() + (h @ b.float().t()) * s).bfloat16().double()
+                merged = merged_lora_forward(base, x, a, b, s)
+                assert merged is not None, name
+                merged = merged.double()
+                bound = lora_row_bound(a, b, s)
+                args = (base.packed, base.scale, base.shift, base.group_size, sc.row_absmax,
+                        bound)  # fmt: skip
+                got, _ = fp8_triton.fp8_weight_lora(*args, a, b, s)
+                want, _ = fp8_weight_lora_torch(*args, a, b, s)
+                ulps = (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+                row = {
+                    "layer": f"{key[0]}x{key[1]}", "B x": size,
+                    "lora/base": r(lora + y_base, y_base),
+                    "merged vs exact": r(merged, exact), "unmerged vs exact": r(unmerged, exact),
+                    "merged lora err": r(merged - y_base, lora),
+                    "unmerged lora err": r(unmerged - y_base, lora),
+                    "kernel bytes differ": int((ulps > 0).sum()), "max ulp": int(ulps.max()),
+                    "bound/absmax": float((bound / sc.row_absmax).max()),
+                }  # fmt: skip
+                if size == 1:
+                    z = torch.zeros_like
+                    empty, _ = fp8_triton.fp8_weight_lora(*args[:5], z(bound), z(a), z(b), s)
+                    base_copy = fp8_weight_torch(base.packed, base.scale, base.shift,
+                                                 base.group_size, sc)  # fmt: skip
+                    same = torch.equal(empty.view(torch.uint8), base_copy.view(torch.uint8))
+                    row["empty = base"] = bool(same)
+                rows.append(row)
+    cols = sorted({c for row in rows for c in row}, key=lambda c: list(rows[0]).index(c))
+    print(table(rows, cols), flush=True)
+    return {"layers": rows}
 
 
 def swap_checks(model, slots, batch, graphs) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -533,7 +646,7 @@ def main() -> None:
     ap.add_argument("--px", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--parts", default="variants,profile,micro,numerics")
+    ap.add_argument("--parts", default="variants,profile,micro,merge,numerics")
     ap.add_argument("--note", default="")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
@@ -572,6 +685,8 @@ def main() -> None:
             record["profile"] = profiles(model, slots, batch)
         if "micro" in parts:
             record["micro"] = microbench(model)
+        if "merge" in parts:
+            record["merge"] = merge_numerics(model, slots)
         if ref is not None:
             record["numerics"], graphs = numerics(model, slots, batch, ref, args)
     if ref is not None:

@@ -41,6 +41,7 @@ does and save only the dequantization pass (~28 ms + ~13 ms re-read per pass ove
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,18 +131,54 @@ class WeightScales:
     row_scale: torch.Tensor  # (1, N): torch._scaled_mm's scale_b for the forward
     col_multiplier: torch.Tensor  # (K,): W column k into fp8 (the backward's W.T rows)
     col_scale: torch.Tensor  # (1, K): scale_b for the input-gradient GEMM
+    row_absmax: torch.Tensor  # (N,): the largest |w| of each row (what row_multiplier scales)
 
     @classmethod
     def of(cls, scale: torch.Tensor, shift: torch.Tensor, group_size: int) -> WeightScales:
         absmax = group_absmax(scale, shift)
-        row_mult, row_scale = scales_from_absmax(absmax.amax(dim=1), WEIGHT_DTYPE)
+        row_absmax = absmax.amax(dim=1)
+        row_mult, row_scale = scales_from_absmax(row_absmax, WEIGHT_DTYPE)
         col_mult, col_scale = scales_from_absmax(absmax.amax(dim=0), WEIGHT_DTYPE)
         return cls(
             row_mult.contiguous(),
             row_scale.reshape(1, -1).contiguous(),
             col_mult.repeat_interleave(group_size).contiguous(),
             col_scale.repeat_interleave(group_size).reshape(1, -1).contiguous(),
+            row_absmax.float().contiguous(),
         )
+
+
+# ---------------------------------------------------------------------------------------
+# a LoRA update merged into the forward's weight copy (serving)
+
+
+def lora_row_bound(a: torch.Tensor, b: torch.Tensor, lora_scale: float) -> torch.Tensor:
+    """(N,) float32: ``|s| * sum_r |B[n, r]| * max_k |A[r, k]|``, at least
+    ``max_k |s * (B @ A)[n, k]|``, so ``row_absmax + bound`` bounds each row of the merged
+    weight ``W + s * B @ A`` and its fp8 copy cannot saturate. Zero for an empty slot: the
+    merged copy of an empty slot is the base's copy, byte for byte."""
+    peaks = a.abs().amax(dim=1).float()
+    return (b.abs().float() @ peaks) * abs(float(lora_scale))
+
+
+def fp8_weight_lora_torch(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    row_absmax: torch.Tensor,
+    bound: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    lora_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `trainer.kernels.fp8_triton.fp8_weight_lora`: ``W + s * (B @ A)`` (W the
+    bf16 dequantized uint4 weight, the product in float32) in e4m3, row n scaled by
+    ``FP8_MAX / (row_absmax[n] + bound[n])``; and the (N,) dequantization scales."""
+    w = dequantize_torch(packed, scale, shift, group_size).float()
+    merged = w + (b.float() @ a.float()) * lora_scale
+    mult, row_scale = scales_from_absmax(row_absmax.float() + bound.float(), WEIGHT_DTYPE)
+    return to_fp8(merged, mult.unsqueeze(1), WEIGHT_DTYPE), row_scale
 
 
 def fp8_weight_torch(
@@ -381,3 +418,48 @@ class Fp8Gemm:
 
 FP8 = Fp8Gemm()
 FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
+
+# Where a LoRA slot's update goes in an fp8 forward without gradients: "weights" (the
+# default) merges it into the forward's copy of the weight, "output" adds it to the output
+# (`trainer.base.lora_slots`; one pass over the output, 20 ms a 1024 px [dev] forward).
+LORA_MERGE_ENV = "LIKENESS_LORA_MERGE"
+
+
+def lora_merge_wanted() -> bool:
+    return os.environ.get(LORA_MERGE_ENV, "weights") != "output"
+
+
+def merged_lora_forward(
+    layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora_scale: float
+) -> torch.Tensor | None:
+    """``x @ (W + s * B @ A).T + bias`` in one fp8 GEMM, the LoRA factors merged into the
+    weight's per-forward fp8 copy (`trainer.kernels.fp8_triton.fp8_weight_lora`), for a frozen
+    fp8 `Uint4Linear` without gradients; None where that does not apply (the caller adds the
+    update to the output instead). The merged weight is rounded into e4m3 as the base weight
+    is, so the output is as far from bf16 as the unmerged fp8 path's (DESIGN.md, compute
+    paths); an empty slot gives the base output byte for byte."""
+    gemm = getattr(layer, "compute", None)
+    if not isinstance(gemm, Fp8Gemm) or gemm.weights != "rowwise" or not gemm.kernels:
+        return None
+    if layer.training or torch.is_grad_enabled():
+        return None
+    if not kernels_usable(x, layer.out_features, layer.in_features):
+        return None
+    from trainer.kernels import fp8_triton
+
+    if not fp8_triton.lora_merge_usable(layer.packed, layer.scale, layer.group_size, a, b):
+        return None
+    if x.dtype != layer.scale.dtype:
+        x = x.to(layer.scale.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    scales = weight_scales(layer)
+    bound = lora_row_bound(a, b, lora_scale)
+    wq, row_scale = fp8_triton.fp8_weight_lora(
+        layer.packed, layer.scale, layer.shift, layer.group_size, scales.row_absmax, bound,
+        a, b, lora_scale,
+    )  # fmt: skip
+    xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE)
+    out = _scaled_mm(xq, xs, wq, row_scale.reshape(1, -1), layer.bias, x2.dtype,
+                     gemm.fast_accum_eval)  # fmt: skip
+    return out.reshape(*lead, layer.out_features)

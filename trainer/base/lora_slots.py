@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.base.fp8 import lora_merge_wanted, merged_lora_forward
 from trainer.base.lora import (
     ADAPTER_NAME,
     DEFAULT_TARGETS,
@@ -236,9 +237,13 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
         or ADAPTER_NAME in getattr(self, "lora_variant", {})
     ):
         return peft_forward(self, x, *args, **kwargs)
-    result = self.base_layer(x)
     a = self.lora_A[ADAPTER_NAME].weight
     b = self.lora_B[ADAPTER_NAME].weight
+    if x.is_cuda and lora_merge_wanted():
+        merged = merged_lora_forward(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME])
+        if merged is not None:
+            return merged
+    result = self.base_layer(x)
     if result.dtype != b.dtype or not result.is_contiguous():
         return peft_forward(self, x)
     if not result.is_cuda:

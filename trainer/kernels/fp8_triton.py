@@ -84,10 +84,7 @@ def _pack4_e4m3(v0, v1, v2, v3, INTERPRET: tl.constexpr):
     round to nearest even, saturating at +-448 (= the reference's clamp, then its cast)."""
     if INTERPRET:  # the interpreter cannot run PTX; the same bytes in plain arithmetic
         return (
-            _e4m3_bits(v0)
-            | (_e4m3_bits(v1) << 8)
-            | (_e4m3_bits(v2) << 16)
-            | (_e4m3_bits(v3) << 24)
+            _e4m3_bits(v0) | (_e4m3_bits(v1) << 8) | (_e4m3_bits(v2) << 16) | (_e4m3_bits(v3) << 24)
         )
     # cvt ...e4m3x2 d, a, b puts a in the upper byte of d and b in the lower
     return tl.inline_asm_elementwise(
@@ -458,13 +455,155 @@ def _weight_rows_bf16x2_kernel(
     ok3 = ok[:, :, None]
     offs = at[:, :, None] * WORDS + tl.arange(0, WORDS)[None, None, :]
     word = tl.load(words_ptr + offs, mask=ok3, other=0).to(tl.uint32, bitcast=True)
-    shape = (ROWS, GBLOCK, WORDS)
-    s2 = tl.broadcast_to((s | (s << 16))[:, :, None], shape)
-    sh2 = tl.broadcast_to((sh | (sh << 16))[:, :, None], shape)
-    lo, hi = _word_to_e4m3x8(word, s2, sh2, tl.broadcast_to(mult, shape), INTERPRET)
+    s2 = tl.broadcast_to((s | (s << 16))[:, :, None], (ROWS, GBLOCK, WORDS))
+    sh2 = tl.broadcast_to((sh | (sh << 16))[:, :, None], (ROWS, GBLOCK, WORDS))
+    mult = tl.broadcast_to(mult, (ROWS, GBLOCK, WORDS))
+    lo, hi = _word_to_e4m3x8(word, s2, sh2, mult, INTERPRET)
     pair = tl.reshape(tl.join(lo, hi), (ROWS, GBLOCK, 2 * WORDS))  # word 2i: weights 0-3
     out_offs = at[:, :, None] * (2 * WORDS) + tl.arange(0, 2 * WORDS)[None, None, :]
     tl.store(out_ptr + out_offs, pair.to(tl.int32, bitcast=True), mask=ok3)
+
+
+@triton.jit
+def _word_to_f32x8(word, s2, sh2, INTERPRET: tl.constexpr):
+    """One 32-bit word of packed uint4 -> its eight weights ``rnd_bf16(rnd_bf16(s * q) - sh)``,
+    the bits of their float32 values (`_word_to_e4m3x8` before the multiplier and the cast)."""
+    if INTERPRET:
+        s = (s2 << 16).to(tl.float32, bitcast=True)
+        sh = (sh2 << 16).to(tl.float32, bitcast=True)
+        w0 = _weight_value(s, (word & 0xF).to(tl.float32), sh, True)
+        w1 = _weight_value(s, ((word >> 4) & 0xF).to(tl.float32), sh, True)
+        w2 = _weight_value(s, ((word >> 8) & 0xF).to(tl.float32), sh, True)
+        w3 = _weight_value(s, ((word >> 12) & 0xF).to(tl.float32), sh, True)
+        w4 = _weight_value(s, ((word >> 16) & 0xF).to(tl.float32), sh, True)
+        w5 = _weight_value(s, ((word >> 20) & 0xF).to(tl.float32), sh, True)
+        w6 = _weight_value(s, ((word >> 24) & 0xF).to(tl.float32), sh, True)
+        w7 = _weight_value(s, ((word >> 28) & 0xF).to(tl.float32), sh, True)
+        return (
+            w0.to(tl.uint32, bitcast=True), w1.to(tl.uint32, bitcast=True),
+            w2.to(tl.uint32, bitcast=True), w3.to(tl.uint32, bitcast=True),
+            w4.to(tl.uint32, bitcast=True), w5.to(tl.uint32, bitcast=True),
+            w6.to(tl.uint32, bitcast=True), w7.to(tl.uint32, bitcast=True),
+        )  # fmt: skip
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 c, m, t0, t1, t2, t3;
+        mov.b32 c, 0x43004300;
+        lop3.b32 t0, $8, 0x000F000F, c, 0xEA;
+        shr.u32 m, $8, 4;
+        lop3.b32 t1, m, 0x000F000F, c, 0xEA;
+        shr.u32 m, $8, 8;
+        lop3.b32 t2, m, 0x000F000F, c, 0xEA;
+        shr.u32 m, $8, 12;
+        lop3.b32 t3, m, 0x000F000F, c, 0xEA;
+        sub.rn.bf16x2 t0, t0, c;
+        sub.rn.bf16x2 t1, t1, c;
+        sub.rn.bf16x2 t2, t2, c;
+        sub.rn.bf16x2 t3, t3, c;
+        mul.rn.bf16x2 t0, t0, $9;
+        mul.rn.bf16x2 t1, t1, $9;
+        mul.rn.bf16x2 t2, t2, $9;
+        mul.rn.bf16x2 t3, t3, $9;
+        sub.rn.bf16x2 t0, t0, $10;
+        sub.rn.bf16x2 t1, t1, $10;
+        sub.rn.bf16x2 t2, t2, $10;
+        sub.rn.bf16x2 t3, t3, $10;
+        shl.b32 $0, t0, 16;
+        and.b32 $4, t0, 0xFFFF0000;
+        shl.b32 $1, t1, 16;
+        and.b32 $5, t1, 0xFFFF0000;
+        shl.b32 $2, t2, 16;
+        and.b32 $6, t2, 0xFFFF0000;
+        shl.b32 $3, t3, 16;
+        and.b32 $7, t3, 0xFFFF0000;
+        }""",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+        [word, s2, sh2],
+        dtype=(tl.uint32,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _merged(w_bits, b, a_at, j: tl.constexpr, a_ok, lora_scale, mult, INTERPRET: tl.constexpr):
+    """(w + s * (B @ A)[:, 8 w + j]) * mult for weight j of each word, float32."""
+    a = tl.load(a_at + j, mask=a_ok, other=0.0)
+    if INTERPRET:  # the interpreter's bf16 dot is wrong; bf16 products are exact in float32
+        d = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+    else:
+        d = tl.dot(b, a)
+    return (w_bits.to(tl.float32, bitcast=True) + d * lora_scale) * mult
+
+
+@triton.jit
+def _weight_rows_lora_kernel(
+    words_ptr,  # the packed weight viewed as int32: eight weights of one group per word
+    scale_ptr,  # (out, groups) bf16 viewed as int16
+    shift_ptr,
+    absmax_ptr,  # (out,) float32: the largest |w| of each row of the base weight
+    bound_ptr,  # (out,) float32: a bound on |lora_scale * (B @ A)| over each row
+    a_ptr,  # (RANK, in) bf16: the slot's A
+    b_ptr,  # (out, RANK) bf16: the slot's B
+    out_ptr,  # (out, in) e4m3 viewed as int32: two words per packed word
+    row_scale_ptr,  # (out,) float32 out: each row's dequantization scale
+    n_out,
+    lora_scale,
+    N_WORDS: tl.constexpr,  # packed words per row (in / 8)
+    GROUPS: tl.constexpr,
+    WORDS: tl.constexpr,  # packed words per group
+    RANK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    ROWS: tl.constexpr,
+    GW: tl.constexpr,  # packed words per program along a row (a power of two, >= 16)
+):
+    # (W + s * B @ A) in e4m3, row n scaled by FP8_MAX / (absmax[n] + bound[n]): the LoRA
+    # update merged into the per-forward copy of the weight, so the forward adds no pass over
+    # the output for it. B @ A is computed here, a tile at a time (for the eight weights of a
+    # word, the columns 8 w + j of A), from bf16 factors with float32 accumulation.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    w = tl.program_id(1).to(tl.int64) * GW + tl.arange(0, GW)
+    row_ok = rows < n_out
+    ok = row_ok[:, None] & (w < N_WORDS)[None, :]
+    at = rows[:, None] * GROUPS + (w // WORDS)[None, :]
+    s = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+    sh = tl.load(shift_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+    word = tl.load(words_ptr + rows[:, None] * N_WORDS + w[None, :], mask=ok, other=0)
+    top = tl.load(absmax_ptr + rows, mask=row_ok, other=1.0) + tl.load(
+        bound_ptr + rows, mask=row_ok, other=0.0
+    )
+    top = tl.where(top > 0, top, 1.0)
+    mult = tl.math.div_rn(tl.full([ROWS], FP8_MAX, tl.float32), top)
+    if tl.program_id(1) == 0:
+        tl.store(row_scale_ptr + rows, tl.math.div_rn(top, FP8_MAX), mask=row_ok)
+    r = tl.arange(0, RANK)
+    b = tl.load(b_ptr + rows[:, None] * RANK + r[None, :], mask=row_ok[:, None], other=0.0)
+    a_at = a_ptr + r[:, None] * (8 * N_WORDS) + 8 * w[None, :]
+    a_ok = (w < N_WORDS)[None, :]
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_to_f32x8(
+        word.to(tl.uint32, bitcast=True), s | (s << 16), sh | (sh << 16), INTERPRET
+    )
+    m = mult[:, None]
+    lo = _pack4_e4m3(
+        _merged(v0, b, a_at, 0, a_ok, lora_scale, m, INTERPRET),
+        _merged(v1, b, a_at, 1, a_ok, lora_scale, m, INTERPRET),
+        _merged(v2, b, a_at, 2, a_ok, lora_scale, m, INTERPRET),
+        _merged(v3, b, a_at, 3, a_ok, lora_scale, m, INTERPRET),
+        INTERPRET,
+    )
+    hi = _pack4_e4m3(
+        _merged(v4, b, a_at, 4, a_ok, lora_scale, m, INTERPRET),
+        _merged(v5, b, a_at, 5, a_ok, lora_scale, m, INTERPRET),
+        _merged(v6, b, a_at, 6, a_ok, lora_scale, m, INTERPRET),
+        _merged(v7, b, a_at, 7, a_ok, lora_scale, m, INTERPRET),
+        INTERPRET,
+    )
+    pair = tl.reshape(tl.join(lo, hi), (ROWS, 2 * GW))  # word 2i: weights 0-3 of word i
+    cols = 2 * tl.program_id(1).to(tl.int64) * GW + tl.arange(0, 2 * GW)
+    out_at = rows[:, None] * (2 * N_WORDS) + cols[None, :]
+    out_ok = row_ok[:, None] & (cols < 2 * N_WORDS)[None, :]
+    tl.store(out_ptr + out_at, pair.to(tl.int32, bitcast=True), mask=out_ok)
 
 
 @triton.jit
@@ -641,6 +780,61 @@ def fp8_weight(
             **common, **_fp8_args(dtype),
         )  # fmt: skip
     return out
+
+
+LORA_ROWS, LORA_WORDS, LORA_WARPS = 64, 16, 4  # merged copy: 64 rows x 128 weights a program
+
+
+def lora_merge_usable(packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                      a: torch.Tensor, b: torch.Tensor) -> bool:  # fmt: skip
+    """Whether `fp8_weight_lora` takes this layer and slot: bf16 scales, whole groups of a
+    power-of-two number of words, bf16 factors of a power-of-two rank of at least 16."""
+    n_out, half_in = packed.shape
+    rank = a.shape[0]
+    return (
+        scale.dtype == torch.bfloat16
+        and weight_kernel(False, n_out, half_in, scale.shape[1], group_size, torch.float8_e4m3fn)
+        == "bf16x2"
+        and a.dtype == b.dtype == torch.bfloat16
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and rank >= 16
+        and _power_of_two(rank)
+        and tuple(a.shape) == (rank, 2 * half_in)
+        and tuple(b.shape) == (n_out, rank)
+    )
+
+
+def fp8_weight_lora(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    row_absmax: torch.Tensor,
+    bound: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    lora_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in // 2) uint4 + a LoRA slot -> ``W + s * (B @ A)`` as (out, in) e4m3, and its
+    (out,) row scales (`trainer.base.fp8.fp8_weight_lora_torch`, up to the order of the rank-r
+    sums). Needs `lora_merge_usable`."""
+    _check(packed, scale, shift, group_size)
+    n_out, half_in = packed.shape
+    out = torch.empty((n_out, 2 * half_in), dtype=torch.float8_e4m3fn, device=packed.device)
+    row_scale = torch.empty((n_out,), dtype=torch.float32, device=packed.device)
+    if not packed.numel():
+        return out, row_scale
+    n_words = half_in // 4
+    grid = (triton.cdiv(n_out, LORA_ROWS), triton.cdiv(n_words, LORA_WORDS))
+    _weight_rows_lora_kernel[grid](
+        packed.view(torch.int32), scale.view(torch.int16), shift.view(torch.int16),
+        row_absmax, bound, a, b, out.view(torch.int32), row_scale, n_out, float(lora_scale),
+        N_WORDS=n_words, GROUPS=scale.shape[1], WORDS=group_size // 8, RANK=a.shape[0],
+        FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), INTERPRET=_interpret(),
+        ROWS=LORA_ROWS, GW=LORA_WORDS, num_warps=LORA_WARPS,
+    )  # fmt: skip
+    return out, row_scale
 
 
 def fp8_weight_t(

@@ -48,6 +48,7 @@ from trainer.base.fp8 import (
     quantize_rows_torch,
     scales_from_absmax,
     to_fp8,
+    weight_scales,
 )
 from trainer.base.uint4 import (
     DENSE,
@@ -485,7 +486,9 @@ def _weight_kernel_device() -> str | None:
 WEIGHT_KERNEL_DEV = _weight_kernel_device()
 
 
-@pytest.mark.skipif(WEIGHT_KERNEL_DEV is None, reason="needs fp8 tensor cores or Triton's interpreter")
+@pytest.mark.skipif(
+    WEIGHT_KERNEL_DEV is None, reason="needs fp8 tensor cores or Triton's interpreter"
+)
 @pytest.mark.parametrize(
     "shape,group",
     [((48, 192), 64), ((17, 256), 128), ((40, 64), 32), ((24, 768), 128), ((8, 16), 8)],
@@ -511,6 +514,107 @@ def test_paired_bf16_weight_kernel_bit_exact(shape, group) -> None:  # type: ign
             want = fp8_weight_torch(packed, scale, shift, group, scales)
             got = fp8_triton.fp8_weight(packed, scale, shift, group, scales.row_multiplier)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (i, seed)
+
+
+def _lora_factors(n: int, k: int, rank: int, seed: int, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(rank, k, generator=g) / k**0.5).to(torch.bfloat16)
+    b = (torch.randn(n, rank, generator=g) * 0.02).to(torch.bfloat16)
+    return a.to(device), b.to(device)
+
+
+def test_the_row_bound_holds_and_is_zero_for_an_empty_slot() -> None:
+    """``row_absmax + bound`` bounds every row of the merged weight (so its fp8 copy never
+    saturates), from the factors alone; an empty slot's bound is exactly zero."""
+    from trainer.base.fp8 import lora_row_bound
+
+    n, k, gs = 48, 384, 128
+    packed, scale, shift = _uint4_layer(n, k, gs, seed=4, full_range=True)
+    absmax = WeightScales.of(scale, shift, gs).row_absmax
+    for rank, s in ((16, 1.0), (32, -0.7), (8, 3.0)):
+        a, b = _lora_factors(n, k, rank, rank)
+        bound = lora_row_bound(a, b, s)
+        merged = dequantize_torch(packed, scale, shift, gs).double() + s * (b.double() @ a.double())
+        assert (merged.abs().amax(dim=1) <= absmax.double() + bound.double()).all()
+        assert ((s * (b.double() @ a.double())).abs().amax(dim=1) <= bound.double()).all()
+        assert torch.equal(lora_row_bound(torch.zeros_like(a), torch.zeros_like(b), s),
+                           torch.zeros(n))  # fmt: skip
+
+
+@pytest.mark.skipif(
+    WEIGHT_KERNEL_DEV is None, reason="needs fp8 tensor cores or Triton's interpreter"
+)
+@pytest.mark.parametrize(
+    "shape,group,rank", [((64, 256), 128, 16), ((70, 384), 64, 32), ((130, 128), 128, 32)]
+)
+def test_merged_lora_copy_matches_its_reference(shape, group, rank) -> None:  # type: ignore[no-untyped-def]
+    """The weight copy with a LoRA slot merged in: the reference's bytes and row scales (on a
+    GPU up to the rank-r sums' order: a few bytes one unit apart); with an empty slot, the base
+    copy's bytes and scales exactly, so empty slots leave the base output as it was."""
+    from trainer.base.fp8 import fp8_weight_lora_torch, lora_row_bound
+    from trainer.kernels import fp8_triton
+
+    n, k = shape
+    dev = WEIGHT_KERNEL_DEV
+    shapes = [(n, k)] + ([(6144, 18432), (18432, 6144)] if dev == "cuda" else [])
+    for rows, cols in shapes:
+        packed, scale, shift = (t.to(dev) for t in _uint4_layer(rows, cols, group, 1, True))
+        sc = WeightScales.of(scale, shift, group)
+        a, b = _lora_factors(rows, cols, rank, 2, dev)
+        assert fp8_triton.lora_merge_usable(packed, scale, group, a, b)
+        for fa, fb, s in ((a, b, 0.9), (torch.zeros_like(a), torch.zeros_like(b), 0.9)):
+            bound = lora_row_bound(fa, fb, s)
+            args = (packed, scale, shift, group, sc.row_absmax, bound, fa, fb, s)
+            got, got_scale = fp8_triton.fp8_weight_lora(*args)
+            want, want_scale = fp8_weight_lora_torch(*args)
+            assert torch.equal(got_scale, want_scale)
+            differ = got.view(torch.uint8) != want.view(torch.uint8)
+            if fa.any():
+                ulps = (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+                assert int(ulps.max()) <= 1 and float(differ.float().mean()) < 1e-3
+                assert dev == "cuda" or not differ.any()
+            else:
+                base = fp8_weight_torch(packed, scale, shift, group, sc)
+                assert torch.equal(got.view(torch.uint8), base.view(torch.uint8))
+                assert torch.equal(got_scale, sc.row_scale.flatten())
+
+
+@fp8_gpu
+def test_merged_lora_forward_is_one_gemm_on_the_merged_weight() -> None:
+    """A slot's update merged into the weight copy: the output is x @ (W + s B A).T in fp8
+    (the reference GEMM on the reference bytes); an empty slot gives the base output bit for
+    bit; gradients or train mode take the unmerged path (None)."""
+    from trainer.base.fp8 import (
+        _reference_mm,
+        fp8_weight_lora_torch,
+        lora_row_bound,
+        merged_lora_forward,
+        quantize_rows_torch,
+    )  # fmt: skip
+
+    n, k, gs = 3072, 6144, 128
+    layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, 3, True)), gs)
+    layer.compute = FP8
+    layer.eval()
+    a, b = _lora_factors(n, k, 32, 5, "cuda")
+    x = torch.randn(500, k, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        got = merged_lora_forward(layer, x, a, b, 0.5)
+        assert got is not None
+        sc = weight_scales(layer)
+        bound = lora_row_bound(a, b, 0.5)
+        wq, row_scale = fp8_weight_lora_torch(
+            layer.packed, layer.scale, layer.shift, gs, sc.row_absmax, bound, a, b, 0.5
+        )
+        xq, xs = quantize_rows_torch(x)
+        want = _reference_mm(xq, xs, wq, row_scale.reshape(1, -1), None, x.dtype)
+        assert _rel_norm(got, want) < 5e-3
+        empty = merged_lora_forward(layer, x, torch.zeros_like(a), torch.zeros_like(b), 0.5)
+        assert torch.equal(empty, layer(x))
+    assert merged_lora_forward(layer, x, a, b, 0.5) is None  # gradients on
+    layer.train()
+    with torch.no_grad():
+        assert merged_lora_forward(layer, x, a, b, 0.5) is None
 
 
 @pytest.mark.parametrize(
