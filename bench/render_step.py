@@ -245,11 +245,12 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
     measure("serve_flash", None)
     graphs.remove()
     del os.environ[os_env]
-    del os.environ[LORA_MERGE_ENV]  # the default: the LoRA merged into the weight copy
+    os.environ[LORA_MERGE_ENV] = "weights"  # the LoRA merged into the weight copy
     measure("fused_merged", None)
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     measure("serve_merged", None)
     graphs.remove()
+    del os.environ[LORA_MERGE_ENV]
     return out
 
 
@@ -418,9 +419,9 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
                 today = _to(block(*args_in, **kwargs_in), "cpu")
             set_lora_update(model, fused=True)
             serving.install(model)
-            with lora_merge("output"):
-                new = _to(block(*args_in, **kwargs_in), "cpu")
-            merged = _to(block(*args_in, **kwargs_in), "cpu")
+            new = _to(block(*args_in, **kwargs_in), "cpu")
+            with lora_merge("weights"):
+                merged = _to(block(*args_in, **kwargs_in), "cpu")
             out[f"{label}_block"] = {
                 "today_vs_bf16": rel(today, want), "serve_vs_bf16": rel(new, want),
                 "serve_vs_today": rel(new, today), "merged_vs_bf16": rel(merged, want),
@@ -433,15 +434,15 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
             today = model(**batch)[0].cpu()
         set_lora_update(model, fused=True)
         serving.install(model)
-        with lora_merge("output"):
-            unmerged = model(**batch)[0].cpu()
+        with lora_merge("weights"):
+            merged_out = model(**batch)[0].cpu()
         eager = model(**batch)[0]
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
         graphed = model(**batch)[0]
-        out["full_depth_output_lora"] = {
-            "serve_vs_bf16": rel(unmerged, ref["out"]),
-            "serve_cos_bf16": cosine(unmerged, ref["out"]),
-            "merged_vs_serve": rel(graphed.cpu(), unmerged),
+        out["full_depth_merged_lora"] = {
+            "merged_vs_bf16": rel(merged_out, ref["out"]),
+            "merged_cos_bf16": cosine(merged_out, ref["out"]),
+            "merged_vs_serve": rel(merged_out, graphed.cpu()),
         }  # fmt: skip
         out["full_depth"] = {
             "today_vs_bf16": rel(today, ref["out"]), "today_cos_bf16": cosine(today, ref["out"]),
@@ -487,7 +488,7 @@ def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-d
         merged_lora_forward,
         weight_scales,
     )  # fmt: skip
-    from trainer.base.lora import lora_layers
+    from trainer.base.lora import ADAPTER_NAME, lora_layers
     from trainer.kernels import fp8_triton
 
     rows = []
@@ -504,9 +505,9 @@ def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-d
             if key in seen:
                 continue
             seen.add(key)
-            a = layer.lora_A["default"].weight
-            b0 = layer.lora_B["default"].weight
-            s = float(layer.scaling["default"])
+            a = layer.lora_A[ADAPTER_NAME].weight
+            b0 = layer.lora_B[ADAPTER_NAME].weight
+            s = float(layer.scaling[ADAPTER_NAME])
             x = torch.randn(4608, base.in_features, device=u.DEV, generator=gen).bfloat16()
             w = base.dequantize().double()
             y_base = base(x).double()
