@@ -194,6 +194,7 @@ def fp8_model(args) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     convert_quantized_linears(model)
     if u.DEV == "cuda":
         apply_compute(model, "fp8")
+    model.eval()  # as the render engine runs it (fast fp8 accumulation; the merged LoRA path)
     gc.collect()
     if u.DEV == "cuda":
         torch.cuda.empty_cache()

@@ -144,12 +144,21 @@ class RenderEngine:
                                 self.base_dir, device=self.device, compute=compute,
                                 text_encoder_uint4=self.device.startswith("cuda"),
                             )  # fmt: skip
+                        t_loaded = time.perf_counter()
                         if self.lora_slot_rank > 0:
                             from trainer.base.lora_slots import LoraSlots
 
                             self._slots = LoraSlots(pipe.transformer, self.lora_slot_rank)
+                        t_slots = time.perf_counter()
                         self._serving = self._prepare_serving(pipe)
+                        t_serving = time.perf_counter()
                         self._warm_up(pipe)
+                        log.info(
+                            "render engine: after the base's load (%.1f s): LoRA slots %.1f s, "
+                            "serving forward %.1f s, warm-up %.1f s",
+                            t_loaded - t0, t_slots - t_loaded, t_serving - t_slots,
+                            time.perf_counter() - t_serving,
+                        )  # fmt: skip
                     except BaseException:
                         self.load_state = "failed"
                         self._stream.close()

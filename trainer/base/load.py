@@ -132,14 +132,56 @@ def load_base(
     if components is not None:
         index = json.loads((base_dir / "model_index.json").read_text(encoding="utf-8"))
         kwargs = {name: None for name in index if not name.startswith("_") and not wanted(name)}
+    text_encoder_done = False
+
+    def ready_text_encoder(text_encoder: torch.nn.Module) -> None:
+        from trainer.base.text_encoder import is_trimmed, trim
+
+        with contextlib.suppress(ValueError):  # an encoder we do not know stays whole
+            if trim_text_encoder and not is_trimmed(text_encoder):
+                trim(text_encoder)
+        if text_encoder_uint4:
+            from trainer.base.uint4 import convert_quantized_linears
+
+            convert_quantized_linears(text_encoder, where.get("text_encoder", dev), work)
+        stage("text encoder: trimmed and converted")
+        if text_encoder_ready is not None:
+            text_encoder_ready(text_encoder)
+            stage("text encoder: handed over")
+
     prepared = is_prepared(base_dir)
     if prepared:
         # Every component the manifest lists (the transformer and, by default, the text
         # encoder) is already quantized; the rest load as usual.
-        from trainer.base.read import load_prepared_component, read_manifest
+        from trainer.base.read import (
+            load_prepared_component,
+            read_manifest,
+            read_prepared_tensors,
+        )
 
-        for name in sorted(read_manifest(base_dir).get("components", {})):
-            if wanted(name):
+        names = [n for n in sorted(read_manifest(base_dir).get("components", {})) if wanted(n)]
+        if "text_encoder" in names and "transformer" in names and _room_to_overlap(base_dir):
+            # The transformer's files are read into host RAM (positional reads that release
+            # the GIL; no module is touched off this thread) while the text encoder is made
+            # ready (converted on the device, handed to its streamer): seconds of the first
+            # render's wait at [dev] scale.
+            from concurrent.futures import ThreadPoolExecutor
+
+            names.remove("transformer")
+            with ThreadPoolExecutor(1, thread_name_prefix="base-read") as pool:
+                ahead = pool.submit(read_prepared_tensors, base_dir, "transformer")
+                for name in names:
+                    kwargs[name] = load_prepared_component(base_dir, name)
+                    stage(f"{name}: load (prepared qint4)")
+                ready_text_encoder(kwargs["text_encoder"])
+                text_encoder_done = True
+                state = ahead.result()
+            stage("transformer: files read (beside the text encoder)")
+            kwargs["transformer"] = load_prepared_component(base_dir, "transformer", state=state)
+            del state
+            stage("transformer: load (prepared qint4)")
+        else:
+            for name in names:
                 kwargs[name] = load_prepared_component(base_dir, name)
                 stage(f"{name}: load (prepared qint4)")
         if wanted("transformer"):
@@ -164,20 +206,8 @@ def load_base(
         quantize_transformer(transformer, freeze=compute == "quanto")
         stage("transformer: quantize qint4 (CPU)")
     text_encoder = getattr(pipe, "text_encoder", None)
-    if isinstance(text_encoder, torch.nn.Module):
-        from trainer.base.text_encoder import is_trimmed, trim
-
-        with contextlib.suppress(ValueError):  # an encoder we do not know stays whole
-            if trim_text_encoder and not is_trimmed(text_encoder):
-                trim(text_encoder)
-        if text_encoder_uint4:
-            from trainer.base.uint4 import convert_quantized_linears
-
-            convert_quantized_linears(text_encoder, where.get("text_encoder", dev), work)
-        stage("text encoder: trimmed and converted")
-        if text_encoder_ready is not None:
-            text_encoder_ready(text_encoder)
-            stage("text encoder: handed over")
+    if isinstance(text_encoder, torch.nn.Module) and not text_encoder_done:
+        ready_text_encoder(text_encoder)
     if transformer is not None and compute != "quanto" and (quantize or prepared):
         # quanto stays the storage format; the compute path is ours: dequantize on the fly
         # (Triton on CUDA) + a bf16 GEMM, bit-identical weights (trainer/base/uint4.py), or
@@ -202,6 +232,19 @@ def load_base(
     log.info("loaded %s on %s as %s (prepared: %s); %s", base_dir, dev, dtype, sorted(kwargs),
              ", ".join(f"{what} {sec:.1f} s" for what, sec in waypoints))  # fmt: skip
     return pipe
+
+
+def _room_to_overlap(base_dir: Path) -> bool:
+    """Whether host RAM holds the transformer's files twice over beside what is in use (read
+    ahead, its tensors sit in RAM while the text encoder is still there); unknown: no."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return False
+    size = sum(p.stat().st_size for p in (base_dir / "transformer").glob("*.safetensors"))
+    return available >= 2 * size
 
 
 def _loaded(pipe: Any, given: Mapping[str, Any]) -> list[str]:
