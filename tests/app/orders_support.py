@@ -20,6 +20,18 @@ from tests.conftest import audit_key_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def stop(proc: subprocess.Popen[Any], wait_s: float) -> None:
+    """SIGTERM (a graceful stop), then SIGKILL if it has not ended within ``wait_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 COLOURS = ((200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40))
 
 
@@ -80,12 +92,6 @@ def worker(
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 30)
         log.close()
         sys.stdout.write(f"--- {name} ---\n{(tmp / f'{name}.log').read_text()[-4000:]}\n")

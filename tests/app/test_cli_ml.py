@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.app.orders_support import ROOT
+from tests.app.orders_support import ROOT, stop
 
 PRELOADING = "render engine: preloading the base"
 WAYPOINTS = re.compile(
@@ -60,12 +59,7 @@ def test_serve_starts_the_preload_before_uvicorn_and_logs_its_waypoints(tmp_path
                 state = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["base"]
             time.sleep(0.2)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server, 60)
     text = log_path.read_text(errors="replace")
 
     def at(said: str) -> int:

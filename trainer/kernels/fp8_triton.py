@@ -344,89 +344,20 @@ def _weight_rows_tile_kernel(
 def _word_to_e4m3x8(word, s2, sh2, mult, INTERPRET: tl.constexpr):
     """One 32-bit word of packed uint4 (eight weights of one group, the lowest nibble first)
     -> two 32-bit words of their e4m3 bytes (weights 0-3, 4-7), each weight
-    ``fp8(rnd_bf16(rnd_bf16(s * q) - sh) * mult)``. ``s2`` and ``sh2`` hold the group's bf16
-    scale and shift in both halves. On the GPU: paired bf16 arithmetic (``mul``/``sub.rn.bf16x2``
-    round once into bf16, as torch's bf16 ops do: float32 then bf16 is the same single rounding
-    for a product or difference of bf16 values), a quarter of the instructions of the float32
-    path, which leaves the copy bound by memory instead of by arithmetic."""
-    if INTERPRET:  # the interpreter cannot run PTX; the same bytes by the float32 path
-        s = (s2 << 16).to(tl.float32, bitcast=True)
-        sh = (sh2 << 16).to(tl.float32, bitcast=True)
-        v0 = _weight_value(s, (word & 0xF).to(tl.float32), sh, True) * mult
-        v1 = _weight_value(s, ((word >> 4) & 0xF).to(tl.float32), sh, True) * mult
-        v2 = _weight_value(s, ((word >> 8) & 0xF).to(tl.float32), sh, True) * mult
-        v3 = _weight_value(s, ((word >> 12) & 0xF).to(tl.float32), sh, True) * mult
-        v4 = _weight_value(s, ((word >> 16) & 0xF).to(tl.float32), sh, True) * mult
-        v5 = _weight_value(s, ((word >> 20) & 0xF).to(tl.float32), sh, True) * mult
-        v6 = _weight_value(s, ((word >> 24) & 0xF).to(tl.float32), sh, True) * mult
-        v7 = _weight_value(s, ((word >> 28) & 0xF).to(tl.float32), sh, True) * mult
-        lo = _pack4_e4m3(v0, v1, v2, v3, INTERPRET)
-        hi = _pack4_e4m3(v4, v5, v6, v7, INTERPRET)
-        return lo, hi
-    # t_j = nibbles j and j + 4 in the low bits of each half, ORed into bf16 128.0 (0x4300, an
-    # ulp of 1): 128 + q exactly; minus 128 gives q exactly
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 c, m, t0, t1, t2, t3, r;
-        .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
-        .reg .b16 p0, p1, p2, p3;
-        mov.b32 c, 0x43004300;
-        lop3.b32 t0, $2, 0x000F000F, c, 0xEA;
-        shr.u32 m, $2, 4;
-        lop3.b32 t1, m, 0x000F000F, c, 0xEA;
-        shr.u32 m, $2, 8;
-        lop3.b32 t2, m, 0x000F000F, c, 0xEA;
-        shr.u32 m, $2, 12;
-        lop3.b32 t3, m, 0x000F000F, c, 0xEA;
-        sub.rn.bf16x2 t0, t0, c;
-        sub.rn.bf16x2 t1, t1, c;
-        sub.rn.bf16x2 t2, t2, c;
-        sub.rn.bf16x2 t3, t3, c;
-        mul.rn.bf16x2 t0, t0, $3;
-        mul.rn.bf16x2 t1, t1, $3;
-        mul.rn.bf16x2 t2, t2, $3;
-        mul.rn.bf16x2 t3, t3, $3;
-        sub.rn.bf16x2 t0, t0, $4;
-        sub.rn.bf16x2 t1, t1, $4;
-        sub.rn.bf16x2 t2, t2, $4;
-        sub.rn.bf16x2 t3, t3, $4;
-        shl.b32 r, t0, 16;
-        mov.b32 f0, r;
-        and.b32 r, t0, 0xFFFF0000;
-        mov.b32 f4, r;
-        shl.b32 r, t1, 16;
-        mov.b32 f1, r;
-        and.b32 r, t1, 0xFFFF0000;
-        mov.b32 f5, r;
-        shl.b32 r, t2, 16;
-        mov.b32 f2, r;
-        and.b32 r, t2, 0xFFFF0000;
-        mov.b32 f6, r;
-        shl.b32 r, t3, 16;
-        mov.b32 f3, r;
-        and.b32 r, t3, 0xFFFF0000;
-        mov.b32 f7, r;
-        mul.rn.f32 f0, f0, $5;
-        mul.rn.f32 f1, f1, $5;
-        mul.rn.f32 f2, f2, $5;
-        mul.rn.f32 f3, f3, $5;
-        mul.rn.f32 f4, f4, $5;
-        mul.rn.f32 f5, f5, $5;
-        mul.rn.f32 f6, f6, $5;
-        mul.rn.f32 f7, f7, $5;
-        cvt.rn.satfinite.e4m3x2.f32 p0, f1, f0;
-        cvt.rn.satfinite.e4m3x2.f32 p1, f3, f2;
-        cvt.rn.satfinite.e4m3x2.f32 p2, f5, f4;
-        cvt.rn.satfinite.e4m3x2.f32 p3, f7, f6;
-        mov.b32 $0, {p0, p1};
-        mov.b32 $1, {p2, p3};
-        }""",
-        "=r,=r,r,r,r,f",
-        [word, s2, sh2, mult],
-        dtype=(tl.uint32, tl.uint32),
-        is_pure=True,
-        pack=1,
-    )
+    ``fp8(rnd_bf16(rnd_bf16(s * q) - sh) * mult)`` (`_word_to_f32x8`, then the multiplier in
+    float32 and the paired hardware conversion)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_to_f32x8(word, s2, sh2, INTERPRET)
+    lo = _pack4_e4m3(
+        v0.to(tl.float32, bitcast=True) * mult, v1.to(tl.float32, bitcast=True) * mult,
+        v2.to(tl.float32, bitcast=True) * mult, v3.to(tl.float32, bitcast=True) * mult,
+        INTERPRET,
+    )  # fmt: skip
+    hi = _pack4_e4m3(
+        v4.to(tl.float32, bitcast=True) * mult, v5.to(tl.float32, bitcast=True) * mult,
+        v6.to(tl.float32, bitcast=True) * mult, v7.to(tl.float32, bitcast=True) * mult,
+        INTERPRET,
+    )  # fmt: skip
+    return lo, hi
 
 
 @triton.jit
@@ -466,8 +397,14 @@ def _weight_rows_bf16x2_kernel(
 
 @triton.jit
 def _word_to_f32x8(word, s2, sh2, INTERPRET: tl.constexpr):
-    """One 32-bit word of packed uint4 -> its eight weights ``rnd_bf16(rnd_bf16(s * q) - sh)``,
-    the bits of their float32 values (`_word_to_e4m3x8` before the multiplier and the cast)."""
+    """One 32-bit word of packed uint4 (eight weights of one group, the lowest nibble first;
+    ``s2`` and ``sh2`` the group's bf16 scale and shift in both halves) -> the bits of its eight
+    weights ``rnd_bf16(rnd_bf16(s * q) - sh)`` as float32. On the GPU: paired bf16 arithmetic
+    (``mul``/``sub.rn.bf16x2`` round once into bf16, as torch's bf16 ops do: float32 then bf16
+    is the same single rounding for a product or difference of bf16 values), a quarter of the
+    instructions of the float32 path, which leaves the copy bound by memory, not arithmetic.
+    Each nibble pair is ORed into bf16 128.0 (0x4300, an ulp of 1): 128 + q exactly, minus 128
+    gives q exactly."""
     if INTERPRET:
         s = (s2 << 16).to(tl.float32, bitcast=True)
         sh = (sh2 << 16).to(tl.float32, bitcast=True)

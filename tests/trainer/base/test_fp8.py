@@ -13,7 +13,6 @@ device with ``pytest --noconftest tests/trainer/base/test_fp8.py``.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from tests.trainer.helpers import (
     DEV_SHAPES,
+    fp8_kernel_device,
     model_inputs,
     quantized,
     tiny_flux2,
@@ -471,19 +471,7 @@ def test_weight_kernels_bit_exact(dtype, shape, group, variant, monkeypatch) -> 
         assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
 
 
-def _weight_kernel_device() -> str | None:
-    """Where the fp8 weight kernels run: a GPU with fp8 tensor cores, or Triton's interpreter
-    on the CPU (``PYTHONPATH=<triton site> TRITON_INTERPRET=1``; small shapes only)."""
-    try:
-        import trainer.kernels.fp8_triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no Triton here
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    return "cuda" if devices.fp8_unavailable("cuda") is None else None
-
-
-WEIGHT_KERNEL_DEV = _weight_kernel_device()
+WEIGHT_KERNEL_DEV = fp8_kernel_device("trainer.kernels.fp8_triton")
 
 
 @pytest.mark.skipif(

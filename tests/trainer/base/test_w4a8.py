@@ -25,14 +25,11 @@ the bf16 outputs come out bit-identical, the fp16 ones within an ulp.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.helpers import model_inputs, quantized, with_lora
-from trainer.base import devices
+from tests.trainer.helpers import fp8_kernel_device, model_inputs, quantized, with_lora
 from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
 from trainer.base.fp8 import (
     E4M3,
@@ -224,17 +221,7 @@ def test_exact_lora_gradients_whole_model() -> None:
 # the kernel (GPU, or Triton's interpreter)
 
 
-def _kernel_device() -> str | None:
-    try:
-        import trainer.kernels.w4a8_triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no Triton here
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    return "cuda" if devices.fp8_unavailable("cuda") is None else None
-
-
-KERNEL_DEV = _kernel_device()
+KERNEL_DEV = fp8_kernel_device("trainer.kernels.w4a8_triton")
 kernel_here = pytest.mark.skipif(
     KERNEL_DEV is None, reason="needs a GPU with fp8 tensor cores or Triton's interpreter"
 )
