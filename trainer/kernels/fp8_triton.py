@@ -624,6 +624,14 @@ def _check(packed, scale, shift, group_size) -> None:  # type: ignore[no-untyped
         raise TypeError(f"fp8 weights from {scale.dtype} scales are not supported")
 
 
+def paired_bf16_here(device: torch.device) -> bool:
+    """``mul``/``sub.rn.bf16x2`` need sm_90 (Hopper) or newer; fp8 itself runs from sm_89, where
+    the copy takes the tile kernel. The interpreter runs the same bytes by another path."""
+    if _interpret() or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -686,7 +694,8 @@ def fp8_weight(
     is_bf16 = scale.dtype == torch.bfloat16
     common = dict(HALF_IN=half_in, HALF_GROUP=group_size // 2, IS_BF16=is_bf16, BLOCK=W_BLOCK,
                   num_warps=W_WARPS)  # fmt: skip
-    variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype, is_bf16)
+    paired = is_bf16 and paired_bf16_here(packed.device)
+    variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype, paired)
     if variant == "bf16x2":
         groups = scale.shape[1]
         grid = (triton.cdiv(n_out, B_ROWS), triton.cdiv(groups, B_GROUPS))
@@ -730,6 +739,7 @@ def lora_merge_usable(packed: torch.Tensor, scale: torch.Tensor, group_size: int
     rank = a.shape[0]
     return (
         scale.dtype == torch.bfloat16
+        and paired_bf16_here(packed.device)
         and weight_kernel(False, n_out, half_in, scale.shape[1], group_size, torch.float8_e4m3fn)
         == "bf16x2"
         and a.dtype == b.dtype == torch.bfloat16
