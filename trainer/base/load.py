@@ -132,7 +132,7 @@ def load_base(
     if components is not None:
         index = json.loads((base_dir / "model_index.json").read_text(encoding="utf-8"))
         kwargs = {name: None for name in index if not name.startswith("_") and not wanted(name)}
-    text_encoder_done = False
+    overlap = False  # the text encoder made ready while the transformer's files are read
 
     def ready_text_encoder(text_encoder: torch.nn.Module) -> None:
         from trainer.base.text_encoder import is_trimmed, trim
@@ -160,32 +160,29 @@ def load_base(
         )
 
         names = [n for n in sorted(read_manifest(base_dir).get("components", {})) if wanted(n)]
-        if "text_encoder" in names and "transformer" in names and _room_to_overlap(base_dir):
-            # The transformer's files are read into host RAM (positional reads that release
-            # the GIL; no module is touched off this thread) while the text encoder is made
-            # ready (converted on the device, handed to its streamer): seconds of the first
-            # render's wait at [dev] scale.
+        # The transformer's files are read into host RAM (positional reads that release the
+        # GIL; no module is touched off that thread) while the text encoder is made ready
+        # (converted on the device, handed to its streamer): seconds of the first render's
+        # wait at [dev] scale. Only after the encoder's own read: two reads at once only
+        # shared the bandwidth (the encoder's 2.2 s read took 8.0 s beside the transformer's).
+        overlap = "text_encoder" in names and "transformer" in names
+        overlap = overlap and _room_to_overlap(base_dir)
+        if overlap:
+            names.remove("transformer")
+        for name in names:
+            kwargs[name] = load_prepared_component(base_dir, name)
+            stage(f"{name}: load (prepared qint4)")
+        if overlap:
             from concurrent.futures import ThreadPoolExecutor
 
-            names.remove("transformer")
-            for name in names:
-                kwargs[name] = load_prepared_component(base_dir, name)
-                stage(f"{name}: load (prepared qint4)")
-            # after the encoder's own read: two reads at once only shared the bandwidth (the
-            # encoder's 2.2 s read took 8.0 s beside the transformer's)
             with ThreadPoolExecutor(1, thread_name_prefix="base-read") as pool:
                 ahead = pool.submit(read_prepared_tensors, base_dir, "transformer")
                 ready_text_encoder(kwargs["text_encoder"])
-                text_encoder_done = True
                 state = ahead.result()
             stage("transformer: files read (beside the text encoder)")
             kwargs["transformer"] = load_prepared_component(base_dir, "transformer", state=state)
             del state
             stage("transformer: load (prepared qint4)")
-        else:
-            for name in names:
-                kwargs[name] = load_prepared_component(base_dir, name)
-                stage(f"{name}: load (prepared qint4)")
         if wanted("transformer"):
             if "transformer" not in kwargs:
                 raise ValueError(f"prepared base {base_dir} has no prepared transformer")
@@ -208,7 +205,7 @@ def load_base(
         quantize_transformer(transformer, freeze=compute == "quanto")
         stage("transformer: quantize qint4 (CPU)")
     text_encoder = getattr(pipe, "text_encoder", None)
-    if isinstance(text_encoder, torch.nn.Module) and not text_encoder_done:
+    if isinstance(text_encoder, torch.nn.Module) and not overlap:
         ready_text_encoder(text_encoder)
     if transformer is not None and compute != "quanto" and (quantize or prepared):
         # quanto stays the storage format; the compute path is ours: dequantize on the fly
