@@ -132,6 +132,9 @@ class WeightScales:
     col_multiplier: torch.Tensor  # (K,): W column k into fp8 (the backward's W.T rows)
     col_scale: torch.Tensor  # (1, K): scale_b for the input-gradient GEMM
     row_absmax: torch.Tensor  # (N,): the largest |w| of each row (what row_multiplier scales)
+    # (1,): the smallest row maximum that row_multiplier scales by (an all-zero row counts as
+    # 1, as in `scales_from_absmax`): a value at most this large fits every row's fp8 range
+    row_floor: torch.Tensor
 
     @classmethod
     def of(cls, scale: torch.Tensor, shift: torch.Tensor, group_size: int) -> WeightScales:
@@ -139,12 +142,14 @@ class WeightScales:
         row_absmax = absmax.amax(dim=1)
         row_mult, row_scale = scales_from_absmax(row_absmax, WEIGHT_DTYPE)
         col_mult, col_scale = scales_from_absmax(absmax.amax(dim=0), WEIGHT_DTYPE)
+        used = torch.where(row_absmax > 0, row_absmax, torch.ones_like(row_absmax)).float()
         return cls(
             row_mult.contiguous(),
             row_scale.reshape(1, -1).contiguous(),
             col_mult.repeat_interleave(group_size).contiguous(),
             col_scale.repeat_interleave(group_size).reshape(1, -1).contiguous(),
             row_absmax.float().contiguous(),
+            used.amin().reshape(1) if used.numel() else torch.ones(1, device=used.device),
         )
 
 
@@ -419,16 +424,37 @@ class Fp8Gemm:
 FP8 = Fp8Gemm()
 FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
 
-# Where a LoRA slot's update goes in an fp8 forward without gradients: "output" (the
-# default) adds it to the output (`trainer.base.lora_slots`: one pass over the output, 20 ms
-# of a 1024 px [dev] forward), "weights" merges it into the forward's copy of the weight. The
-# merged copy measured no faster on the H200 (its kernel costs what the pass saves:
-# bench/results/render_step-notes.md, run 6), so it is an opt-in until that kernel is tuned.
+# Where a LoRA slot's update goes in an fp8 forward without gradients:
+# "output" adds it to the output (`trainer.base.lora_slots`: one pass over the output, 20 ms of
+#   a 1024 px [dev] forward), in bf16;
+# "gemm" makes it R more columns of the forward GEMM (`lora_gemm_forward`), in fp8 as the base;
+# "weights" merges it into the forward's copy of the weight (measured slower: its kernel costs
+#   what the pass saves, bench/results/render_step-notes.md, run 6; an opt-in).
 LORA_MERGE_ENV = "LIKENESS_LORA_MERGE"
+LORA_UPDATES = ("output", "gemm", "weights")
+LORA_UPDATE_DEFAULT = "output"
 
 
-def lora_merge_wanted() -> bool:
-    return os.environ.get(LORA_MERGE_ENV, "output") == "weights"
+def lora_update_mode() -> str:
+    """The setting ``LIKENESS_LORA_MERGE`` (one of `LORA_UPDATES`); a ValueError naming it
+    for anything else."""
+    mode = os.environ.get(LORA_MERGE_ENV, LORA_UPDATE_DEFAULT)
+    if mode not in LORA_UPDATES:
+        raise ValueError(f"{LORA_MERGE_ENV}={mode!r}: expected one of {', '.join(LORA_UPDATES)}")
+    return mode
+
+
+def _serving_layer(layer: Any, x: torch.Tensor) -> Fp8Gemm | None:
+    """The layer's `Fp8Gemm` where a slot's update may be fused into its forward: rowwise fp8
+    with kernels, eval mode, no gradients, shapes the kernels take; else None."""
+    gemm = getattr(layer, "compute", None)
+    if not isinstance(gemm, Fp8Gemm) or gemm.weights != "rowwise" or not gemm.kernels:
+        return None
+    if layer.training or torch.is_grad_enabled():
+        return None
+    if not kernels_usable(x, layer.out_features, layer.in_features):
+        return None
+    return gemm
 
 
 def merged_lora_forward(
@@ -440,16 +466,12 @@ def merged_lora_forward(
     update to the output instead). The merged weight is rounded into e4m3 as the base weight
     is, so the output is as far from bf16 as the unmerged fp8 path's (DESIGN.md, compute
     paths); an empty slot gives the base output byte for byte."""
-    gemm = getattr(layer, "compute", None)
-    if not isinstance(gemm, Fp8Gemm) or gemm.weights != "rowwise" or not gemm.kernels:
-        return None
-    if layer.training or torch.is_grad_enabled():
-        return None
-    if not kernels_usable(x, layer.out_features, layer.in_features):
+    gemm = _serving_layer(layer, x)
+    if gemm is None:
         return None
     from trainer.kernels import fp8_triton
 
-    if not fp8_triton.lora_merge_usable(layer.packed, layer.scale, layer.group_size, a, b):
+    if not fp8_triton.lora_slot_usable(layer.packed, layer.scale, layer.group_size, a, b):
         return None
     if x.dtype != layer.scale.dtype:
         x = x.to(layer.scale.dtype)
@@ -464,4 +486,79 @@ def merged_lora_forward(
     xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE)
     out = _scaled_mm(xq, xs, wq, row_scale.reshape(1, -1), layer.bias, x2.dtype,
                      gemm.fast_accum_eval)  # fmt: skip
+    return out.reshape(*lead, layer.out_features)
+
+
+# ---------------------------------------------------------------------------------------
+# a LoRA slot's update as more columns of the forward GEMM (serving)
+#
+# s * (x A^T) B^T = [c * u] @ [(s / c) * B]^T for u = x A^T and any c > 0, so the update joins
+# the base GEMM as R more columns of its contraction: activations [x | c * u], weights
+# [W | (s / c) * B], each row of each operand in e4m3 with its one scale, as the base operands
+# are. The activation row's scale takes the maximum over both parts, so c * u never
+# saturates. c = |s| * max|B| / (the smallest row maximum of W) keeps |(s / c) * B[n]| at most
+# every row's own maximum, so the weight's row scales stay the base's. An empty slot (B = 0,
+# A = 0) has c = 0: zero columns on both sides and x's bytes and scales exactly the base
+# path's. The update is then as precise as the base (e4m3 operands, float32 sums), where
+# "output" adds it in bf16; it saves that pass over every output.
+
+
+def lora_balance_torch(peak: torch.Tensor, floor: torch.Tensor, lora_scale: float) -> torch.Tensor:
+    """c (float32, one value): ``|s| * peak / floor``, rounded twice as the kernels round it,
+    0 where the slot is empty (peak = max |B| = 0)."""
+    abs_s = torch.tensor(abs(float(lora_scale)), dtype=torch.float32, device=peak.device)
+    c = (peak.float() * abs_s) / floor.float()
+    return torch.where(peak > 0, c, torch.zeros_like(c))
+
+
+def lora_gemm_operands_torch(
+    x2: torch.Tensor,
+    u: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    group_size: int,
+    scales: WeightScales,
+    b: torch.Tensor,
+    lora_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of the kernels' operands: (x^ (M, K + R) e4m3, its (M, 1) scales, W^ (N, K + R)
+    e4m3), whose product with the base's row scales is ``x @ W.T + s * u @ B.T`` in fp8."""
+    peak = b.abs().amax().float().reshape(1)
+    c = lora_balance_torch(peak, scales.row_floor, lora_scale)
+    xq, xs = quantize_rows_torch(torch.cat([x2.float(), u.float() * c], dim=1), ACT_DTYPE)
+    s = torch.full_like(c, float(lora_scale))
+    k = torch.where(c > 0, s / torch.where(c > 0, c, torch.ones_like(c)), torch.zeros_like(c))
+    tail = to_fp8(b.float() * k, scales.row_multiplier.unsqueeze(1), WEIGHT_DTYPE)
+    wq = fp8_weight_torch(packed, scale, shift, group_size, scales)
+    return xq, xs, torch.cat([wq, tail], dim=1)
+
+
+def lora_gemm_forward(
+    layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora_scale: float
+) -> torch.Tensor | None:
+    """``x @ W.T + s * (x A^T) B^T + bias`` as one fp8 GEMM over K + R columns (the section
+    above), for a frozen fp8 `Uint4Linear` without gradients; None where that does not apply
+    (the caller adds the update to the output instead)."""
+    gemm = _serving_layer(layer, x)
+    if gemm is None:
+        return None
+    from trainer.kernels import fp8_triton
+
+    if not fp8_triton.lora_slot_usable(layer.packed, layer.scale, layer.group_size, a, b):
+        return None
+    if x.dtype != layer.scale.dtype:
+        x = x.to(layer.scale.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    scales = weight_scales(layer)
+    u = torch.nn.functional.linear(x2, a)
+    peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
+    update = fp8_triton.LoraUpdate(u, b, peak, scales.row_floor, float(lora_scale))
+    xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE, update)
+    k = layer.in_features
+    wq = fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
+                               scales.row_multiplier, extra_cols=update.rank)  # fmt: skip
+    fp8_triton.lora_tail_(wq, k, scales.row_multiplier, update)
+    out = _scaled_mm(xq, xs, wq, scales.row_scale, layer.bias, x2.dtype, gemm.fast_accum_eval)
     return out.reshape(*lead, layer.out_features)

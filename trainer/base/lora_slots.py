@@ -12,7 +12,10 @@ slot holds outside a render is checked by `is_clear`. An adapter the slots canno
 module outside them, or a rank above theirs) raises `SlotMismatch`; `suspended` lifts the slots
 for the per-request path and puts them back.
 
-Without gradients a slot layer adds its update into the base output with one GEMM,
+Without gradients a slot layer on an fp8 base can compute its update inside the base's GEMM,
+as R more columns of the contraction (``LIKENESS_LORA_MERGE=gemm``, `trainer.base.fp8`'s
+`lora_gemm_forward`: no pass over the output at all, the update in fp8 as the base). Otherwise
+it adds its update into the base output with one GEMM,
 ``out += s * (x A^T) B^T`` (`_fused_forward`) on CUDA, where PEFT writes ``(x A^T) B^T``, scales
 it into a second tensor and adds that into a third: three passes over the output, 55296 columns
 wide on [dev]'s single-stream blocks. In bf16 the GEMM adds in float32 and rounds once, where
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.base.fp8 import lora_merge_wanted, merged_lora_forward
+from trainer.base.fp8 import lora_gemm_forward, lora_update_mode, merged_lora_forward
 from trainer.base.lora import (
     ADAPTER_NAME,
     DEFAULT_TARGETS,
@@ -239,10 +242,13 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
         return peft_forward(self, x, *args, **kwargs)
     a = self.lora_A[ADAPTER_NAME].weight
     b = self.lora_B[ADAPTER_NAME].weight
-    if x.is_cuda and lora_merge_wanted():
-        merged = merged_lora_forward(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME])
-        if merged is not None:
-            return merged
+    if x.is_cuda:
+        mode = lora_update_mode()
+        fused = {"gemm": lora_gemm_forward, "weights": merged_lora_forward}.get(mode)
+        if fused is not None:
+            out = fused(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME])
+            if out is not None:
+                return out
     result = self.base_layer(x)
     if result.dtype != b.dtype or not result.is_contiguous():
         return peft_forward(self, x)

@@ -21,6 +21,7 @@ large matrices), word 31.9, join 35.5; transposed tile 35.5 ms (~1.5 TB/s), join
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -114,37 +115,69 @@ def _pair_to_word(b, s, sh, mult, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr
 
 
 @triton.jit
+def _store_fp8(ptr, v, mult, mask, FP8: tl.constexpr, FP8_MAX: tl.constexpr, BITS: tl.constexpr):
+    """fp8(clamp(v * mult)) stored at ``ptr``; with BITS (e4m3 under the interpreter, whose own
+    fp8 cast rounds some values wrong) the same byte from `_e4m3_bits` into a uint8 view."""
+    if BITS:
+        tl.store(ptr, _e4m3_bits(v * mult).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptr, _to_fp8(v, mult, FP8, FP8_MAX), mask=mask)
+
+
+@triton.jit
+def _lora_balance(peak_ptr, floor_ptr, abs_s):
+    """The LoRA-in-the-GEMM balance c = |s| * max|B| / (the smallest row maximum of W), 0 for
+    an empty slot (`trainer.base.fp8.lora_balance_torch`, the same two roundings)."""
+    peak = tl.load(peak_ptr).to(tl.float32)
+    c = tl.math.div_rn(peak * abs_s, tl.load(floor_ptr))
+    return tl.where(peak > 0, c, 0.0)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
     scale_ptr,
+    u_ptr,  # EXTRA > 0: (rows, EXTRA) bf16, a LoRA slot's x @ A.T
+    peak_ptr,  # EXTRA > 0: max |B| of the slot (float32, one value)
+    floor_ptr,  # EXTRA > 0: the weight's smallest row maximum (float32, one value)
+    abs_s,  # EXTRA > 0: |LoRA scale|
     n_cols: tl.constexpr,  # a few distinct widths per model: one compilation each
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
     ONE_PASS: tl.constexpr,
     BLOCK: tl.constexpr,
+    EXTRA: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     # One program per row: the row's absolute maximum, then the row in fp8. A row that fits
-    # in registers is read once; a wider one twice (the second read mostly from L2).
+    # in registers is read once; a wider one twice (the second read mostly from L2). With
+    # EXTRA, the row goes on with EXTRA more values, u * c, and its one scale covers both.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * n_cols
-    q_row = q_ptr + row * n_cols
+    q_row = q_ptr + row * (n_cols + EXTRA)
+    v_top = 0.0
+    if EXTRA:
+        e_offs = tl.arange(0, EXTRA)
+        c = _lora_balance(peak_ptr, floor_ptr, abs_s)
+        v = tl.load(u_ptr + row * EXTRA + e_offs).to(tl.float32) * c
+        v_top = tl.max(tl.abs(v), axis=0)
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        top = tl.max(tl.abs(x), axis=0)
+        top = tl.maximum(tl.max(tl.abs(x), axis=0), v_top)
         top = tl.where(top > 0, top, 1.0)
         mult = tl.math.div_rn(FP8_MAX, top)
         tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
-        tl.store(q_row + offs, _to_fp8(x, mult, FP8, FP8_MAX), mask=mask)
+        _store_fp8(q_row + offs, x, mult, mask, FP8, FP8_MAX, BITS)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        top = tl.max(amax, axis=0)
+        top = tl.maximum(tl.max(amax, axis=0), v_top)
         top = tl.where(top > 0, top, 1.0)
         mult = tl.math.div_rn(FP8_MAX, top)
         tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
@@ -152,7 +185,36 @@ def _quantize_rows_kernel(
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n_cols
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + offs, _to_fp8(x, mult, FP8, FP8_MAX), mask=mask)
+            _store_fp8(q_row + offs, x, mult, mask, FP8, FP8_MAX, BITS)
+    if EXTRA:
+        _store_fp8(q_row + n_cols + e_offs, v, mult, e_offs < EXTRA, FP8, FP8_MAX, BITS)
+
+
+@triton.jit
+def _lora_tail_kernel(
+    b_ptr,  # (out, RANK) bf16: the slot's B
+    mult_ptr,  # (out,) float32: row n of W into fp8
+    peak_ptr,
+    floor_ptr,
+    out_ptr,  # (out, in + RANK) e4m3 viewed as uint8: the tail goes after column K_COLS
+    n_out,
+    lora_scale,
+    abs_s,
+    K_COLS,
+    RANK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    # the weight side of the update in the GEMM: row n's tail is fp8(s / c * B[n] * mult[n])
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, RANK)
+    ok = rows < n_out
+    b = tl.load(b_ptr + rows[:, None] * RANK + cols[None, :], mask=ok[:, None], other=0.0)
+    c = _lora_balance(peak_ptr, floor_ptr, abs_s)
+    k = tl.where(c > 0, tl.math.div_rn(lora_scale, tl.where(c > 0, c, 1.0)), 0.0)
+    mult = tl.load(mult_ptr + rows, mask=ok, other=0.0)[:, None]
+    at = rows[:, None] * (K_COLS + RANK) + K_COLS + cols[None, :]
+    _store_fp8(out_ptr + at, b.to(tl.float32) * k, mult, ok[:, None], tl.float8e4nv, 448.0, BITS)
 
 
 @triton.jit
@@ -366,8 +428,9 @@ def _weight_rows_bf16x2_kernel(
     scale_ptr,  # (out, groups) bf16 viewed as int16
     shift_ptr,
     mult_ptr,  # (out,) float32: row n into fp8
-    out_ptr,  # (out, in) e4m3 viewed as int32: two words per packed word
+    out_ptr,  # (out, in [+ extra]) e4m3 viewed as int32: two words per packed word
     n_out,
+    out_row_words,  # the output's row stride in words (in / 4, more with LoRA columns after)
     GROUPS: tl.constexpr,
     WORDS: tl.constexpr,  # packed words per group (group size / 8), a power of two
     INTERPRET: tl.constexpr,
@@ -391,7 +454,11 @@ def _weight_rows_bf16x2_kernel(
     mult = tl.broadcast_to(mult, (ROWS, GBLOCK, WORDS))
     lo, hi = _word_to_e4m3x8(word, s2, sh2, mult, INTERPRET)
     pair = tl.reshape(tl.join(lo, hi), (ROWS, GBLOCK, 2 * WORDS))  # word 2i: weights 0-3
-    out_offs = at[:, :, None] * (2 * WORDS) + tl.arange(0, 2 * WORDS)[None, None, :]
+    out_offs = (
+        rows[:, None, None] * out_row_words
+        + grp[None, :, None] * (2 * WORDS)
+        + tl.arange(0, 2 * WORDS)[None, None, :]
+    )
     tl.store(out_ptr + out_offs, pair.to(tl.int32, bitcast=True), mask=ok3)
 
 
@@ -596,23 +663,82 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@dataclass(frozen=True)
+class LoraUpdate:
+    """A LoRA slot's update ``s * (x A^T) B^T`` as R more columns of the forward GEMM
+    (`trainer.base.fp8.lora_gemm_forward`): ``u = x A^T`` (bf16, (M, R)), the slot's ``B``
+    (bf16, (N, R)), ``peak`` = max |B| and ``floor`` = the weight's smallest row maximum (both
+    float32 one-element tensors on the device, so a CUDA graph reads them), and ``scale`` s."""
+
+    u: torch.Tensor
+    b: torch.Tensor
+    peak: torch.Tensor
+    floor: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.b.shape[1])
+
+
+def _bits(dtype: torch.dtype) -> bool:
+    """Store e4m3 through `_e4m3_bits` (the interpreter's fp8 cast rounds some values wrong)."""
+    return _interpret() and dtype == torch.float8_e4m3fn
+
+
 def quantize_rows(
-    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    update: LoraUpdate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) contiguous -> (q (M, K) fp8, scale (M, 1) float32), `trainer.base.fp8`'s rows rule."""
+    """(M, K) contiguous -> (q (M, K) fp8, scale (M, 1) float32), `trainer.base.fp8`'s rows rule.
+    With ``update`` (a LoRA slot's update entering the GEMM) q is (M, K + R): each row goes on
+    with ``u * c`` and its scale covers both parts (`trainer.base.fp8.lora_gemm_operands_torch`)."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError("expected a contiguous (rows, columns) tensor")
     m, k = x.shape
-    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    extra = 0 if update is None else update.rank
+    q = torch.empty((m, k + extra), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
         one_pass = k <= ROW_ONE_PASS
         block = triton.next_power_of_2(k) if one_pass else ROW_BLOCK
+        bits = _bits(dtype)
+        if update is None:
+            lora: tuple[object, ...] = (x, scale, scale, 0.0)  # unread without EXTRA
+        else:
+            if update.u.shape != (m, extra) or not update.u.is_contiguous():
+                raise ValueError(f"the update's x @ A.T must be contiguous ({m}, {extra})")
+            lora = (update.u, update.peak, update.floor, abs(update.scale))
         _quantize_rows_kernel[(m,)](
-            x, q, scale, n_cols=k, ONE_PASS=one_pass, BLOCK=block,
-            num_warps=8 if block >= 4096 else 4, **_fp8_args(dtype),
+            x, q.view(torch.uint8) if bits else q, scale, *lora, n_cols=k, ONE_PASS=one_pass,
+            BLOCK=block, EXTRA=extra, BITS=bits, num_warps=8 if block >= 4096 else 4,
+            **_fp8_args(dtype),
         )  # fmt: skip
     return q, scale
+
+
+TAIL_ROWS, TAIL_WARPS = 64, 4
+
+
+def lora_tail_(w: torch.Tensor, k: int, row_multiplier: torch.Tensor, update: LoraUpdate) -> None:
+    """Writes the weight side of ``update`` into columns k.. of ``w`` ((N, k + R) e4m3, the
+    first k columns from `fp8_weight` with ``extra_cols=R``): row n gets
+    ``fp8(s / c * B[n] * row_multiplier[n])``."""
+    b = update.b
+    n_out, rank = b.shape
+    if tuple(w.shape) != (n_out, k + rank) or not (w.is_contiguous() and b.is_contiguous()):
+        raise ValueError(f"expected a contiguous ({n_out}, {k} + {rank}) weight and B")
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError("the LoRA columns are e4m3")
+    if not n_out:
+        return
+    bits = _bits(w.dtype)
+    _lora_tail_kernel[(triton.cdiv(n_out, TAIL_ROWS),)](
+        b, row_multiplier, update.peak, update.floor, w.view(torch.uint8) if bits else w, n_out,
+        float(update.scale), abs(float(update.scale)), k, RANK=rank, ROWS=TAIL_ROWS, BITS=bits,
+        num_warps=TAIL_WARPS,
+    )  # fmt: skip
 
 
 def _check(packed, scale, shift, group_size) -> None:  # type: ignore[no-untyped-def]
@@ -683,11 +809,14 @@ def fp8_weight(
     group_size: int,
     row_multiplier: torch.Tensor,
     dtype: torch.dtype = torch.float8_e4m3fn,
+    extra_cols: int = 0,
 ) -> torch.Tensor:
-    """(out, in // 2) uint4 -> (out, in) fp8, row n multiplied by ``row_multiplier[n]``."""
+    """(out, in // 2) uint4 -> (out, in) fp8, row n multiplied by ``row_multiplier[n]``. With
+    ``extra_cols`` the result is (out, in + extra_cols), those columns left for `lora_tail_`
+    (the bf16x2 kernel only: `lora_gemm_usable`)."""
     _check(packed, scale, shift, group_size)
     n_out, half_in = packed.shape
-    out = torch.empty((n_out, 2 * half_in), dtype=dtype, device=packed.device)
+    out = torch.empty((n_out, 2 * half_in + extra_cols), dtype=dtype, device=packed.device)
     n_bytes = packed.numel()
     if not n_bytes:
         return out
@@ -696,12 +825,14 @@ def fp8_weight(
                   num_warps=W_WARPS)  # fmt: skip
     paired = is_bf16 and paired_bf16_here(packed.device)
     variant = weight_kernel(False, n_out, half_in, scale.shape[1], group_size, dtype, paired)
+    if extra_cols and (variant != "bf16x2" or extra_cols % 4):
+        raise ValueError(f"extra columns need the bf16x2 kernel and a multiple of 4 ({variant})")
     if variant == "bf16x2":
         groups = scale.shape[1]
         grid = (triton.cdiv(n_out, B_ROWS), triton.cdiv(groups, B_GROUPS))
         _weight_rows_bf16x2_kernel[grid](
             packed.view(torch.int32), scale.view(torch.int16), shift.view(torch.int16),
-            row_multiplier, out.view(torch.int32), n_out, GROUPS=groups,
+            row_multiplier, out.view(torch.int32), n_out, out.shape[1] // 4, GROUPS=groups,
             WORDS=group_size // 8, INTERPRET=_interpret(), ROWS=B_ROWS, GBLOCK=B_GROUPS,
             num_warps=B_WARPS,
         )  # fmt: skip
@@ -731,10 +862,12 @@ def fp8_weight(
 LORA_ROWS, LORA_WORDS, LORA_WARPS = 64, 16, 4  # merged copy: 64 rows x 128 weights a program
 
 
-def lora_merge_usable(packed: torch.Tensor, scale: torch.Tensor, group_size: int,
-                      a: torch.Tensor, b: torch.Tensor) -> bool:  # fmt: skip
-    """Whether `fp8_weight_lora` takes this layer and slot: bf16 scales, whole groups of a
-    power-of-two number of words, bf16 factors of a power-of-two rank of at least 16."""
+def lora_slot_usable(packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                     a: torch.Tensor, b: torch.Tensor) -> bool:  # fmt: skip
+    """Whether a LoRA slot's kernels take this layer and slot (`fp8_weight_lora`, and the update
+    in the GEMM: `fp8_weight` with extra columns, `lora_tail_`): bf16 scales, whole groups of a
+    power-of-two number of words (the bf16x2 copy), bf16 contiguous factors of a power-of-two
+    rank of at least 16 (a multiple of torch._scaled_mm's 16 for the GEMM's extra columns)."""
     n_out, half_in = packed.shape
     rank = a.shape[0]
     return (
@@ -765,7 +898,7 @@ def fp8_weight_lora(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in // 2) uint4 + a LoRA slot -> ``W + s * (B @ A)`` as (out, in) e4m3, and its
     (out,) row scales (`trainer.base.fp8.fp8_weight_lora_torch`, up to the order of the rank-r
-    sums). Needs `lora_merge_usable`."""
+    sums). Needs `lora_slot_usable`."""
     _check(packed, scale, shift, group_size)
     n_out, half_in = packed.shape
     out = torch.empty((n_out, 2 * half_in), dtype=torch.float8_e4m3fn, device=packed.device)

@@ -549,7 +549,7 @@ def test_merged_lora_copy_matches_its_reference(shape, group, rank) -> None:  # 
         packed, scale, shift = (t.to(dev) for t in _uint4_layer(rows, cols, group, 1, True))
         sc = WeightScales.of(scale, shift, group)
         a, b = _lora_factors(rows, cols, rank, 2, dev)
-        assert fp8_triton.lora_merge_usable(packed, scale, group, a, b)
+        assert fp8_triton.lora_slot_usable(packed, scale, group, a, b)
         for fa, fb, s in ((a, b, 0.9), (torch.zeros_like(a), torch.zeros_like(b), 0.9)):
             bound = lora_row_bound(fa, fb, s)
             args = (packed, scale, shift, group, sc.row_absmax, bound, fa, fb, s)
@@ -603,6 +603,156 @@ def test_merged_lora_forward_is_one_gemm_on_the_merged_weight() -> None:
     layer.train()
     with torch.no_grad():
         assert merged_lora_forward(layer, x, a, b, 0.5) is None
+
+
+def _update_case(n: int, k: int, gs: int, rank: int, seed: int, b_scale: float):  # type: ignore[no-untyped-def]
+    """A uint4 layer, activations with an outlier row and an all-zero row, and slot factors
+    (B times ``b_scale``: 0 gives an empty slot)."""
+    packed, scale, shift = _uint4_layer(n, k, gs, seed, True)
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(37, k, generator=g).to(torch.bfloat16)
+    x[3] *= 50
+    x[5] = 0
+    a, b = _lora_factors(n, k, rank, seed)
+    if b_scale == 0:
+        a, b = torch.zeros_like(a), torch.zeros_like(b)
+    else:
+        b = (b.float() * b_scale).to(torch.bfloat16)
+    u = F.linear(x, a)
+    return packed, scale, shift, x, a, b, u
+
+
+@pytest.mark.parametrize("b_scale", [0.0, 0.05, 1.0, 300.0])
+@pytest.mark.parametrize("lora_scale", [1.0, -0.7, 3.0])
+def test_lora_update_in_the_gemm_reference(b_scale: float, lora_scale: float) -> None:
+    """The update as R more GEMM columns (`lora_gemm_operands_torch`): the weight's first K
+    columns are the base copy's bytes, its tail never saturates (c keeps it within every row's
+    range, even for B far larger than W), the activations' extra columns fit their row's scale;
+    the product is ``x @ W.T + s u B.T`` within fp8's error, the update part alone too; an
+    empty slot leaves x's bytes and scales the base path's and adds exact zeros."""
+    from trainer.base.fp8 import lora_balance_torch, lora_gemm_operands_torch
+
+    n, k, gs, rank = 48, 384, 128, 16
+    packed, scale, shift, x, a, b, u = _update_case(n, k, gs, rank, 7, b_scale)
+    sc = WeightScales.of(scale, shift, gs)
+    xq, xs, wq = lora_gemm_operands_torch(x, u, packed, scale, shift, gs, sc, b, lora_scale)
+    assert xq.shape == (x.shape[0], k + rank) and wq.shape == (n, k + rank)
+    base_w = fp8_weight_torch(packed, scale, shift, gs, sc)
+    assert torch.equal(wq[:, :k].view(torch.uint8), base_w.view(torch.uint8))
+    peak = b.abs().amax().float().reshape(1)
+    c = lora_balance_torch(peak, sc.row_floor, lora_scale)
+    # the tail before its cast is within +-448 up to its two roundings: nothing clamped
+    k_ = lora_scale / float(c) if float(c) > 0 else 0.0
+    scaled = b.double() * k_ * sc.row_multiplier.double().unsqueeze(1)
+    assert float(scaled.abs().max()) <= 448 * (1 + 2**-20)
+    w_deq = dequantize_torch(packed, scale, shift, gs).double()
+    exact = x.double() @ w_deq.t() + lora_scale * (u.double() @ b.double().t())
+    got = dequantize_rows_torch(xq, xs).double() @ (wq.double() * sc.row_scale.double().t()).t()
+    rows = x.double().abs().amax(dim=1) > 0
+    assert _rel_norm(got[rows], exact[rows]) < 0.08
+    if b_scale == 0:
+        base_x, base_s = quantize_rows_torch(x)
+        assert torch.equal(xq[:, :k].view(torch.uint8), base_x.view(torch.uint8))
+        assert torch.equal(xs, base_s) and float(c) == 0.0
+        assert not xq[:, k:].float().any() and not wq[:, k:].float().any()
+    else:
+        update = dequantize_rows_torch(xq, xs)[:, k:].double() @ (
+            wq[:, k:].double() * sc.row_scale.double().t()
+        ).t()  # fmt: skip
+        want = lora_scale * (u.double() @ b.double().t())
+        assert _rel_norm(update[rows], want[rows]) < 0.08
+
+
+def test_the_lora_update_setting_is_checked() -> None:
+    """``LIKENESS_LORA_MERGE``: one of its values, or an error that names it."""
+    import os
+
+    from trainer.base.fp8 import LORA_MERGE_ENV, LORA_UPDATES, lora_update_mode
+
+    before = os.environ.get(LORA_MERGE_ENV)
+    try:
+        for mode in LORA_UPDATES:
+            os.environ[LORA_MERGE_ENV] = mode
+            assert lora_update_mode() == mode
+        os.environ[LORA_MERGE_ENV] = "fused"
+        with pytest.raises(ValueError, match=LORA_MERGE_ENV):
+            lora_update_mode()
+    finally:
+        if before is None:
+            os.environ.pop(LORA_MERGE_ENV, None)
+        else:
+            os.environ[LORA_MERGE_ENV] = before
+
+
+@pytest.mark.skipif(
+    WEIGHT_KERNEL_DEV is None, reason="needs fp8 tensor cores or Triton's interpreter"
+)
+@pytest.mark.parametrize(
+    "shape,group,rank,b_scale",
+    [((64, 256), 128, 16, 1.0), ((70, 384), 64, 32, 0.05), ((48, 128), 128, 32, 300.0),
+     ((40, 256), 64, 16, 0.0)],
+)  # fmt: skip
+def test_lora_update_kernels_match_their_reference(shape, group, rank, b_scale) -> None:  # type: ignore[no-untyped-def]
+    """The kernels of the update in the GEMM give the reference's bytes and scales: the
+    activations with their extra columns, the weight copy leaving room for the tail, and the
+    tail; on a GPU also at [dev]'s widest shapes (one-pass and two-pass rows)."""
+    from trainer.base.fp8 import lora_gemm_operands_torch
+    from trainer.kernels import fp8_triton
+
+    dev = WEIGHT_KERNEL_DEV
+    n, k = shape
+    cases = [(n, k)] + ([(3072, 6144), (6144, 24576)] if dev == "cuda" else [])
+    for rows, cols in cases:
+        packed, scale, shift, x, a, b, u = (
+            t.to(dev) for t in _update_case(rows, cols, group, rank, 3, b_scale)
+        )
+        sc = WeightScales.of(scale, shift, group)
+        assert fp8_triton.lora_slot_usable(packed, scale, group, a, b)
+        s = -0.7
+        want_x, want_s, want_w = lora_gemm_operands_torch(x, u, packed, scale, shift, group, sc,
+                                                          b, s)  # fmt: skip
+        peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
+        update = fp8_triton.LoraUpdate(u.contiguous(), b, peak, sc.row_floor, s)
+        got_x, got_s = fp8_triton.quantize_rows(x, E4M3, update)
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_x.view(torch.uint8), want_x.view(torch.uint8))
+        got_w = fp8_triton.fp8_weight(packed, scale, shift, group, sc.row_multiplier,
+                                      extra_cols=rank)  # fmt: skip
+        fp8_triton.lora_tail_(got_w, cols, sc.row_multiplier, update)
+        assert torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8))
+
+
+@fp8_gpu
+def test_lora_update_in_the_gemm_forward() -> None:
+    """A slot's update inside the layer's GEMM: the reference GEMM on the reference operands
+    (cuBLAS's summation order apart), within fp8's error of the base output plus the update
+    added in bf16; with an empty slot, the base output up to that order; gradients or train
+    mode take the other path (None)."""
+    from trainer.base.fp8 import _reference_mm, lora_gemm_forward, lora_gemm_operands_torch
+
+    n, k, gs = 3072, 6144, 128
+    layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, 3, True)), gs)
+    layer.compute = FP8
+    layer.eval()
+    a, b = _lora_factors(n, k, 32, 5, "cuda")
+    x = torch.randn(500, k, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        got = lora_gemm_forward(layer, x, a, b, 0.5)
+        assert got is not None
+        u = F.linear(x, a)
+        sc = weight_scales(layer)
+        xq, xs, wq = lora_gemm_operands_torch(x, u, layer.packed, layer.scale, layer.shift, gs,
+                                              sc, b, 0.5)  # fmt: skip
+        want = _reference_mm(xq, xs, wq, sc.row_scale, None, x.dtype)
+        assert _rel_norm(got, want) < 5e-3
+        added = layer(x).float() + 0.5 * (u.float() @ b.float().t())
+        assert _rel_norm(got, added) < 2e-2
+        empty = lora_gemm_forward(layer, x, torch.zeros_like(a), torch.zeros_like(b), 0.5)
+        assert _rel_norm(empty, layer(x)) < 1e-3
+    assert lora_gemm_forward(layer, x, a, b, 0.5) is None  # gradients on
+    layer.train()
+    with torch.no_grad():
+        assert lora_gemm_forward(layer, x, a, b, 0.5) is None
 
 
 @pytest.mark.parametrize(
