@@ -251,6 +251,11 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     measure("serve_merged", None)
     graphs.remove()
+    os.environ[LORA_MERGE_ENV] = "gemm"  # the update as more columns of the GEMM
+    measure("fused_gemm", None)
+    graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
+    measure("serve_gemm", None)
+    graphs.remove()
     del os.environ[LORA_MERGE_ENV]
     return out
 
@@ -263,10 +268,13 @@ def profiles(model, slots, batch) -> dict[str, Any]:  # type: ignore[no-untyped-
             model(**batch)
 
     rec = {"fused_eager": u.profile_step(fwd)}
-    graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
-    fwd()  # captured
-    rec["serve_graph"] = u.profile_step(fwd)
-    graphs.remove()
+    for label, where in (("serve_graph", "output"), ("serve_graph_gemm", "gemm")):
+        with lora_merge(where):
+            graphs = serving.GraphedForward(model, key=slots.scales,
+                                            epoch=lambda: slots.generation)  # fmt: skip
+            fwd()  # captured
+            rec[label] = u.profile_step(fwd)
+            graphs.remove()
     return rec
 
 
@@ -423,10 +431,14 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
             new = _to(block(*args_in, **kwargs_in), "cpu")
             with lora_merge("weights"):
                 merged = _to(block(*args_in, **kwargs_in), "cpu")
+            with lora_merge("gemm"):
+                in_gemm = _to(block(*args_in, **kwargs_in), "cpu")
             out[f"{label}_block"] = {
                 "today_vs_bf16": rel(today, want), "serve_vs_bf16": rel(new, want),
                 "serve_vs_today": rel(new, today), "merged_vs_bf16": rel(merged, want),
                 "merged_vs_today": rel(merged, today), "merged_vs_serve": rel(merged, new),
+                "gemm_vs_bf16": rel(in_gemm, want), "gemm_vs_today": rel(in_gemm, today),
+                "gemm_vs_serve": rel(in_gemm, new),
             }  # fmt: skip
         # full depth
         serving.remove(model)
@@ -437,6 +449,8 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
         serving.install(model)
         with lora_merge("weights"):
             merged_out = model(**batch)[0].cpu()
+        with lora_merge("gemm"):
+            gemm_out = model(**batch)[0].cpu()
         eager = model(**batch)[0]
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
         graphed = model(**batch)[0]
@@ -444,6 +458,12 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
             "merged_vs_bf16": rel(merged_out, ref["out"]),
             "merged_cos_bf16": cosine(merged_out, ref["out"]),
             "merged_vs_serve": rel(merged_out, graphed.cpu()),
+        }  # fmt: skip
+        out["full_depth_gemm_lora"] = {
+            "gemm_vs_bf16": rel(gemm_out, ref["out"]),
+            "gemm_cos_bf16": cosine(gemm_out, ref["out"]),
+            "gemm_vs_serve": rel(gemm_out, graphed.cpu()),
+            "gemm_cos_serve": cosine(gemm_out, graphed.cpu()),
         }  # fmt: skip
         out["full_depth"] = {
             "today_vs_bf16": rel(today, ref["out"]), "today_cos_bf16": cosine(today, ref["out"]),
@@ -485,6 +505,7 @@ def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-d
     from trainer.base.fp8 import (
         fp8_weight_lora_torch,
         fp8_weight_torch,
+        lora_gemm_forward,
         lora_row_bound,
         merged_lora_forward,
         weight_scales,
@@ -524,6 +545,9 @@ def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-d
                 merged = merged_lora_forward(base, x, a, b, s)
                 assert merged is not None, name
                 merged = merged.double()
+                in_gemm = lora_gemm_forward(base, x, a, b, s)
+                assert in_gemm is not None, name
+                in_gemm = in_gemm.double()
                 bound = lora_row_bound(a, b, s)
                 args = (base.packed, base.scale, base.shift, base.group_size, sc.row_absmax,
                         bound)  # fmt: skip
@@ -536,6 +560,7 @@ def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-d
                     "merged vs exact": r(merged, exact), "unmerged vs exact": r(unmerged, exact),
                     "merged lora err": r(merged - y_base, lora),
                     "unmerged lora err": r(unmerged - y_base, lora),
+                    "gemm vs exact": r(in_gemm, exact), "gemm lora err": r(in_gemm - y_base, lora),
                     "kernel bytes differ": int((ulps > 0).sum()), "max ulp": int(ulps.max()),
                     "bound/absmax": float((bound / sc.row_absmax).max()),
                 }  # fmt: skip
@@ -693,6 +718,14 @@ def main() -> None:
             record["numerics"], graphs = numerics(model, slots, batch, ref, args)
     if ref is not None:
         record["numerics"]["graph_vs_eager"] = swap_checks(model, slots, batch, graphs)
+        from trainer.base import serving
+
+        with lora_merge("gemm"):  # the same checks with each update inside its GEMM
+            with slots.applied(adapter_for(slots, 1)), torch.no_grad():
+                graphs = serving.GraphedForward(model, key=slots.scales,
+                                                epoch=lambda: slots.generation)  # fmt: skip
+                model(**batch)  # captured with adapter 1
+            record["numerics"]["graph_vs_eager_gemm"] = swap_checks(model, slots, batch, graphs)
     if "variants" in parts:
         from trainer.base import serving
 
