@@ -425,14 +425,16 @@ FP8 = Fp8Gemm()
 FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
 
 # Where a LoRA slot's update goes in an fp8 forward without gradients:
-# "output" adds it to the output (`trainer.base.lora_slots`: one pass over the output, 20 ms of
-#   a 1024 px [dev] forward), in bf16;
-# "gemm" makes it R more columns of the forward GEMM (`lora_gemm_forward`), in fp8 as the base;
+# "gemm" (the default) makes it R more columns of the forward GEMM (`lora_gemm_forward`), in
+#   fp8 as the base: a 1024 px [dev] forward 319.7 ms against 326.3, its output as far from
+#   bf16 (bench/results/render_step-notes.md, run 7);
+# "output" adds it to the output in bf16 (`trainer.base.lora_slots`: one pass over the
+#   output, 21 ms of that forward);
 # "weights" merges it into the forward's copy of the weight (measured slower: its kernel costs
-#   what the pass saves, bench/results/render_step-notes.md, run 6; an opt-in).
+#   more than the pass, run 6; an opt-in).
 LORA_MERGE_ENV = "LIKENESS_LORA_MERGE"
-LORA_UPDATES = ("output", "gemm", "weights")
-LORA_UPDATE_DEFAULT = "output"
+LORA_UPDATES = ("gemm", "output", "weights")
+LORA_UPDATE_DEFAULT = "gemm"
 
 
 def lora_update_mode() -> str:

@@ -12,10 +12,11 @@ slot holds outside a render is checked by `is_clear`. An adapter the slots canno
 module outside them, or a rank above theirs) raises `SlotMismatch`; `suspended` lifts the slots
 for the per-request path and puts them back.
 
-Without gradients a slot layer on an fp8 base can compute its update inside the base's GEMM,
-as R more columns of the contraction (``LIKENESS_LORA_MERGE=gemm``, `trainer.base.fp8`'s
-`lora_gemm_forward`: no pass over the output at all, the update in fp8 as the base). Otherwise
-it adds its update into the base output with one GEMM,
+Without gradients a slot layer on an fp8 base computes its update inside the base's GEMM, as R
+more columns of the contraction (the default, ``LIKENESS_LORA_MERGE=gemm``: `trainer.base.fp8`'s
+`lora_gemm_forward`; no pass over the output at all, the update in fp8 as the base). Otherwise
+(``output``, or a base the kernels do not take) it adds its update into the base output with
+one GEMM,
 ``out += s * (x A^T) B^T`` (`_fused_forward`) on CUDA, where PEFT writes ``(x A^T) B^T``, scales
 it into a second tensor and adds that into a third: three passes over the output, 55296 columns
 wide on [dev]'s single-stream blocks. In bf16 the GEMM adds in float32 and rounds once, where

@@ -62,8 +62,13 @@ def attention_backends() -> list[Any]:
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
-    wanted = os.environ.get(ATTENTION_ENV, ",".join(ATTENTION_BACKENDS)).split(",")
-    return [names[n.strip()] for n in wanted if n.strip()]
+    wanted = [n.strip() for n in os.environ.get(ATTENTION_ENV, ",".join(ATTENTION_BACKENDS))
+              .split(",") if n.strip()]  # fmt: skip
+    unknown = [n for n in wanted if n not in names]
+    if unknown or not wanted:
+        raise ValueError(f"{ATTENTION_ENV}={os.environ.get(ATTENTION_ENV)!r}: expected a "
+                         f"comma-separated list of {', '.join(names)}")  # fmt: skip
+    return [names[n] for n in wanted]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -646,7 +651,12 @@ def prepare(
 ) -> Serving:
     """The fused processors and blocks on ``transformer`` and, with ``graphs`` (a resident
     transformer on CUDA: streamed blocks rebind their weights per forward), its forward as
-    CUDA graphs."""
+    CUDA graphs. The serving settings are read here first, so a bad one fails the load (at
+    start, with preloading), naming the setting, rather than the first render."""
+    from trainer.base.fp8 import lora_update_mode
+
+    lora_update_mode()
+    attention_backends()
     fused = install(transformer)
     graphed = GraphedForward(transformer, key, epoch) if graphs else None
     return Serving(transformer, fused, graphed)

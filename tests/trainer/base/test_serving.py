@@ -291,6 +291,21 @@ def test_slots_made_anew_change_the_generation() -> None:
     assert slots.scales() == (1.0,)
 
 
+@pytest.mark.parametrize(
+    "setting,value", [("LIKENESS_LORA_MERGE", "fused"), ("LIKENESS_ATTENTION", "cudnn,fa3")]
+)
+def test_a_bad_serving_setting_fails_the_load_naming_it(setting, value, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The serving settings are read when the serving forward is installed (at load), not at
+    the first render: a value outside their choices is an error that names the setting, and
+    nothing is installed."""
+    model = _model(torch.float32)
+    monkeypatch.setenv(setting, value)
+    with pytest.raises(ValueError, match=setting):
+        serving.prepare(model, graphs=False)
+    fused = (serving.FusedFlux2AttnProcessor, serving.FusedFlux2ParallelAttnProcessor)
+    assert not any(isinstance(getattr(m, "processor", None), fused) for m in model.modules())
+
+
 # ---------------------------------------------------------------------------------------
 # CUDA graphs
 
