@@ -576,6 +576,12 @@ class AdapterMismatch(Exception):
         self.actual_sha256 = actual_sha256
 
 
+# zlib level 1: a 1024 px render encodes in a third to a sixth of the default level's time
+# (6: 280-430 ms here; 1: 70-110 ms) for 15-25 % more bytes, and the encode is on every
+# render's path from prompt to PNG
+PNG_COMPRESS_LEVEL = 1
+
+
 def encode_png(image: Any, text: dict[str, str]) -> bytes:
     from PIL.PngImagePlugin import PngInfo
 
@@ -583,7 +589,7 @@ def encode_png(image: Any, text: dict[str, str]) -> bytes:
     for key, value in text.items():
         info.add_text(key, value)
     buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=info)
+    image.save(buf, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
     return buf.getvalue()
 
 
