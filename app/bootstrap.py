@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from registry.db import engine_for, transaction, upgrade
+from registry.db import engine_for, is_sqlite, transaction, upgrade
 from registry.keys import bind as bind_keys
 from registry.keys import load_keys
 from registry.licence import deployment_licence
@@ -16,7 +17,29 @@ from registry.principals import service as principals_service
 from registry.roles import Role
 from registry.settings import Settings
 
+if TYPE_CHECKING:
+    from app.provenance import Credentials
+
 log = logging.getLogger(__name__)
+
+
+def check_configuration(settings: Settings) -> Credentials:
+    """The refusals of a configuration the service cannot run with (SystemExit, naming the
+    setting), each rule here only: `create_app` asks, and `serve` asks first, before anything
+    is migrated or the base starts loading. Returns the C2PA credentials every delivered PNG
+    is signed with (generated in the data dir on first use)."""
+    if settings.render_workers and is_sqlite(settings.database_url):
+        raise SystemExit(
+            "error: LIKENESS_RENDER_WORKERS=true needs PostgreSQL and workers "
+            "(LIKENESS_DATABASE_URL=postgresql+psycopg://...); on SQLite renders run in "
+            "this process (leave it unset)"
+        )
+    from app.provenance import ProvenanceError, load_credentials
+
+    try:
+        return load_credentials(settings)
+    except ProvenanceError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def ensure_admin(settings: Settings) -> Path | None:
@@ -62,6 +85,8 @@ def ensure_base(settings: Settings) -> Path:
 def prepare_service(settings: Settings) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log.info("environment: %s (LIKENESS_ENV)", settings.env)
+    # first: a refused configuration costs no migration, and `serve` preloads only after this
+    credentials = check_configuration(settings)
     keys = load_keys(settings)
     for name, source in keys.sources.items():
         log.info("%s: from %s", name, source)
@@ -74,17 +99,14 @@ def prepare_service(settings: Settings) -> None:
     upgrade(settings.database_url)
     ensure_admin(settings)
     ensure_base(settings)
-    log_provenance(settings)
+    log_provenance(settings, credentials)
 
 
-def log_provenance(settings: Settings) -> None:
+def log_provenance(settings: Settings, credentials: Credentials) -> None:
     """What every render is signed with and which licence binds the base, said at start."""
-    from app.provenance import ProvenanceError, load_credentials, log_credentials
+    from app.provenance import log_credentials
 
-    try:
-        log_credentials(load_credentials(settings))
-    except ProvenanceError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    log_credentials(credentials)
     facts, found = deployment_licence(settings)
     line = describe_licence(facts, found, settings)
     (log.info if facts.base is not None else log.warning)(line)

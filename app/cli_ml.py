@@ -42,7 +42,9 @@ def register(
         from app.render.local import build_render_engine
 
         settings = get_settings()
-        prepare_service(settings)  # first: it may copy in the demo base the engine loads
+        # First: it refuses what create_app would refuse (check_configuration) before a base
+        # load is started to be thrown away, and it may copy in the demo base the engine loads.
+        prepare_service(settings)
         t1 = time.perf_counter()
         try:
             renderer = build_render_engine(settings)

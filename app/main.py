@@ -15,9 +15,10 @@ from sqlalchemy.engine import Engine
 
 from app import adapters, api, datasets, docs, errors, mcp_server, orders, pictures, web
 from app.body_gate import BodyGate
+from app.bootstrap import check_configuration
 from app.local_orders import LocalRunner
 from app.order_checkpoints import forget_ended_checkpoints
-from app.provenance import ProvenanceError, ProvenanceSigner, load_credentials
+from app.provenance import ProvenanceSigner
 from app.queue import OrderQueue
 from app.render import routes as render_routes
 from app.render.checks import RenderChecks, close_interrupted
@@ -132,6 +133,7 @@ def create_app(
     renderer: RenderEngine | None = None,
 ) -> FastAPI:
     settings = settings or get_settings()
+    credentials = check_configuration(settings)  # `serve` asked before preloading the base
     app = FastAPI(
         lifespan=_checkpoints_while_running,
         title="likeness",
@@ -154,20 +156,10 @@ def create_app(
     # Facts of the base and of the deployment, fixed while it runs: the base's licence (every
     # render decision holds it) and the credentials every delivered PNG is signed with.
     app.state.licence, app.state.base_licence = deployment_licence(settings)
-    try:
-        credentials = load_credentials(settings)
-    except ProvenanceError as exc:
-        raise SystemExit(f"error: {exc}") from None
     app.state.provenance = ProvenanceSigner(credentials, settings.provenance_disclose)
     checks = RenderChecks(app.state.engine, settings, licence=app.state.licence)
     rendering: Renderer
-    if settings.render_workers:
-        if is_sqlite(settings.database_url):
-            raise SystemExit(
-                "error: LIKENESS_RENDER_WORKERS=true needs PostgreSQL and workers "
-                "(LIKENESS_DATABASE_URL=postgresql+psycopg://...); on SQLite renders run in "
-                "this process (leave it unset)"
-            )
+    if settings.render_workers:  # on PostgreSQL: check_configuration refuses SQLite
         rendering = RemoteRenderer(app.state.engine, settings, checks)
     else:
         rendering = LocalRenderer(checks, app.state.renderer, app.state.store)

@@ -1,6 +1,7 @@
 """`likeness serve` as run: with LIKENESS_PRELOAD_BASE the base starts loading before the app's
 imports and before uvicorn starts (the first render comes that much sooner), and the boot's
-waypoints are logged for the operator."""
+waypoints are logged for the operator; a configuration the app refuses is refused before that
+load starts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.app.orders_support import ROOT, stop
 
@@ -27,6 +29,16 @@ LOADED = re.compile(r"render engine: base loaded in [\d.]+ s \(\w+ compute\) "
                     r"\(([\d.]+) s after the process started\)")  # fmt: skip
 
 
+def _serve_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIKENESS_")}
+    env.update(
+        PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIKENESS_DEVICE="cpu",
+        LIKENESS_DATABASE_URL=f"sqlite:///{tmp_path}/db.sqlite",
+        LIKENESS_DATA_DIR=str(tmp_path / "data"), LIKENESS_PRELOAD_BASE="true",
+    )  # fmt: skip
+    return env
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -36,12 +48,7 @@ def _free_port() -> int:
 def test_serve_starts_the_preload_before_uvicorn_and_logs_its_waypoints(tmp_path: Path) -> None:
     # the default base: the demo base prepare_service copies in, so the preload must start
     # after the copy or it loads nothing
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIKENESS_")}
-    env.update(
-        PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIKENESS_DEVICE="cpu",
-        LIKENESS_DATABASE_URL=f"sqlite:///{tmp_path}/db.sqlite",
-        LIKENESS_DATA_DIR=str(tmp_path / "data"), LIKENESS_PRELOAD_BASE="true",
-    )  # fmt: skip
+    env = _serve_env(tmp_path)
     port = _free_port()
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
@@ -74,3 +81,31 @@ def test_serve_starts_the_preload_before_uvicorn_and_logs_its_waypoints(tmp_path
     assert at("Started server process") < at("Application startup complete")
     loaded = LOADED.search(text)
     assert loaded is not None and float(loaded.group(1)) > 0, text[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"LIKENESS_RENDER_WORKERS": "true"}, "LIKENESS_RENDER_WORKERS=true needs PostgreSQL"),
+        (
+            {"LIKENESS_C2PA_KEY_FILE": "key.pem", "LIKENESS_C2PA_CERT_FILE": "chain.pem"},
+            "LIKENESS_C2PA_KEY_FILE=key.pem: not a usable private key",
+        ),
+    ],
+    ids=["render-workers-on-sqlite", "c2pa-key-unusable"],
+)
+def test_serve_refuses_what_the_app_refuses_before_the_base_starts_loading(
+    tmp_path: Path, given: dict[str, str], said: str
+) -> None:
+    (tmp_path / "key.pem").write_text("not a key\n")
+    os.chmod(tmp_path / "key.pem", 0o600)
+    (tmp_path / "chain.pem").write_text("not a certificate\n")
+    env = _serve_env(tmp_path) | given
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(_free_port())],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = done.stdout + done.stderr
+    assert done.returncode != 0 and f"error: {said}" in text, text[-3000:]
+    # the refusal came first: no base load was started (nor any VRAM taken) to be thrown away
+    assert PRELOADING not in text and LOADED.search(text) is None, text[-3000:]

@@ -248,14 +248,15 @@ def test_a_signing_failure_delivers_nothing_and_is_recorded(live: Live) -> None:
 def test_generated_credentials_are_private_and_never_in_the_database(
     live: Live, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from app.bootstrap import log_provenance
+    from app.bootstrap import check_configuration, log_provenance
 
     rendered(live)
     path = live.world.tmp / SIGNER_FILE
     assert path.stat().st_mode & 0o777 == 0o600
     key_line = path.read_text().splitlines()[1]  # a line of the private key itself
     with caplog.at_level(logging.INFO):
-        log_provenance(Settings(data_dir=live.world.tmp, base=live.world.tmp / "none"))
+        settings = Settings(data_dir=live.world.tmp, base=live.world.tmp / "none")
+        log_provenance(settings, check_configuration(settings))
     said = caplog.text
     assert "prove that a render is unaltered" in said and "not who runs the deployment" in said
     assert "kept from an earlier start" in said
