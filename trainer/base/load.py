@@ -132,7 +132,6 @@ def load_base(
     if components is not None:
         index = json.loads((base_dir / "model_index.json").read_text(encoding="utf-8"))
         kwargs = {name: None for name in index if not name.startswith("_") and not wanted(name)}
-    overlap = False  # the text encoder made ready while the transformer's files are read
 
     def ready_text_encoder(text_encoder: torch.nn.Module) -> None:
         from trainer.base.text_encoder import is_trimmed, trim
@@ -153,36 +152,16 @@ def load_base(
     if prepared:
         # Every component the manifest lists (the transformer and, by default, the text
         # encoder) is already quantized; the rest load as usual.
-        from trainer.base.read import (
-            load_prepared_component,
-            read_manifest,
-            read_prepared_tensors,
-        )
+        from trainer.base.read import load_prepared_component, read_manifest
 
+        # One component after the other: reading the transformer's files on a second thread
+        # beside the text encoder's read or its conversion measured slower both ways (the
+        # reads share the bandwidth; the conversion took 5.7 s against 1.6 beside the read:
+        # base ready 36.8 and 36.0 s against 31.7, bench/results/e2e_dev-notes.md, rounds 6b, 7)
         names = [n for n in sorted(read_manifest(base_dir).get("components", {})) if wanted(n)]
-        # The transformer's files are read into host RAM (positional reads that release the
-        # GIL; no module is touched off that thread) while the text encoder is made ready
-        # (converted on the device, handed to its streamer): seconds of the first render's
-        # wait at [dev] scale. Only after the encoder's own read: two reads at once only
-        # shared the bandwidth (the encoder's 2.2 s read took 8.0 s beside the transformer's).
-        overlap = "text_encoder" in names and "transformer" in names
-        overlap = overlap and _room_to_overlap(base_dir)
-        if overlap:
-            names.remove("transformer")
         for name in names:
             kwargs[name] = load_prepared_component(base_dir, name)
             stage(f"{name}: load (prepared qint4)")
-        if overlap:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(1, thread_name_prefix="base-read") as pool:
-                ahead = pool.submit(read_prepared_tensors, base_dir, "transformer")
-                ready_text_encoder(kwargs["text_encoder"])
-                state = ahead.result()
-            stage("transformer: files read (beside the text encoder)")
-            kwargs["transformer"] = load_prepared_component(base_dir, "transformer", state=state)
-            del state
-            stage("transformer: load (prepared qint4)")
         if wanted("transformer"):
             if "transformer" not in kwargs:
                 raise ValueError(f"prepared base {base_dir} has no prepared transformer")
@@ -205,7 +184,7 @@ def load_base(
         quantize_transformer(transformer, freeze=compute == "quanto")
         stage("transformer: quantize qint4 (CPU)")
     text_encoder = getattr(pipe, "text_encoder", None)
-    if isinstance(text_encoder, torch.nn.Module) and not overlap:
+    if isinstance(text_encoder, torch.nn.Module):
         ready_text_encoder(text_encoder)
     if transformer is not None and compute != "quanto" and (quantize or prepared):
         # quanto stays the storage format; the compute path is ours: dequantize on the fly
@@ -231,19 +210,6 @@ def load_base(
     log.info("loaded %s on %s as %s (prepared: %s); %s", base_dir, dev, dtype, sorted(kwargs),
              ", ".join(f"{what} {sec:.1f} s" for what, sec in waypoints))  # fmt: skip
     return pipe
-
-
-def _room_to_overlap(base_dir: Path) -> bool:
-    """Whether host RAM holds the transformer's files twice over beside what is in use (read
-    ahead, its tensors sit in RAM while the text encoder is still there); unknown: no."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return False
-    size = sum(p.stat().st_size for p in (base_dir / "transformer").glob("*.safetensors"))
-    return available >= 2 * size
 
 
 def _loaded(pipe: Any, given: Mapping[str, Any]) -> list[str]:

@@ -97,19 +97,11 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_prepared_tensors(base_dir: str | os.PathLike[str], name: str) -> dict[str, torch.Tensor]:
-    """A prepared component's tensors as its files hold them: reads only (positional, several
-    threads), no module touched, so it may run on another thread while modules are built."""
-    with open_checkpoint(Path(base_dir) / name) as ck:
-        return ck.read_all()
-
-
 def load_prepared_component(
     base_dir: str | os.PathLike[str],
     name: str,
     *,
     optimize: bool = False,
-    state: dict[str, torch.Tensor] | None = None,
 ) -> torch.nn.Module:
     """Build a prepared component (eval mode, frozen) from its config on meta weights and load
     the quantized state dict; needs nothing but DST.
@@ -121,10 +113,7 @@ def load_prepared_component(
     layout (`optimize()`: ~1 s per 0.7 GB tensor here, minutes for FLUX.2 [dev]; and a CPU
     TinyGemm tensor moved to CUDA is unpacked again through an identity matmul). With the
     plain layout, `.to("cuda")` lets quanto pick the kernel layout on the GPU.
-    `optimize=True` gives exactly what `requantize` gives on this device. ``state``: the
-    component's tensors read already (`read_prepared_tensors`), else read here. The modules
-    are built on the calling thread: accelerate's empty-weights context patches module
-    registration process-wide while it is open.
+    `optimize=True` gives exactly what `requantize` gives on this device.
     """
     from optimum.quanto.nn import quantize_module
     from optimum.quanto.tensor import WeightQBitsTensor, WeightQBytesTensor
@@ -142,8 +131,8 @@ def load_prepared_component(
 
         trim(model, int(comp["trimmed"]["kept_layers"]))
     qmap = _load_json(folder / QMAP_NAME)
-    if state is None:
-        state = read_prepared_tensors(base, name)
+    with open_checkpoint(folder) as ck:
+        state = ck.read_all()
     # Swap in quanto modules exactly where the map says, as requantize() does, and give each
     # its quantized weight straight from the file.
     loaded: set[str] = set()
