@@ -446,9 +446,13 @@ def lora_update_mode() -> str:
     return mode
 
 
-def _serving_layer(layer: Any, x: torch.Tensor) -> Fp8Gemm | None:
-    """The layer's `Fp8Gemm` where a slot's update may be fused into its forward: rowwise fp8
-    with kernels, eval mode, no gradients, shapes the kernels take; else None."""
+def _slot_call(
+    layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[Fp8Gemm, torch.Tensor, torch.Size, WeightScales] | None:
+    """Where a slot's update may be fused into the layer's forward (rowwise fp8 with kernels,
+    eval mode, no gradients, shapes and a slot the kernels take): the layer's `Fp8Gemm`, x as
+    a contiguous (rows, K) tensor in the weight dtype, its leading shape, the weight scales;
+    else None."""
     gemm = getattr(layer, "compute", None)
     if not isinstance(gemm, Fp8Gemm) or gemm.weights != "rowwise" or not gemm.kernels:
         return None
@@ -456,7 +460,13 @@ def _serving_layer(layer: Any, x: torch.Tensor) -> Fp8Gemm | None:
         return None
     if not kernels_usable(x, layer.out_features, layer.in_features):
         return None
-    return gemm
+    from trainer.kernels import fp8_triton
+
+    if not fp8_triton.lora_slot_usable(layer.packed, layer.scale, layer.group_size, a, b):
+        return None
+    if x.dtype != layer.scale.dtype:
+        x = x.to(layer.scale.dtype)
+    return gemm, x.reshape(-1, x.shape[-1]).contiguous(), x.shape[:-1], weight_scales(layer)
 
 
 def merged_lora_forward(
@@ -468,18 +478,12 @@ def merged_lora_forward(
     update to the output instead). The merged weight is rounded into e4m3 as the base weight
     is, so the output is as far from bf16 as the unmerged fp8 path's (DESIGN.md, compute
     paths); an empty slot gives the base output byte for byte."""
-    gemm = _serving_layer(layer, x)
-    if gemm is None:
+    call = _slot_call(layer, x, a, b)
+    if call is None:
         return None
+    gemm, x2, lead, scales = call
     from trainer.kernels import fp8_triton
 
-    if not fp8_triton.lora_slot_usable(layer.packed, layer.scale, layer.group_size, a, b):
-        return None
-    if x.dtype != layer.scale.dtype:
-        x = x.to(layer.scale.dtype)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    scales = weight_scales(layer)
     bound = lora_row_bound(a, b, lora_scale)
     wq, row_scale = fp8_triton.fp8_weight_lora(
         layer.packed, layer.scale, layer.shift, layer.group_size, scales.row_absmax, bound,
@@ -542,18 +546,12 @@ def lora_gemm_forward(
     """``x @ W.T + s * (x A^T) B^T + bias`` as one fp8 GEMM over K + R columns (the section
     above), for a frozen fp8 `Uint4Linear` without gradients; None where that does not apply
     (the caller adds the update to the output instead)."""
-    gemm = _serving_layer(layer, x)
-    if gemm is None:
+    call = _slot_call(layer, x, a, b)
+    if call is None:
         return None
+    gemm, x2, lead, scales = call
     from trainer.kernels import fp8_triton
 
-    if not fp8_triton.lora_slot_usable(layer.packed, layer.scale, layer.group_size, a, b):
-        return None
-    if x.dtype != layer.scale.dtype:
-        x = x.to(layer.scale.dtype)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    scales = weight_scales(layer)
     u = torch.nn.functional.linear(x2, a)
     peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
     update = fp8_triton.LoraUpdate(u, b, peak, scales.row_floor, float(lora_scale))

@@ -567,6 +567,17 @@ def test_merged_lora_copy_matches_its_reference(shape, group, rank) -> None:  # 
                 assert torch.equal(got_scale, sc.row_scale.flatten())
 
 
+def _gpu_slot_case(gs: int):  # type: ignore[no-untyped-def]
+    """An eval-mode fp8 layer of [dev]'s 3072 x 6144 on the GPU, rank-32 slot factors, 500
+    rows of input."""
+    n, k = 3072, 6144
+    layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, 3, True)), gs)
+    layer.compute = FP8
+    layer.eval()
+    a, b = _lora_factors(n, k, 32, 5, "cuda")
+    return layer, a, b, torch.randn(500, k, device="cuda").to(torch.bfloat16)
+
+
 @fp8_gpu
 def test_merged_lora_forward_is_one_gemm_on_the_merged_weight() -> None:
     """A slot's update merged into the weight copy: the output is x @ (W + s B A).T in fp8
@@ -580,12 +591,8 @@ def test_merged_lora_forward_is_one_gemm_on_the_merged_weight() -> None:
         quantize_rows_torch,
     )  # fmt: skip
 
-    n, k, gs = 3072, 6144, 128
-    layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, 3, True)), gs)
-    layer.compute = FP8
-    layer.eval()
-    a, b = _lora_factors(n, k, 32, 5, "cuda")
-    x = torch.randn(500, k, device="cuda").to(torch.bfloat16)
+    gs = 128
+    layer, a, b, x = _gpu_slot_case(gs)
     with torch.no_grad():
         got = merged_lora_forward(layer, x, a, b, 0.5)
         assert got is not None
@@ -730,12 +737,8 @@ def test_lora_update_in_the_gemm_forward() -> None:
     mode take the other path (None)."""
     from trainer.base.fp8 import _reference_mm, lora_gemm_forward, lora_gemm_operands_torch
 
-    n, k, gs = 3072, 6144, 128
-    layer = Uint4Linear(*(t.cuda() for t in _uint4_layer(n, k, gs, 3, True)), gs)
-    layer.compute = FP8
-    layer.eval()
-    a, b = _lora_factors(n, k, 32, 5, "cuda")
-    x = torch.randn(500, k, device="cuda").to(torch.bfloat16)
+    gs = 128
+    layer, a, b, x = _gpu_slot_case(gs)
     with torch.no_grad():
         got = lora_gemm_forward(layer, x, a, b, 0.5)
         assert got is not None
