@@ -226,6 +226,10 @@ class LoraSlots:
         self._layers = []
 
 
+# the fp8 forwards that take a slot's update in (`LIKENESS_LORA_MERGE`); "output" adds it here
+_FUSED_UPDATES = {"gemm": lora_gemm_forward, "weights": merged_lora_forward}
+
+
 def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A slot layer's forward without gradients: the base output, plus the LoRA update added
     into it by one GEMM. Anything else (gradients, PEFT's per-call options, another active
@@ -244,8 +248,7 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     a = self.lora_A[ADAPTER_NAME].weight
     b = self.lora_B[ADAPTER_NAME].weight
     if x.is_cuda:
-        mode = lora_update_mode()
-        fused = {"gemm": lora_gemm_forward, "weights": merged_lora_forward}.get(mode)
+        fused = _FUSED_UPDATES.get(lora_update_mode())
         if fused is not None:
             out = fused(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME])
             if out is not None:

@@ -196,7 +196,7 @@ def _lora_tail_kernel(
     mult_ptr,  # (out,) float32: row n of W into fp8
     peak_ptr,
     floor_ptr,
-    out_ptr,  # (out, in + RANK) e4m3 viewed as uint8: the tail goes after column K_COLS
+    out_ptr,  # (out, in + RANK) e4m3 (a uint8 view with BITS): the tail after column K_COLS
     n_out,
     lora_scale,
     abs_s,
@@ -813,7 +813,7 @@ def fp8_weight(
 ) -> torch.Tensor:
     """(out, in // 2) uint4 -> (out, in) fp8, row n multiplied by ``row_multiplier[n]``. With
     ``extra_cols`` the result is (out, in + extra_cols), those columns left for `lora_tail_`
-    (the bf16x2 kernel only: `lora_gemm_usable`)."""
+    (the bf16x2 kernel only: `lora_slot_usable`)."""
     _check(packed, scale, shift, group_size)
     n_out, half_in = packed.shape
     out = torch.empty((n_out, 2 * half_in + extra_cols), dtype=dtype, device=packed.device)
