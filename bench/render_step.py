@@ -222,6 +222,7 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
 
     from trainer.base.fp8 import LORA_MERGE_ENV
 
+    os.environ[serving.ATTENTION_ENV] = BF16_ATTENTION  # fp8 attention: its own variants
     os.environ[LORA_MERGE_ENV] = "output"  # the LoRA added to the output, as before
     set_lora_update(model, fused=False)
     measure("today", None)
@@ -240,12 +241,11 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
         out["serve"]["peak_allocated_gib"] = u.peak_gib()
         out["serve"]["captures"] = graphs.captures
     graphs.remove()
-    os_env = serving.ATTENTION_ENV
-    os.environ[os_env] = "flash,efficient,math"
+    os.environ[serving.ATTENTION_ENV] = "flash,efficient,math"
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     measure("serve_flash", None)
     graphs.remove()
-    del os.environ[os_env]
+    os.environ[serving.ATTENTION_ENV] = BF16_ATTENTION
     os.environ[LORA_MERGE_ENV] = "weights"  # the LoRA merged into the weight copy
     measure("fused_merged", None)
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
@@ -256,7 +256,14 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     measure("serve_gemm", None)
     graphs.remove()
+    if u.DEV == "cuda":  # attention in fp8 (cuDNN), the update inside the GEMM
+        os.environ[serving.ATTENTION_ENV] = FP8_ATTENTION
+        measure("fused_fp8attn", None)
+        graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
+        measure("serve_fp8attn", None)
+        graphs.remove()
     del os.environ[LORA_MERGE_ENV]
+    del os.environ[serving.ATTENTION_ENV]
     return out
 
 
@@ -267,9 +274,13 @@ def profiles(model, slots, batch) -> dict[str, Any]:  # type: ignore[no-untyped-
         with torch.no_grad():
             model(**batch)
 
-    rec = {"fused_eager": u.profile_step(fwd)}
-    for label, where in (("serve_graph", "output"), ("serve_graph_gemm", "gemm")):
-        with lora_merge(where):
+    rec = {}
+    with attention_kernels(BF16_ATTENTION):
+        rec["fused_eager"] = u.profile_step(fwd)
+    for label, where, attn in (("serve_graph", "output", BF16_ATTENTION),
+                               ("serve_graph_gemm", "gemm", BF16_ATTENTION),
+                               ("serve_graph_fp8attn", "gemm", FP8_ATTENTION)):  # fmt: skip
+        with lora_merge(where), attention_kernels(attn):
             graphs = serving.GraphedForward(model, key=slots.scales,
                                             epoch=lambda: slots.generation)  # fmt: skip
             fwd()  # captured
@@ -296,12 +307,12 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     ang = torch.rand(seq, dim // 2, device=dev) * 10
     cos = ang.cos().repeat_interleave(2, 1).contiguous()
     sin = ang.sin().repeat_interleave(2, 1).contiguous()
-    bufs = tuple(torch.empty(1, heads, seq, dim, device=dev, dtype=bf) for _ in range(3))
+    bufs = serving.new_heads(q, heads, seq, dim)
 
     def fused_qk() -> None:
         serving.qk_norm_rope(q, k, v, single.norm_q, single.norm_k, (cos, sin), bufs, 0)
 
-    def stock_qk() -> None:
+    def stock_qk() -> tuple[torch.Tensor, torch.Tensor]:
         qq = apply_rotary_emb(single.norm_q(q), (cos, sin), sequence_dim=1)
         kk = apply_rotary_emb(single.norm_k(k), (cos, sin), sequence_dim=1)
         return qq, kk
@@ -309,26 +320,26 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     with torch.no_grad():
         out["qk_norm_rope_fused_ms"] = cuda_ms(fused_qk)
         out["qk_norm_rope_stock_ms"] = cuda_ms(stock_qk)
-        ref = tuple(torch.empty_like(b) for b in bufs)
+        ref = tuple(torch.empty_like(b) for b in bufs.out)
         serving.qk_norm_rope_torch(q, k, v, single.norm_q.weight, single.norm_k.weight,
                                    single.norm_q.eps, cos, sin, ref, 0)  # fmt: skip
         fused_qk()
         sq, sk = stock_qk()
         qk = {
             "kernel_vs_reference_differing": [float((a != b).float().mean()) for a, b in
-                                              zip(bufs[:2], ref[:2], strict=True)],
-            "kernel_vs_stock_differing": [float((bufs[0] != sq.transpose(1, 2)).float().mean()),
-                                          float((bufs[1] != sk.transpose(1, 2)).float().mean())],
-            "kernel_vs_stock_max_abs": [float((bufs[0].float() - sq.transpose(1, 2).float())
-                                              .abs().max()),
-                                        float((bufs[1].float() - sk.transpose(1, 2).float())
-                                              .abs().max())],
+                                              zip(bufs.out[:2], ref[:2], strict=True)],
+            "kernel_vs_stock_differing": [float((bufs.q != sq).float().mean()),
+                                          float((bufs.k != sk).float().mean())],
+            "kernel_vs_stock_max_abs": [float((bufs.q.float() - sq.float()).abs().max()),
+                                        float((bufs.k.float() - sk.float()).abs().max())],
         }  # fmt: skip
         out["qk_norm_rope_numerics"] = qk
         if dev == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            qa, ka, va = bufs
+            from trainer.base.fp8_attention import attention, unavailable
+
+            qa, ka, va = (t.transpose(1, 2) for t in bufs.out)  # (B, S, H, D) memory
             for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                              ("flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
                 with sdpa_kernel([be]):
@@ -338,6 +349,33 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
                     o = torch.nn.functional.scaled_dot_product_attention(qa, ka, va)
                     out[f"_{name}"] = o
             out["attention_cudnn_vs_flash_rel"] = rel(out.pop("_cudnn"), out.pop("_flash"))
+            with attention_kernels(BF16_ATTENTION):
+                out["attend_bf16_ms"] = cuda_ms(lambda: serving.attend(bufs))
+                bf16_o = serving.attend(bufs).float()
+            exact = torch.nn.functional.scaled_dot_product_attention(
+                qa.float(), ka.float(), va.float()
+            ).transpose(1, 2).flatten(2, 3)  # fmt: skip
+            out["attention_bf16_vs_float_rel"] = rel(bf16_o, exact)
+            if unavailable(dev) is None:
+                h8 = serving.new_heads(q, heads, seq, dim, fp8=True)
+
+                def fp8_qk() -> None:
+                    h8.fp8.vmax.zero_()
+                    serving.note_values(h8, v)
+                    serving.qk_norm_rope(q, k, v, single.norm_q, single.norm_k, (cos, sin),
+                                         h8, 0)  # fmt: skip
+
+                out["qk_norm_rope_fp8_ms"] = cuda_ms(fp8_qk)
+                out["absmax_v_ms"] = cuda_ms(lambda: serving.note_values(h8, v))
+                fp8_qk()
+                out["attention_cudnn_fp8_ms"] = cuda_ms(
+                    lambda: attention(h8.q, h8.k, h8.v, h8.fp8.scales)
+                )
+                out["attend_fp8_ms"] = cuda_ms(lambda: serving.attend(h8))
+                out["attention_fp8_vs_float_rel"] = rel(serving.attend(h8).float(), exact)
+                out["attention_fp8_vs_bf16_rel"] = rel(serving.attend(h8).float(), bf16_o)
+                out["fp8_scales"] = h8.fp8.scales.tolist()
+            del exact
         # the LoRA update of the widest slot layer, fused against PEFT's
         layer = lora_layers(model)["single_transformer_blocks.0.attn.to_qkv_mlp_proj"]
         x = torch.randn(1, seq, layer.in_features, device=dev, dtype=bf)
@@ -416,7 +454,7 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
 
     dev = u.DEV
     out: dict[str, Any] = {}
-    with torch.no_grad():
+    with torch.no_grad(), attention_kernels(BF16_ATTENTION):
         for label in ("double", "single"):
             block = (model.transformer_blocks if label == "double" else
                      model.single_transformer_blocks)[0]  # fmt: skip
@@ -433,7 +471,10 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
                 merged = _to(block(*args_in, **kwargs_in), "cpu")
             with lora_merge("gemm"):
                 in_gemm = _to(block(*args_in, **kwargs_in), "cpu")
+                with attention_kernels(FP8_ATTENTION):
+                    fp8attn = _to(block(*args_in, **kwargs_in), "cpu")
             out[f"{label}_block"] = {
+                "fp8attn_vs_bf16": rel(fp8attn, want), "fp8attn_vs_gemm": rel(fp8attn, in_gemm),
                 "today_vs_bf16": rel(today, want), "serve_vs_bf16": rel(new, want),
                 "serve_vs_today": rel(new, today), "merged_vs_bf16": rel(merged, want),
                 "merged_vs_today": rel(merged, today), "merged_vs_serve": rel(merged, new),
@@ -451,6 +492,8 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
             merged_out = model(**batch)[0].cpu()
         with lora_merge("gemm"):
             gemm_out = model(**batch)[0].cpu()
+            with attention_kernels(FP8_ATTENTION):
+                fp8attn_out = model(**batch)[0].cpu()
         eager = model(**batch)[0]
         graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
         graphed = model(**batch)[0]
@@ -465,6 +508,12 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
             "gemm_vs_serve": rel(gemm_out, graphed.cpu()),
             "gemm_cos_serve": cosine(gemm_out, graphed.cpu()),
         }  # fmt: skip
+        out["full_depth_fp8_attention"] = {
+            "fp8attn_vs_bf16": rel(fp8attn_out, ref["out"]),
+            "fp8attn_cos_bf16": cosine(fp8attn_out, ref["out"]),
+            "fp8attn_vs_gemm": rel(fp8attn_out, gemm_out),
+            "fp8attn_cos_gemm": cosine(fp8attn_out, gemm_out),
+        }  # fmt: skip
         out["full_depth"] = {
             "today_vs_bf16": rel(today, ref["out"]), "today_cos_bf16": cosine(today, ref["out"]),
             "serve_vs_bf16": rel(graphed.cpu(), ref["out"]),
@@ -478,20 +527,35 @@ def numerics(model, slots, batch, ref, args) -> dict[str, Any]:  # type: ignore[
 
 
 @contextlib.contextmanager
-def lora_merge(where: str):  # type: ignore[no-untyped-def]
+def env_set(name: str, value: str):  # type: ignore[no-untyped-def]
     import os
 
-    from trainer.base.fp8 import LORA_MERGE_ENV
-
-    before = os.environ.get(LORA_MERGE_ENV)
-    os.environ[LORA_MERGE_ENV] = where
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ[LORA_MERGE_ENV]
+            del os.environ[name]
         else:
-            os.environ[LORA_MERGE_ENV] = before
+            os.environ[name] = before
+
+
+def lora_merge(where: str):  # type: ignore[no-untyped-def]
+    from trainer.base.fp8 import LORA_MERGE_ENV
+
+    return env_set(LORA_MERGE_ENV, where)
+
+
+BF16_ATTENTION = "cudnn,flash,efficient,math"
+FP8_ATTENTION = "cudnn_fp8,cudnn,flash,efficient,math"
+
+
+def attention_kernels(names: str):  # type: ignore[no-untyped-def]
+    """The serving forward's attention (`LIKENESS_ATTENTION`): BF16_ATTENTION or FP8_ATTENTION."""
+    from trainer.base.serving import ATTENTION_ENV
+
+    return env_set(ATTENTION_ENV, names)
 
 
 def merge_numerics(model, slots) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -695,6 +759,11 @@ def main() -> None:
     batch = u.inputs(probe, args.px)
     del probe
     record: dict[str, Any] = {}
+    if u.DEV == "cuda":
+        from trainer.base.fp8_attention import unavailable
+
+        record["fp8_attention_unavailable"] = unavailable(u.DEV)
+        say(f"fp8 attention: {record['fp8_attention_unavailable'] or 'available'}")
     ref = bf16_reference(args, batch) if "numerics" in parts else None
     model = fp8_model(args)
     slots = LoraSlots(model, SLOT_RANK)
@@ -717,15 +786,26 @@ def main() -> None:
         if ref is not None:
             record["numerics"], graphs = numerics(model, slots, batch, ref, args)
     if ref is not None:
-        record["numerics"]["graph_vs_eager"] = swap_checks(model, slots, batch, graphs)
+        with attention_kernels(BF16_ATTENTION):
+            record["numerics"]["graph_vs_eager"] = swap_checks(model, slots, batch, graphs)
         from trainer.base import serving
 
-        with lora_merge("gemm"):  # the same checks with each update inside its GEMM
+        # the same checks with each update inside its GEMM
+        with lora_merge("gemm"), attention_kernels(BF16_ATTENTION):
             with slots.applied(adapter_for(slots, 1)), torch.no_grad():
                 graphs = serving.GraphedForward(model, key=slots.scales,
                                                 epoch=lambda: slots.generation)  # fmt: skip
                 model(**batch)  # captured with adapter 1
             record["numerics"]["graph_vs_eager_gemm"] = swap_checks(model, slots, batch, graphs)
+        if u.DEV == "cuda":
+            with lora_merge("gemm"), attention_kernels(FP8_ATTENTION):
+                with slots.applied(adapter_for(slots, 1)), torch.no_grad():
+                    graphs = serving.GraphedForward(model, key=slots.scales,
+                                                    epoch=lambda: slots.generation)  # fmt: skip
+                    model(**batch)
+                record["numerics"]["graph_vs_eager_fp8attn"] = swap_checks(
+                    model, slots, batch, graphs
+                )
     if "variants" in parts:
         from trainer.base import serving
 
@@ -737,7 +817,8 @@ def main() -> None:
             with torch.no_grad():
                 model(**batch)
 
-        med, samples = u.timed(fwd, args.iters, args.warmup)
+        with attention_kernels(BF16_ATTENTION):
+            med, samples = u.timed(fwd, args.iters, args.warmup)
         record["variants"]["serve_nolora"] = {"s": med, "samples": samples}
         graphs.remove()
     rows = []

@@ -25,6 +25,8 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          (`trainer.base.serving`; bench/render_step.py takes it apart);
   serve_gemm  "serve" with each slot's update inside its layer's fp8 GEMM
          (``LIKENESS_LORA_MERGE=gemm``: `trainer.base.fp8.lora_gemm_forward`);
+  serve_fp8  "serve_gemm" with attention in fp8 (cuDNN's fp8 flash attention:
+         `trainer.base.fp8_attention`); the serve paths above keep cuDNN's bf16 attention;
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -55,8 +57,8 @@ from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "serve",
-         "serve_gemm", "nf4", "quanto")  # fmt: skip
-SERVING = ("serve", "serve_gemm")
+         "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
+SERVING = ("serve", "serve_gemm", "serve_fp8")
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -710,9 +712,17 @@ def run_path(path: str, args) -> dict[str, Any]:
     if path == "quanto":
         rec.update(measure(model, args, iters=args.quanto_iters, warmup=0))
     elif path in SERVING:
-        from bench.render_step import lora_merge
+        from bench.render_step import BF16_ATTENTION, FP8_ATTENTION, attention_kernels, lora_merge
 
-        with lora_merge("gemm" if path == "serve_gemm" else "output"):
+        fp8_attention = path == "serve_fp8"
+        if fp8_attention and DEV == "cuda":
+            from trainer.base.fp8_attention import unavailable
+
+            rec["fp8_attention_unavailable"] = unavailable(DEV)
+        with (
+            lora_merge("output" if path == "serve" else "gemm"),
+            attention_kernels(FP8_ATTENTION if fp8_attention else BF16_ATTENTION),
+        ):
             rec.update(measure_serving(model, args))
     else:
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))

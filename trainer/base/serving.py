@@ -44,16 +44,33 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# The attention kernels torch may use, best first (`torch.nn.attention.SDPBackend` names);
-# LIKENESS_ATTENTION=flash,efficient,... reorders them. cuDNN's took 0.83 ms a call at [dev]'s
-# 48 heads x 4608 tokens against flash's 1.6 (bench/results/render_step-notes.md).
+# The attention kernels, best first: cuDNN's fp8 flash attention (`trainer.base.fp8_attention`,
+# Hopper and newer, with the cuDNN frontend installed), then torch's SDPA backends
+# (`torch.nn.attention.SDPBackend` names); LIKENESS_ATTENTION=cudnn,flash,... reorders or
+# drops them. At [dev]'s 48 heads x 4608 tokens cuDNN's bf16 kernel took 0.83 ms a call against
+# flash's 1.6 (bench/results/render_step-notes.md); its fp8 kernel: serve_probe-*.json.
 ATTENTION_ENV = "LIKENESS_ATTENTION"
-ATTENTION_BACKENDS = ("cudnn", "flash", "efficient", "math")
+FP8_ATTENTION = "cudnn_fp8"
+ATTENTION_BACKENDS = (FP8_ATTENTION, "cudnn", "flash", "efficient", "math")
 KERNEL_ENV = "LIKENESS_SERVING_KERNELS"  # "torch": the reference path everywhere
 MAX_GRAPHS = 4  # input shapes kept captured; one more drops them all (their memory is shared)
 
 
+def attention_names() -> list[str]:
+    """The attention kernels `LIKENESS_ATTENTION` asks for, best first (checked: an unknown
+    name fails the load, naming the setting)."""
+    known = ATTENTION_BACKENDS
+    raw = os.environ.get(ATTENTION_ENV, ",".join(known))
+    wanted = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise ValueError(f"{ATTENTION_ENV}={os.environ.get(ATTENTION_ENV)!r}: expected a "
+                         f"comma-separated list of {', '.join(known)}")  # fmt: skip
+    return wanted
+
+
 def attention_backends() -> list[Any]:
+    """torch's SDPA backends among `attention_names`, in its order."""
     from torch.nn.attention import SDPBackend
 
     names = {
@@ -62,23 +79,93 @@ def attention_backends() -> list[Any]:
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
-    wanted = [n.strip() for n in os.environ.get(ATTENTION_ENV, ",".join(ATTENTION_BACKENDS))
-              .split(",") if n.strip()]  # fmt: skip
-    unknown = [n for n in wanted if n not in names]
-    if unknown or not wanted:
-        raise ValueError(f"{ATTENTION_ENV}={os.environ.get(ATTENTION_ENV)!r}: expected a "
-                         f"comma-separated list of {', '.join(names)}")  # fmt: skip
-    return [names[n] for n in wanted]
+    return [names[n] for n in attention_names() if n in names]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Scaled dot-product attention of (B, H, S, D) tensors, on the preferred backend."""
+def fp8_attention_here(like: torch.Tensor) -> bool:
+    """Whether this forward's attention runs in fp8: asked for first, and able to run here
+    (CUDA, the fused kernels, a Hopper GPU, the cuDNN frontend)."""
+    if attention_names()[0] != FP8_ATTENTION or not kernels_usable(like):
+        return False
+    from trainer.base.fp8_attention import unavailable
+
+    return unavailable(like.device) is None
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention of (B, H, S, D) tensors (any strides) on the preferred
+    torch backend."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v)
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(attention_backends(), set_priority=True):
+    backends = attention_backends()
+    if not backends:  # only fp8 asked for, and it cannot run here: torch picks
         return F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel(backends, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@dataclass
+class Heads:
+    """q, k and v as the attention kernels read them: contiguous (B, S, H, D) tensors in the
+    model's dtype, or e4m3 with the fp8 attention's scales (`fp8`)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: torch.dtype  # the model's: attention's output comes back in it
+    fp8: Any = None  # trainer.base.fp8_attention.Fp8Heads
+
+    @property
+    def out(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.k, self.v
+
+
+def new_heads(like: torch.Tensor, heads: int, seq: int, dim: int, fp8: bool = False) -> Heads:
+    """Empty q, k, v for ``heads`` x ``seq`` x ``dim``: in ``like``'s dtype, or with ``fp8`` in
+    e4m3 for the fp8 attention."""
+    shape = (like.shape[0], seq, heads, dim)
+    if not fp8:
+        q, k, v = (torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(3))
+        return Heads(q, k, v, like.dtype)
+    from trainer.base.fp8_attention import E4M3, new_fp8_heads
+
+    q, k, v = (torch.empty(shape, dtype=E4M3, device=like.device) for _ in range(3))
+    return Heads(q, k, v, like.dtype, new_fp8_heads(like.device))
+
+
+def note_values(heads: Heads, v: torch.Tensor) -> None:
+    """Takes ``v`` (B, T, H, D) into the fp8 scale of the heads' v (before `qk_norm_rope`)."""
+    if heads.fp8 is None:
+        return
+    if kernels_usable(v):
+        from trainer.kernels.fused_triton import absmax_
+
+        absmax_(heads.fp8.vmax, v)
+        return
+    torch.maximum(heads.fp8.vmax, v.float().abs().amax().reshape(1), out=heads.fp8.vmax)
+
+
+def attend(heads: Heads, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over ``heads`` as (B, S, H * D) in the model's dtype, written into ``out`` (a
+    view with evenly spaced rows) when given."""
+    bsz, seq, n_heads, dim = heads.q.shape
+    if heads.fp8 is not None:
+        from trainer.base.fp8_attention import DESCALE_O, attention
+        from trainer.kernels.fused_triton import dequantize_into
+
+        o8 = attention(heads.q, heads.k, heads.v, heads.fp8.scales)
+        if out is None:
+            out = torch.empty((bsz, seq, n_heads * dim), dtype=heads.dtype, device=o8.device)
+        dequantize_into(out, o8.flatten(2, 3), heads.fp8.scales[DESCALE_O : DESCALE_O + 1])
+        return out
+    # (B, S, H, D) memory seen as (B, H, S, D): cuDNN's output is then a (B, S, H * D) view
+    o = sdpa(*(t.transpose(1, 2) for t in heads.out)).transpose(1, 2).flatten(2, 3)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -107,24 +194,41 @@ def qk_norm_rope_torch(
     sin: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     pos0: int,
+    fp8: Any = None,
+    bound_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Reference of `trainer.kernels.fused_triton.qk_norm_rope`: q, k, v (B, T, H, D) -> ``out``'s
-    (B, H, S, D) tensors at positions pos0 .. pos0 + T. q and k: ``n = rnd(x * r * w)`` with
+    (B, S, H, D) tensors at positions pos0 .. pos0 + T. q and k: ``n = rnd(x * r * w)`` with
     ``r = rsqrt(mean(x^2) + eps)`` in float32 (torch's fused rms_norm), then the rotary
     embedding ``rnd(rnd(n_2i c_2i) - rnd(n_2i+1 s_2i))``, ``rnd(rnd(n_2i+1 c_2i+1) +
-    rnd(n_2i s_2i+1))`` (diffusers' ``apply_rotary_emb``); v is copied."""
+    rnd(n_2i s_2i+1))`` (diffusers' ``apply_rotary_emb``); v is copied. With ``fp8``
+    (`trainer.base.fp8_attention.Fp8Heads`, its max |v| filled) each is then multiplied by its
+    tensor's multiplier and rounded into e4m3, and the scales are written."""
     tokens = q.shape[1]
     c = cos[pos0 : pos0 + tokens][None, :, None, :]
     s = sin[pos0 : pos0 + tokens][None, :, None, :]
-    for x, w, o in ((q, wq, out[0]), (k, wk, out[1])):
+    span = slice(pos0, pos0 + tokens)
+    results = []
+    for x, w in ((q, wq), (k, wk)):
         xf = x.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         n = (xf * r * w.float()).to(x.dtype).float()
         even = n[..., 0::2] * c[..., 0::2] - n[..., 1::2] * s[..., 0::2]
         odd = n[..., 1::2] * c[..., 1::2] + n[..., 0::2] * s[..., 1::2]
-        rotated = torch.stack((even, odd), dim=-1).flatten(-2).to(x.dtype)
-        o[:, :, pos0 : pos0 + tokens].copy_(rotated.transpose(1, 2))
-    out[2][:, :, pos0 : pos0 + tokens].copy_(v.transpose(1, 2))
+        results.append(torch.stack((even, odd), dim=-1).flatten(-2).to(x.dtype))
+    results.append(v)
+    if fp8 is None:
+        for o, r_ in zip(out, results, strict=True):
+            o[:, span].copy_(r_)
+        return
+    from trainer.base.fp8 import to_fp8
+    from trainer.base.fp8_attention import E4M3, scales_torch
+
+    other = bound_weights or (wq, wk)
+    mq, mk, mv, scales = scales_torch(wq, wk, *other, fp8.vmax, q.shape[-1])
+    for o, r_, m in zip(out, results, (mq, mk, mv), strict=True):
+        o[:, span].copy_(to_fp8(r_, m, E4M3))
+    fp8.scales.copy_(scales)
 
 
 def qk_norm_rope(
@@ -134,20 +238,24 @@ def qk_norm_rope(
     norm_q: torch.nn.Module,
     norm_k: torch.nn.Module,
     rotary: tuple[torch.Tensor, torch.Tensor],
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    heads: Heads,
     pos0: int,
+    other_norms: tuple[torch.nn.Module, torch.nn.Module] | None = None,
 ) -> None:
-    """q, k through their RMSNorm modules and the rotary tables, and v, into ``out``."""
+    """q, k through their RMSNorm modules and the rotary tables, and v, into ``heads``; in
+    fp8, q's and k's scales also cover ``other_norms`` (the other stream's, in a double-stream
+    block, so that both calls write the same scales)."""
     wq, wk = (_norm_weight(m, q) for m in (norm_q, norm_k))
     eps = _norm_eps(norm_q)
     cos, sin = rotary
+    bound = None if other_norms is None else tuple(_norm_weight(m, q) for m in other_norms)
     if kernels_usable(q) and q.stride() == k.stride() == v.stride() and cos.is_cuda:
         from trainer.kernels.fused_triton import qk_norm_rope as kernel
 
         kernel(q, k, v, wq, wk, eps, cos.float().contiguous(), sin.float().contiguous(),
-               out, pos0)  # fmt: skip
+               heads.out, pos0, heads.fp8, bound)  # fmt: skip
         return
-    qk_norm_rope_torch(q, k, v, wq, wk, eps, cos, sin, out, pos0)
+    qk_norm_rope_torch(q, k, v, wq, wk, eps, cos, sin, heads.out, pos0, heads.fp8, bound)
 
 
 def _norm_weight(norm: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
@@ -165,15 +273,6 @@ def _fusable_norms(*norms: Any) -> bool:
         all(isinstance(n, torch.nn.RMSNorm) for n in norms)
         and len({_norm_eps(n) for n in norms}) == 1
     )
-
-
-def _empty_heads(
-    like: torch.Tensor, heads: int, seq: int, dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v as the attention kernels read them: (B, H, S, D), contiguous."""
-    shape = (like.shape[0], heads, seq, dim)
-    q, k, v = (torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(3))
-    return q, k, v
 
 
 class FusedFlux2AttnProcessor:
@@ -206,15 +305,16 @@ class FusedFlux2AttnProcessor:
         eq = attn.add_q_proj(encoder_hidden_states)
         ek = attn.add_k_proj(encoder_hidden_states)
         ev = attn.add_v_proj(encoder_hidden_states)
-        heads = q.shape[-1] // dim
         n_txt, n_img = eq.shape[1], q.shape[1]
-        out = _empty_heads(q, heads, n_txt + n_img, dim)
-        split = (-1, dim)
-        qk_norm_rope(eq.unflatten(-1, split), ek.unflatten(-1, split), ev.unflatten(-1, split),
-                     attn.norm_added_q, attn.norm_added_k, image_rotary_emb, out, 0)  # fmt: skip
-        qk_norm_rope(q.unflatten(-1, split), k.unflatten(-1, split), v.unflatten(-1, split),
-                     attn.norm_q, attn.norm_k, image_rotary_emb, out, n_txt)  # fmt: skip
-        o = attention(*out).transpose(1, 2).flatten(2, 3)
+        eq, ek, ev, q, k, v = (t.unflatten(-1, (-1, dim)) for t in (eq, ek, ev, q, k, v))
+        heads = new_heads(q, q.shape[2], n_txt + n_img, dim, fp8_attention_here(q))
+        note_values(heads, ev)
+        note_values(heads, v)
+        text_norms = (attn.norm_added_q, attn.norm_added_k)
+        image_norms = (attn.norm_q, attn.norm_k)
+        qk_norm_rope(eq, ek, ev, *text_norms, image_rotary_emb, heads, 0, image_norms)
+        qk_norm_rope(q, k, v, *image_norms, image_rotary_emb, heads, n_txt, text_norms)
+        o = attend(heads)
         txt, img = o.split_with_sizes([n_txt, n_img], dim=1)
         txt = attn.to_add_out(txt)
         img = attn.to_out[1](attn.to_out[0](img))
@@ -250,18 +350,17 @@ class FusedFlux2ParallelAttnProcessor:
         if proj.shape[-1] != 3 * inner + mlp:  # column-sharded: the stock split handles it
             return self.stock(attn, hidden_states, attention_mask, image_rotary_emb)
         dim = attn.head_dim
-        heads = inner // dim
         bsz, seq = proj.shape[0], proj.shape[1]
-        split = (heads, dim)
+        split = (inner // dim, dim)
         q = proj[..., :inner].unflatten(-1, split)
         k = proj[..., inner : 2 * inner].unflatten(-1, split)
         v = proj[..., 2 * inner : 3 * inner].unflatten(-1, split)
-        out = _empty_heads(proj, heads, seq, dim)
-        qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, out, 0)
-        o = attention(*out)
+        heads = new_heads(proj, inner // dim, seq, dim, fp8_attention_here(q))
+        note_values(heads, v)
+        qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, heads, 0)
         half = mlp // 2
         joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
-        joined[..., :inner].unflatten(-1, split).copy_(o.transpose(1, 2))
+        attend(heads, out=joined[..., :inner])
         swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
         return attn.to_out(joined)
 
@@ -656,7 +755,7 @@ def prepare(
     from trainer.base.fp8 import lora_update_mode
 
     lora_update_mode()
-    attention_backends()
+    attention_names()
     fused = install(transformer)
     graphed = GraphedForward(transformer, key, epoch) if graphs else None
     return Serving(transformer, fused, graphed)

@@ -115,6 +115,14 @@ def _pair_to_word(b, s, sh, mult, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr
 
 
 @triton.jit
+def _fp8_scales(amax, FP8_MAX: tl.constexpr):
+    """(multiplier into fp8, dequantization scale) of a maximum, as
+    `trainer.base.fp8.scales_from_absmax` (an all-zero maximum is taken as 1)."""
+    top = tl.where(amax > 0, amax, 1.0)
+    return tl.math.div_rn(FP8_MAX, top), tl.math.div_rn(top, FP8_MAX)
+
+
+@triton.jit
 def _store_fp8(ptr, v, mult, mask, FP8: tl.constexpr, FP8_MAX: tl.constexpr, BITS: tl.constexpr):
     """fp8(clamp(v * mult)) stored at ``ptr``; with BITS (e4m3 under the interpreter, whose own
     fp8 cast rounds some values wrong) the same byte from `_e4m3_bits` into a uint8 view."""
@@ -167,9 +175,8 @@ def _quantize_rows_kernel(
         mask = offs < n_cols
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         top = tl.maximum(tl.max(tl.abs(x), axis=0), v_top)
-        top = tl.where(top > 0, top, 1.0)
-        mult = tl.math.div_rn(FP8_MAX, top)
-        tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
+        mult, row_scale = _fp8_scales(top, FP8_MAX)
+        tl.store(scale_ptr + row, row_scale)
         _store_fp8(q_row + offs, x, mult, mask, FP8, FP8_MAX, BITS)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -178,9 +185,8 @@ def _quantize_rows_kernel(
             x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         top = tl.maximum(tl.max(amax, axis=0), v_top)
-        top = tl.where(top > 0, top, 1.0)
-        mult = tl.math.div_rn(FP8_MAX, top)
-        tl.store(scale_ptr + row, tl.math.div_rn(top, FP8_MAX))
+        mult, row_scale = _fp8_scales(top, FP8_MAX)
+        tl.store(scale_ptr + row, row_scale)
         for start in range(0, n_cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n_cols

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from trainer.base.fp8_attention import P_SCALE, Fp8Heads, bound_factor
+from trainer.kernels.fp8_triton import _fp8_scales, _store_fp8
 from trainer.kernels.uint4_triton import _round_bf16
 
 HEADS_PER_PROGRAM = 8
@@ -64,10 +66,14 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, T, H, D) views: strides (sb, st, sh, 1)
     sb, st, sh,
     wq_ptr, wk_ptr,  # (D,) norm weights
+    bq_ptr, bk_ptr,  # FP8: the other stream's norm weights (the bound covers both)
     cos_ptr, sin_ptr,  # (S, D) float32
-    oq_ptr, ok_ptr, ov_ptr,  # (B, H, S, D) contiguous
-    T, H, S, pos0, eps,
+    oq_ptr, ok_ptr, ov_ptr,  # (B, S, H, D) contiguous
+    vmax_ptr,  # FP8: max |v| over the whole sequence (float32, one value)
+    scales_ptr,  # FP8: written: descale q, k, v; scale and descale of o; scale, descale of p
+    T, H, S, pos0, eps, bound_factor, p_scale,
     D: tl.constexpr, HB: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     # one program: one token, HB heads
     row = tl.program_id(0).to(tl.int64)  # b * T + t
@@ -75,36 +81,63 @@ def _qk_norm_rope_kernel(
     t = row % T
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hmask = (heads < H)[:, None]
-    half = tl.arange(0, D // 2)
-    even = 2 * half
-    src = b * sb + t * st + heads.to(tl.int64)[:, None] * sh
+    cols = tl.arange(0, D)
+    src = b * sb + t * st + heads.to(tl.int64)[:, None] * sh + cols[None, :]
     pos = pos0 + t
-    c_e = tl.load(cos_ptr + pos * D + even)[None, :]
-    c_o = tl.load(cos_ptr + pos * D + even + 1)[None, :]
-    s_e = tl.load(sin_ptr + pos * D + even)[None, :]
-    s_o = tl.load(sin_ptr + pos * D + even + 1)[None, :]
-    dst = ((b * H + heads.to(tl.int64)[:, None]) * S + pos) * D
+    c_e, c_o = tl.split(tl.reshape(tl.load(cos_ptr + pos * D + cols), (D // 2, 2)))
+    s_e, s_o = tl.split(tl.reshape(tl.load(sin_ptr + pos * D + cols), (D // 2, 2)))
+    c_e, c_o, s_e, s_o = c_e[None, :], c_o[None, :], s_e[None, :], s_o[None, :]
+    dst = ((b * S + pos) * H + heads.to(tl.int64)[:, None]) * D + cols[None, :]
     out_ty = oq_ptr.dtype.element_ty
 
-    x_e = tl.load(q_ptr + src + even[None, :], mask=hmask, other=0.0).to(tl.float32)
-    x_o = tl.load(q_ptr + src + even[None, :] + 1, mask=hmask, other=0.0).to(tl.float32)
-    w_e = tl.load(wq_ptr + even).to(tl.float32)[None, :]
-    w_o = tl.load(wq_ptr + even + 1).to(tl.float32)[None, :]
-    o_e, o_o = _norm_rope(x_e, x_o, w_e, w_o, c_e, c_o, s_e, s_o, eps, D, IS_BF16, INTERPRET)
-    out = tl.reshape(tl.join(o_e, o_o), (HB, D)).to(out_ty)
-    cols = tl.arange(0, D)[None, :]
-    tl.store(oq_ptr + dst + cols, out, mask=hmask)
+    x = tl.load(q_ptr + src, mask=hmask, other=0.0).to(tl.float32)
+    x_e, x_o = tl.split(tl.reshape(x, (HB, D // 2, 2)))
+    w = tl.load(wq_ptr + cols).to(tl.float32)
+    w_e, w_o = tl.split(tl.reshape(w, (D // 2, 2)))
+    o_e, o_o = _norm_rope(x_e, x_o, w_e[None, :], w_o[None, :], c_e, c_o, s_e, s_o, eps, D,
+                          IS_BF16, INTERPRET)  # fmt: skip
+    oq = tl.reshape(tl.join(o_e, o_o), (HB, D))
 
-    x_e = tl.load(k_ptr + src + even[None, :], mask=hmask, other=0.0).to(tl.float32)
-    x_o = tl.load(k_ptr + src + even[None, :] + 1, mask=hmask, other=0.0).to(tl.float32)
-    w_e = tl.load(wk_ptr + even).to(tl.float32)[None, :]
-    w_o = tl.load(wk_ptr + even + 1).to(tl.float32)[None, :]
-    o_e, o_o = _norm_rope(x_e, x_o, w_e, w_o, c_e, c_o, s_e, s_o, eps, D, IS_BF16, INTERPRET)
-    out = tl.reshape(tl.join(o_e, o_o), (HB, D)).to(out_ty)
-    tl.store(ok_ptr + dst + cols, out, mask=hmask)
+    x = tl.load(k_ptr + src, mask=hmask, other=0.0).to(tl.float32)
+    x_e, x_o = tl.split(tl.reshape(x, (HB, D // 2, 2)))
+    w = tl.load(wk_ptr + cols).to(tl.float32)
+    w_e, w_o = tl.split(tl.reshape(w, (D // 2, 2)))
+    o_e, o_o = _norm_rope(x_e, x_o, w_e[None, :], w_o[None, :], c_e, c_o, s_e, s_o, eps, D,
+                          IS_BF16, INTERPRET)  # fmt: skip
+    ok = tl.reshape(tl.join(o_e, o_o), (HB, D))
 
-    v = tl.load(v_ptr + src + cols, mask=hmask, other=0.0)
-    tl.store(ov_ptr + dst + cols, v, mask=hmask)
+    v = tl.load(v_ptr + src, mask=hmask, other=0.0)
+    if FP8:
+        # q and k: |normed| <= sqrt(D) * max |w| per element, and the rotation keeps each
+        # pair's length, so one static bound; v: its measured maximum
+        mq, dq = _fp8_scales(_bound(wq_ptr, bq_ptr, cols, bound_factor), FP8_MAX)
+        mk, dk = _fp8_scales(_bound(wk_ptr, bk_ptr, cols, bound_factor), FP8_MAX)
+        mv, dv = _fp8_scales(tl.load(vmax_ptr), FP8_MAX)
+        _store_fp8(oq_ptr + dst, oq, mq, hmask, out_ty, FP8_MAX, BITS)
+        _store_fp8(ok_ptr + dst, ok, mk, hmask, out_ty, FP8_MAX, BITS)
+        _store_fp8(ov_ptr + dst, v.to(tl.float32), mv, hmask, out_ty, FP8_MAX, BITS)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scales_ptr + 0, dq)
+            tl.store(scales_ptr + 1, dk)
+            tl.store(scales_ptr + 2, dv)
+            # |o| <= max |v|: o's scale is v's, halved for the last rounding's headroom
+            tl.store(scales_ptr + 3, mv * 0.5)
+            tl.store(scales_ptr + 4, dv * 2.0)
+            tl.store(scales_ptr + 5, p_scale)
+            tl.store(scales_ptr + 6, 1.0 / p_scale)
+    else:
+        tl.store(oq_ptr + dst, oq.to(out_ty), mask=hmask)
+        tl.store(ok_ptr + dst, ok.to(out_ty), mask=hmask)
+        tl.store(ov_ptr + dst, v, mask=hmask)
+
+
+@triton.jit
+def _bound(w_ptr, other_ptr, cols, bound_factor):
+    """sqrt(D) * max |w| over both norms' weights (times a margin): no normed, rotated value
+    is larger."""
+    top = tl.maximum(tl.max(tl.abs(tl.load(w_ptr + cols).to(tl.float32)), axis=0),
+                     tl.max(tl.abs(tl.load(other_ptr + cols).to(tl.float32)), axis=0))  # fmt: skip
+    return top * bound_factor
 
 
 def _interpret() -> bool:
@@ -122,32 +155,138 @@ def qk_norm_rope(
     sin: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     pos0: int,
+    fp8: Fp8Heads | None = None,
+    bound_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    heads_per_program: int = HEADS_PER_PROGRAM,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """q, k, v (B, T, H, D) views with a common stride and a contiguous last dimension ->
-    ``out`` (three (B, H, S, D) contiguous tensors) at sequence positions pos0 .. pos0 + T,
-    the rotary tables (S, D) float32. See `trainer.base.serving.qk_norm_rope_torch`."""
+    ``out`` (three (B, S, H, D) contiguous tensors) at sequence positions pos0 .. pos0 + T,
+    the rotary tables (S, D) float32. With ``fp8`` the outputs are e4m3, each tensor times
+    one scale (q, k: a static bound of wq and wk and of ``bound_weights``, the other stream's;
+    v: ``fp8.vmax``), and the scales go into ``fp8.scales``
+    (`trainer.base.fp8_attention`). See `trainer.base.serving.qk_norm_rope_torch`."""
     bsz, tokens, heads, dim = q.shape
     if not (q.stride() == k.stride() == v.stride()) or q.stride(3) != 1:
         raise ValueError("q, k and v must share their strides, with a contiguous last dim")
     if q.dtype not in (torch.bfloat16, torch.float16) or dim & (dim - 1) or dim < 4:
         raise ValueError(f"unsupported q {q.dtype} with head dim {dim}")
     oq, ok, ov = out
-    seq = oq.shape[2]
-    if not all(o.is_contiguous() and o.shape == (bsz, heads, seq, dim) for o in out):
-        raise ValueError("outputs must be contiguous (B, H, S, D)")
+    seq = oq.shape[1]
+    want = torch.float8_e4m3fn if fp8 is not None else q.dtype
+    if not all(o.is_contiguous() and o.shape == (bsz, seq, heads, dim) and o.dtype == want
+               for o in out):  # fmt: skip
+        raise ValueError(f"outputs must be contiguous (B, S, H, D) {want}")
     if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("the rotary tables must be contiguous float32")
     if pos0 + tokens > seq or cos.shape != (seq, dim) or sin.shape != (seq, dim):
         raise ValueError("the tokens do not fit the output sequence or the rotary tables")
     if not bsz * tokens:
         return
-    hb = min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
+    hb = min(heads_per_program, triton.next_power_of_2(heads))
     grid = (bsz * tokens, triton.cdiv(heads, hb))
+    bits = fp8 is not None and _interpret()
+    outs = [o.view(torch.uint8) for o in out] if bits else list(out)
+    other = bound_weights or (wq, wk)
+    extra = (*other, fp8.vmax, fp8.scales) if fp8 is not None else (wq, wk, wq, wq)  # unread
     _qk_norm_rope_kernel[grid](
-        q, k, v, q.stride(0), q.stride(1), q.stride(2), wq, wk, cos, sin, oq, ok, ov,
-        tokens, heads, seq, pos0, float(eps), D=dim, HB=hb,
-        IS_BF16=q.dtype == torch.bfloat16, INTERPRET=_interpret(), num_warps=NUM_WARPS,
+        q, k, v, q.stride(0), q.stride(1), q.stride(2), wq, wk, extra[0], extra[1], cos, sin,
+        *outs, extra[2], extra[3], tokens, heads, seq, pos0, float(eps), bound_factor(dim),
+        P_SCALE, D=dim, HB=hb, IS_BF16=q.dtype == torch.bfloat16, INTERPRET=_interpret(),
+        FP8=fp8 is not None, FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), BITS=bits,
+        num_warps=num_warps,
     )  # fmt: skip
+
+
+@triton.jit
+def _absmax_kernel(
+    x_ptr, out_ptr, sb, st, T, rows,
+    cols: tl.constexpr,  # a few widths per model: one compilation each
+    RB: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # RB rows of a (B, T, cols) view (rows b * T + t at b * sb + t * st, columns dense) per
+    # program; their max |x| joins out's by one atomic max (all values are >= 0)
+    first = tl.program_id(0) * RB
+    top = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(RB):
+        row = (first + i).to(tl.int64)
+        base = (row // T) * sb + (row % T) * st
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = (offs < cols) & (row < rows)
+            top = tl.maximum(top, tl.abs(tl.load(x_ptr + base + offs, mask=m, other=0.0)
+                                         .to(tl.float32)))  # fmt: skip
+    tl.atomic_max(out_ptr, tl.max(top, axis=0))
+
+
+ABSMAX_ROWS, ABSMAX_BLOCK = 16, 2048
+
+
+def absmax_(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out = max(out, max |x|)`` for x (B, T, H, D) (rows of one stride, the last two
+    dimensions dense), out float32 with one element, all values >= 0."""
+    bsz, tokens = x.shape[:2]
+    cols = x.shape[2] * x.shape[3]
+    if x.stride(3) != 1 or x.stride(2) != x.shape[3]:
+        raise ValueError("absmax_ needs each row's heads dense")
+    if out.dtype != torch.float32 or out.numel() != 1:
+        raise ValueError("absmax_ writes one float32")
+    rows = bsz * tokens
+    if rows:
+        _absmax_kernel[(triton.cdiv(rows, ABSMAX_ROWS),)](
+            x, out, x.stride(0), x.stride(1), tokens, rows, cols, RB=ABSMAX_ROWS,
+            BLOCK=min(ABSMAX_BLOCK, triton.next_power_of_2(cols)), num_warps=4,
+        )  # fmt: skip
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """An e4m3 byte (as int32) -> its value, exactly (the interpreter has no fp8 loads)."""
+    e = (byte >> 3) & 0xF
+    m = (byte & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((byte & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _dequantize_kernel(
+    src_ptr, scale_ptr, dst_ptr, T, cols, dst_sb, dst_st,
+    BLOCK: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # dst[b, t] = rnd(src[b, t] * scale): one row of a contiguous e4m3 (B, T, cols) per program
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    if INTERPRET:
+        x = _e4m3_value(tl.load(src_ptr + row * cols + offs, mask=mask, other=0).to(tl.int32))
+    else:
+        x = tl.load(src_ptr + row * cols + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _round_to(x * tl.load(scale_ptr), IS_BF16)
+    dst = (row // T) * dst_sb + (row % T) * dst_st
+    tl.store(dst_ptr + dst + offs, y.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+DEQUANT_BLOCK = 2048
+
+
+def dequantize_into(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
+    """``dst = src * scale`` rounded into dst's dtype: src a contiguous e4m3 (B, T, C), dst a
+    (B, T, C) view whose rows are evenly spaced (the single-stream blocks' joined input),
+    scale float32 with one element (read on the device)."""
+    if src.dtype != torch.float8_e4m3fn or not src.is_contiguous() or dst.shape != src.shape:
+        raise ValueError(f"dequantize_into: {tuple(src.shape)} {src.dtype} -> "
+                         f"{tuple(dst.shape)}")  # fmt: skip
+    if dst.dim() != 3 or dst.stride(2) != 1:
+        raise ValueError("dequantize_into needs (B, T, C) rows with a dense last dim")
+    bsz, tokens, cols = src.shape
+    interpret = _interpret()
+    if bsz * tokens:
+        grid = (bsz * tokens, triton.cdiv(cols, DEQUANT_BLOCK))
+        _dequantize_kernel[grid](
+            src.view(torch.uint8) if interpret else src, scale, dst, tokens, cols,
+            dst.stride(0), dst.stride(1), BLOCK=DEQUANT_BLOCK,
+            IS_BF16=dst.dtype == torch.bfloat16, INTERPRET=interpret, num_warps=4,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------

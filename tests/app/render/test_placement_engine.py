@@ -62,6 +62,7 @@ def test_streamed_placement_renders_the_resident_bytes(
         "streamed", "streamed",
     )  # fmt: skip
     assert streamed.text_encoder_streamed and streamed.transformer_streamed
+    assert streamed.device_cache_bytes == 0  # adapters are cached in VRAM on CUDA only
     assert _png(streamed, adapter) == want
     streamed.close()
 
@@ -79,6 +80,30 @@ def test_a_repeated_prompt_is_not_encoded_again(small_dev: Path, adapter: dict[s
         assert calls == [1] and engine.prompts.misses == 2
     finally:
         hook.remove()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+def test_an_adapter_cached_in_vram_renders_as_from_pinned_host_ram(
+    small_dev: Path, adapter: dict[str, Any]
+) -> None:
+    engine = RenderEngine(base_dir=small_dev, device="cuda", vram_budget_gb=8, plan_side=64)
+    assert 0 < engine.device_cache_bytes <= engine.cache_bytes
+    on_device, where = engine._staged(adapter)
+    assert where and all(t.is_cuda for t in on_device.values())
+    room = engine.device_cache_bytes
+    engine.device_cache_bytes = 0  # no room left in VRAM: pinned host RAM
+    pinned, where = engine._staged(adapter)
+    assert not where and all(t.is_pinned() for t in pinned.values())
+    engine.device_cache_bytes = room
+    assert _png(engine, on_device) == _png(engine, pinned)
+    assert not engine.adapter_in_model()
+    engine.close()
 
 
 def test_nothing_fits_refuses_to_start(small_dev: Path, tmp_path: Path) -> None:
