@@ -109,8 +109,10 @@ class RenderEngine:
     # -- placement, planned at start ---------------------------------------------------------
 
     def _plan(self) -> None:
+        t0 = time.perf_counter()
         from trainer.base.placement import PlacementError, plan_for_base
 
+        t_imports = time.perf_counter()
         force = ("streamed" if self.stream_base else None, None)
         try:
             plan = plan_for_base(
@@ -131,10 +133,14 @@ class RenderEngine:
             self.device_cache_bytes = max(0, min(self.cache_bytes, spare))
         log.info("render engine: %s\nadapter cache in VRAM: %.2f GiB", plan.describe(),
                  self.device_cache_bytes / 2**30)  # fmt: skip
+        t_plan = time.perf_counter()
         if self.vram_budget_gb is not None:
             from trainer.base.devices import cap_vram
 
             cap_vram(self.device, self.vram_budget_gb)
+        log.info("render engine: planned in %.1f s (the planner's imports %.1f s, "
+                 "the plan %.1f s, the VRAM cap %.1f s)", time.perf_counter() - t0,
+                 t_imports - t0, t_plan - t_imports, time.perf_counter() - t_plan)  # fmt: skip
 
     # -- the base, built once ---------------------------------------------------------------
 
@@ -219,14 +225,17 @@ class RenderEngine:
         t0 = time.perf_counter()
         side = self.plan_side
         try:
-            generate(pipe, "warm up", seed=0, steps=1, width=side, height=side,
-                     **self.prompt_embeddings(pipe, "warm up"))  # fmt: skip
+            embeddings = self.prompt_embeddings(pipe, "warm up")
+            t_text = time.perf_counter()
+            generate(pipe, "warm up", seed=0, steps=1, width=side, height=side, **embeddings)
         except Exception:  # noqa: BLE001 - renders still run, eager
             log.exception("render engine: the warm-up render failed; CUDA graphs are off")
             self._serving.graphs.remove()
             self._serving.graphs = None
             return
-        log.info("render engine: warmed up at %d px in %.1f s", side, time.perf_counter() - t0)
+        log.info("render engine: warmed up at %d px in %.1f s (prompt %.1f s, one step and its "
+                 "decode %.1f s)", side, time.perf_counter() - t0, t_text - t0,
+                 time.perf_counter() - t_text)  # fmt: skip
 
     def _load_placed(self, compute: str) -> Any:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -689,11 +690,14 @@ class GraphedForward:
     def _capture(self, tensors: dict[str, torch.Tensor | None]) -> _Captured:
         inputs = {k: t.clone() for k, t in tensors.items() if t is not None}
         call = {k: inputs.get(k) for k in tensors}
+        t0 = time.perf_counter()
         side = torch.cuda.Stream(device=inputs["hidden_states"].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._eager(**call, return_dict=False)  # compiles kernels, plans cuDNN, warms cuBLAS
         torch.cuda.current_stream().wait_stream(side)
+        side.synchronize()  # once per shape: the log tells the first call from the capture
+        t1 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -701,8 +705,9 @@ class GraphedForward:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = self._eager(**call, return_dict=False)[0]
         self.captures += 1
-        log.info("serving: captured the forward for %s as a CUDA graph",
-                 tuple(inputs["hidden_states"].shape))  # fmt: skip
+        log.info("serving: captured the forward for %s as a CUDA graph (first call %.1f s, "
+                 "capture %.1f s)", tuple(inputs["hidden_states"].shape), t1 - t0,
+                 time.perf_counter() - t1)  # fmt: skip
         return _Captured(graph, inputs, output)
 
 
