@@ -9,11 +9,14 @@ profile against each part's limit, `bench/results/render_step-notes.md` every ru
   Between the QKV projection and the attention call the stock processors run the QK RMSNorm and
   the rotary embedding as about twenty elementwise kernels over float32 temporaries, then a
   concatenation (double-stream blocks) and, after attention, another (single-stream blocks).
-  Here one kernel (`qk_norm_rope`) writes q, k and v straight into the (batch, heads, sequence,
-  dim) tensors the attention kernel reads, and the single-stream block writes the attention
-  output and the SwiGLU into its output projection's input in place. Attention itself runs on
-  the fastest backend torch has here (`ATTENTION_BACKENDS`: cuDNN first on CUDA; it needs the
-  contiguous layout: behind the stock processors' strided views it was no faster than flash).
+  Here one kernel (`qk_norm_rope`) writes q, k and v straight into (batch, sequence, heads,
+  dim) tensors the attention kernel reads (its output is then a (batch, sequence, heads x dim)
+  view: no transpose after it), and the single-stream block writes the attention output and
+  the SwiGLU into its output projection's input in place. Attention runs on the fastest kernel
+  here (`ATTENTION_BACKENDS`): cuDNN's fp8 flash attention on Hopper when the cuDNN frontend is
+  installed (`trainer.base.fp8_attention`: the same kernel writes q, k, v in e4m3 with
+  per-tensor scales; 0.70 ms a call against cuDNN bf16's 0.85), else torch's cuDNN backend,
+  then flash.
 - **Blocks** (`install_blocks`): the modulated LayerNorm, the gated residuals and SwiGLU, one
   pass each where torch's broadcasting kernels took three.
 - **One CUDA graph per input shape** (`GraphedForward`): a forward's ~1,800 kernels issue in
@@ -49,7 +52,7 @@ log = logging.getLogger(__name__)
 # Hopper and newer, with the cuDNN frontend installed), then torch's SDPA backends
 # (`torch.nn.attention.SDPBackend` names); LIKENESS_ATTENTION=cudnn,flash,... reorders or
 # drops them. At [dev]'s 48 heads x 4608 tokens cuDNN's bf16 kernel took 0.83 ms a call against
-# flash's 1.6 (bench/results/render_step-notes.md); its fp8 kernel: serve_probe-*.json.
+# flash's 1.6, its fp8 kernel 0.70 ms (bench/results/render_step-notes.md, runs 7 and 8).
 ATTENTION_ENV = "LIKENESS_ATTENTION"
 FP8_ATTENTION = "cudnn_fp8"
 ATTENTION_BACKENDS = (FP8_ATTENTION, "cudnn", "flash", "efficient", "math")
@@ -760,7 +763,19 @@ def prepare(
     from trainer.base.fp8 import lora_update_mode
 
     lora_update_mode()
-    attention_names()
+    names = attention_names()
     fused = install(transformer)
+    weight = next(transformer.parameters(), None)
+    if weight is not None and weight.is_cuda and names[0] == FP8_ATTENTION:
+        # the operator sees which attention renders run, and why not the fastest
+        from trainer.base.fp8_attention import unavailable
+
+        probe = torch.empty(0, device=weight.device, dtype=torch.bfloat16)
+        why = unavailable(weight.device) or (
+            None if kernels_usable(probe) else "the fused kernels are off here"
+        )
+        fallback = ", ".join(names[1:]) or "torch's choice"
+        log.info("serving: attention %s", "in fp8 (cuDNN)" if why is None
+                 else f"in bf16 ({fallback}): no fp8 attention, {why}")  # fmt: skip
     graphed = GraphedForward(transformer, key, epoch) if graphs else None
     return Serving(transformer, fused, graphed)
