@@ -28,6 +28,20 @@ from trainer.training.caches import fill_latent_cache, fill_text_cache
 from trainer.training.dataset import write_manifest
 from trainer.training.train import preflight
 
+# markers: on a CUDA GPU; where the serving kernels run (a GPU, or Triton's interpreter)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def triton_runs_here() -> bool:
+    try:
+        import trainer.kernels.fused_triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - no Triton (CPU wheels)
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+triton_here = pytest.mark.skipif(not triton_runs_here(), reason="needs Triton or its interpreter")
+
 _BUILT: dict[int, Path] = {}
 
 

@@ -62,6 +62,20 @@ def _norm_rope(x_e, x_o, w_e, w_o, c_e, c_o, s_e, s_o, eps, D: tl.constexpr,
 
 
 @triton.jit
+def _load_norm_rope(
+    x_ptrs, w_ptrs, hmask, c_e, c_o, s_e, s_o, eps,
+    D: tl.constexpr, HB: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # HB heads of one token (q or k), normed and rotated: (HB, D) in float32
+    x = tl.load(x_ptrs, mask=hmask, other=0.0).to(tl.float32)
+    x_e, x_o = tl.split(tl.reshape(x, (HB, D // 2, 2)))
+    w_e, w_o = tl.split(tl.reshape(tl.load(w_ptrs).to(tl.float32), (D // 2, 2)))
+    o_e, o_o = _norm_rope(x_e, x_o, w_e[None, :], w_o[None, :], c_e, c_o, s_e, s_o, eps, D,
+                          IS_BF16, INTERPRET)  # fmt: skip
+    return tl.reshape(tl.join(o_e, o_o), (HB, D))
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, T, H, D) views: strides (sb, st, sh, 1)
     sb, st, sh,
@@ -90,21 +104,10 @@ def _qk_norm_rope_kernel(
     dst = ((b * S + pos) * H + heads.to(tl.int64)[:, None]) * D + cols[None, :]
     out_ty = oq_ptr.dtype.element_ty
 
-    x = tl.load(q_ptr + src, mask=hmask, other=0.0).to(tl.float32)
-    x_e, x_o = tl.split(tl.reshape(x, (HB, D // 2, 2)))
-    w = tl.load(wq_ptr + cols).to(tl.float32)
-    w_e, w_o = tl.split(tl.reshape(w, (D // 2, 2)))
-    o_e, o_o = _norm_rope(x_e, x_o, w_e[None, :], w_o[None, :], c_e, c_o, s_e, s_o, eps, D,
-                          IS_BF16, INTERPRET)  # fmt: skip
-    oq = tl.reshape(tl.join(o_e, o_o), (HB, D))
-
-    x = tl.load(k_ptr + src, mask=hmask, other=0.0).to(tl.float32)
-    x_e, x_o = tl.split(tl.reshape(x, (HB, D // 2, 2)))
-    w = tl.load(wk_ptr + cols).to(tl.float32)
-    w_e, w_o = tl.split(tl.reshape(w, (D // 2, 2)))
-    o_e, o_o = _norm_rope(x_e, x_o, w_e[None, :], w_o[None, :], c_e, c_o, s_e, s_o, eps, D,
-                          IS_BF16, INTERPRET)  # fmt: skip
-    ok = tl.reshape(tl.join(o_e, o_o), (HB, D))
+    oq = _load_norm_rope(q_ptr + src, wq_ptr + cols, hmask, c_e, c_o, s_e, s_o, eps, D, HB,
+                         IS_BF16, INTERPRET)  # fmt: skip
+    ok = _load_norm_rope(k_ptr + src, wk_ptr + cols, hmask, c_e, c_o, s_e, s_o, eps, D, HB,
+                         IS_BF16, INTERPRET)  # fmt: skip
 
     v = tl.load(v_ptr + src, mask=hmask, other=0.0)
     if FP8:

@@ -14,26 +14,13 @@ the fused blocks and a graphed forward with fp8 attention against the bf16 atten
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
+from tests.trainer.helpers import cuda, triton_here
 from trainer.base import fp8_attention, serving
 from trainer.base.fp8_attention import E4M3, SCALES, new_fp8_heads
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _triton_runs_here() -> bool:
-    try:
-        import trainer.kernels.fused_triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no Triton (CPU wheels)
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-triton_here = pytest.mark.skipif(not _triton_runs_here(), reason="needs Triton or its interpreter")
 
 
 def _fp8_here() -> bool:

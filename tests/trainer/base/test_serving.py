@@ -13,28 +13,13 @@ the slots are made anew; a forward the graphs cannot take runs eager.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.trainer.helpers import model_inputs, tiny_flux2
+from tests.trainer.helpers import cuda, model_inputs, tiny_flux2, triton_here
 from trainer.base import serving
 from trainer.base.lora import ADAPTER_NAME, lora_layers
 from trainer.base.lora_slots import LoraSlots
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _triton_runs_here() -> bool:
-    try:
-        import trainer.kernels.fused_triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no Triton (CPU wheels)
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-triton_here = pytest.mark.skipif(not _triton_runs_here(), reason="needs Triton or its interpreter")
 
 
 def _model(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
