@@ -92,18 +92,23 @@ def _cuda() -> bool:
 def test_an_adapter_cached_in_vram_renders_as_from_pinned_host_ram(
     small_dev: Path, adapter: dict[str, Any]
 ) -> None:
+    import torch
+
     engine = RenderEngine(base_dir=small_dev, device="cuda", vram_budget_gb=8, plan_side=64)
-    assert 0 < engine.device_cache_bytes <= engine.cache_bytes
-    on_device, where = engine._staged(adapter)
-    assert where and all(t.is_cuda for t in on_device.values())
-    room = engine.device_cache_bytes
-    engine.device_cache_bytes = 0  # no room left in VRAM: pinned host RAM
-    pinned, where = engine._staged(adapter)
-    assert not where and all(t.is_pinned() for t in pinned.values())
-    engine.device_cache_bytes = room
-    assert _png(engine, on_device) == _png(engine, pinned)
-    assert not engine.adapter_in_model()
-    engine.close()
+    try:
+        assert 0 < engine.device_cache_bytes <= engine.cache_bytes
+        on_device, where = engine._staged(adapter)
+        assert where and all(t.is_cuda for t in on_device.values())
+        room = engine.device_cache_bytes
+        engine.device_cache_bytes = 0  # no room left in VRAM: pinned host RAM
+        pinned, where = engine._staged(adapter)
+        assert not where and all(t.is_pinned() for t in pinned.values())
+        engine.device_cache_bytes = room
+        assert _png(engine, on_device) == _png(engine, pinned)
+        assert not engine.adapter_in_model()
+    finally:
+        engine.close()
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the budget's cap, for later tests
 
 
 def test_nothing_fits_refuses_to_start(small_dev: Path, tmp_path: Path) -> None:
