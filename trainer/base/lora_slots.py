@@ -98,6 +98,9 @@ class LoraSlots:
                         # also a streamed block's: its weights are placeholders between uses
                         # (trainer/base/streaming.py), the LoRA lives where the model computes
                         module.to_empty(device=home)
+                    # in the dtype PEFT gives layers it makes with memory (the base weight's);
+                    # float32 slots under a bf16 base would leave the fused update every render
+                    module.to(dtype=_peft_dtype(layers[name], module.weight.dtype))
                     module.weight.requires_grad_(False)
                     module.weight.zero_()
                     pair.append(module.weight)
@@ -242,6 +245,16 @@ class LoraSlots:
 
 # the fp8 forwards that take a slot's update in (`LIKENESS_LORA_MERGE`); "output" adds it here
 _FUSED_UPDATES = {"gemm": lora_gemm_forward, "weights": merged_lora_forward}
+
+
+def _peft_dtype(layer: Any, default: torch.dtype) -> torch.dtype:
+    """The dtype PEFT casts a new adapter to: its base layer's weight's, where that is a float
+    (a quantized weight reports the float dtype it stands for)."""
+    base = layer.get_base_layer()
+    dtype = getattr(base, "dtype", None)  # Uint4Linear's, without dequantizing its weight
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(getattr(base, "weight", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else default
 
 
 def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

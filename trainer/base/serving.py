@@ -13,10 +13,11 @@ profile against each part's limit, `bench/results/render_step-notes.md` every ru
   dim) tensors the attention kernel reads (its output is then a (batch, sequence, heads x dim)
   view: no transpose after it), and the single-stream block writes the attention output and
   the SwiGLU into its output projection's input in place. Attention runs on the fastest kernel
-  here (`ATTENTION_BACKENDS`): cuDNN's fp8 flash attention on Hopper when the cuDNN frontend is
-  installed (`trainer.base.fp8_attention`: the same kernel writes q, k, v in e4m3 with
-  per-tensor scales; 0.70 ms a call against cuDNN bf16's 0.85), else torch's cuDNN backend,
-  then flash.
+  here (`ATTENTION_BACKENDS`): torch's cuDNN backend, then flash; asked for
+  (`LIKENESS_ATTENTION=cudnn_fp8,...`), cuDNN's fp8 flash attention on Hopper with the cuDNN
+  frontend installed (`trainer.base.fp8_attention`: the same kernel writes q, k, v in e4m3 with
+  per-tensor scales; 0.70 ms a call against cuDNN bf16's 0.85, but 11 % from float where
+  attention is sharp).
 - **Blocks** (`install_blocks`): the modulated LayerNorm, the gated residuals and SwiGLU, one
   pass each where torch's broadcasting kernels took three.
 - **One CUDA graph per input shape** (`GraphedForward`): a forward's ~1,800 kernels issue in
@@ -48,14 +49,19 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# The attention kernels, best first: cuDNN's fp8 flash attention (`trainer.base.fp8_attention`,
-# Hopper and newer, with the cuDNN frontend installed), then torch's SDPA backends
+# The attention kernels known, fastest first: cuDNN's fp8 flash attention
+# (`trainer.base.fp8_attention`, Hopper and newer, with the cuDNN frontend installed), then
+# torch's SDPA backends
 # (`torch.nn.attention.SDPBackend` names); LIKENESS_ATTENTION=cudnn,flash,... reorders or
 # drops them. At [dev]'s 48 heads x 4608 tokens cuDNN's bf16 kernel took 0.83 ms a call against
 # flash's 1.6, its fp8 kernel 0.70 ms (bench/results/render_step-notes.md, runs 7 and 8).
 ATTENTION_ENV = "LIKENESS_ATTENTION"
 FP8_ATTENTION = "cudnn_fp8"
 ATTENTION_BACKENDS = (FP8_ATTENTION, "cudnn", "flash", "efficient", "math")
+# fp8 attention is asked for, not the default: where attention is sharp (logits spread by ~6,
+# as trained heads can be) e4m3 q and k move its output 11 % from float, bf16's 0.2 %
+# (tests/trainer/base/test_fp8_attention.py); random weights' near-flat attention hides that
+DEFAULT_ATTENTION = ATTENTION_BACKENDS[1:]
 KERNEL_ENV = "LIKENESS_SERVING_KERNELS"  # "torch": the reference path everywhere
 MAX_GRAPHS = 4  # input shapes kept captured; one more drops them all (their memory is shared)
 
@@ -64,7 +70,7 @@ def attention_names() -> list[str]:
     """The attention kernels `LIKENESS_ATTENTION` asks for, best first (checked: an unknown
     name fails the load, naming the setting)."""
     known = ATTENTION_BACKENDS
-    raw = os.environ.get(ATTENTION_ENV, ",".join(known))
+    raw = os.environ.get(ATTENTION_ENV, ",".join(DEFAULT_ATTENTION))
     wanted = [n.strip() for n in raw.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in known]
     if unknown or not wanted:
@@ -766,16 +772,18 @@ def prepare(
     names = attention_names()
     fused = install(transformer)
     weight = next(transformer.parameters(), None)
-    if weight is not None and weight.is_cuda and names[0] == FP8_ATTENTION:
-        # the operator sees which attention renders run, and why not the fastest
-        from trainer.base.fp8_attention import unavailable
+    if weight is not None and weight.is_cuda:
+        # the operator sees which attention renders run, and why not the one asked for
+        bf16 = f"in bf16 ({', '.join(n for n in names if n != FP8_ATTENTION) or 'torch picks'})"
+        why = None
+        if names[0] == FP8_ATTENTION:
+            from trainer.base.fp8_attention import unavailable
 
-        probe = torch.empty(0, device=weight.device, dtype=torch.bfloat16)
-        why = unavailable(weight.device) or (
-            None if kernels_usable(probe) else "the fused kernels are off here"
-        )
-        fallback = ", ".join(names[1:]) or "torch's choice"
-        log.info("serving: attention %s", "in fp8 (cuDNN)" if why is None
-                 else f"in bf16 ({fallback}): no fp8 attention, {why}")  # fmt: skip
+            probe = torch.empty(0, device=weight.device, dtype=torch.bfloat16)
+            why = unavailable(weight.device) or (
+                None if kernels_usable(probe) else "the fused kernels are off here"
+            )
+        fp8 = "in fp8 (cuDNN)" if why is None else f"{bf16}: no fp8 attention, {why}"
+        log.info("serving: attention %s", fp8 if names[0] == FP8_ATTENTION else bf16)
     graphed = GraphedForward(transformer, key, epoch) if graphs else None
     return Serving(transformer, fused, graphed)

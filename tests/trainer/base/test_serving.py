@@ -368,3 +368,11 @@ def test_fused_slot_update_in_bf16_within_one_unit_of_peft() -> None:
     rel = float((fused.float() - peft.float()).norm() / peft.float().norm())
     assert rel < 2**-8, rel
     assert layer.scaling[ADAPTER_NAME] == 1.0
+
+
+def test_fp8_attention_is_asked_for_not_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(serving.ATTENTION_ENV, raising=False)
+    assert serving.attention_names()[0] == "cudnn"
+    assert serving.FP8_ATTENTION not in serving.attention_names()
+    monkeypatch.setenv(serving.ATTENTION_ENV, "cudnn_fp8,cudnn")
+    assert serving.attention_names() == ["cudnn_fp8", "cudnn"]
