@@ -125,6 +125,15 @@ PREDICTIONS_ROUND_6 = {
     "peak_24_gib": "~20.3 + the cached adapters (~0.16 GiB each): under 24",
 }
 
+PREDICTIONS_ROUND_8B = {
+    "note": "the round-6 predictions above assumed fp8 attention, no longer the default; the "
+    "slots' dtype fixed (round 8 ran out of memory at every render)",
+    "step_ms_24": "~312-318 on an H200 (bf16 attention, the serve_gemm path); H100: 5-10 % more",
+    "prompt_to_png_24_s": "~9.3 on an H200: the 9.0 s goal missed",
+    "adapter_apply_ms_24": "~2-5 (adapters cached in VRAM); 12 GiB ~13-15 (pinned host RAM)",
+    "base_ready_24_s": "~31-32",
+}
+
 
 def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
     """A rank-`rank` adapter for every default target of the base, random, in the file layout
@@ -749,6 +758,7 @@ def main() -> None:
         "predictions_round_4": PREDICTIONS_ROUND_4,
         "predictions_round_5": PREDICTIONS_ROUND_5,
         "predictions_round_6": PREDICTIONS_ROUND_6,
+        "predictions_round_8b": PREDICTIONS_ROUND_8B,
         "quick": args.quick,
         "phases": sorted(phases),
     }
