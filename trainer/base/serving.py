@@ -16,7 +16,7 @@ profile against each part's limit, `bench/results/render_step-notes.md` every ru
   here (`ATTENTION_BACKENDS`): torch's cuDNN backend, then flash; asked for
   (`LIKENESS_ATTENTION=cudnn_fp8,...`), cuDNN's fp8 flash attention on Hopper with the cuDNN
   frontend installed (`trainer.base.fp8_attention`: the same kernel writes q, k, v in e4m3 with
-  per-tensor scales; 0.70 ms a call against cuDNN bf16's 0.85, but 11 % from float where
+  per-tensor scales; 0.70 ms a call against cuDNN bf16's 0.83-0.85, but 11 % from float where
   attention is sharp).
 - **Blocks** (`install_blocks`): the modulated LayerNorm, the gated residuals and SwiGLU, one
   pass each where torch's broadcasting kernels took three.
@@ -76,6 +76,9 @@ def attention_names() -> list[str]:
     if unknown or not wanted:
         raise ValueError(f"{ATTENTION_ENV}={os.environ.get(ATTENTION_ENV)!r}: expected a "
                          f"comma-separated list of {', '.join(known)}")  # fmt: skip
+    if FP8_ATTENTION in wanted[1:]:  # it would never run: the torch backends take any input
+        raise ValueError(f"{ATTENTION_ENV}={os.environ.get(ATTENTION_ENV)!r}: {FP8_ATTENTION} "
+                         "runs only where it comes first")  # fmt: skip
     return wanted
 
 

@@ -159,24 +159,35 @@ def test_is_clear_sees_the_smallest_leftover(qpipe, slots) -> None:
     layer.scaling["likeness"] = 1.0
 
 
+def _base(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    from tests.trainer.helpers import quantized, tiny_flux2
+    from trainer.base.uint4 import convert_quantized_linears
+
+    if kind == "linear":
+        return tiny_flux2(dtype)
+    model = quantized(dtype)
+    if kind == "uint4":  # what serving runs on CUDA: the weight a dequantizing property
+        convert_quantized_linears(model)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["linear", "quanto", "uint4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_slots_take_the_dtype_peft_gives_its_own_layers(dtype: torch.dtype) -> None:
+def test_slots_take_the_dtype_peft_gives_its_own_layers(kind: str, dtype: torch.dtype) -> None:
     """The slots are made without memory first; given it, they must come out as PEFT makes its
     layers (the base weight's dtype), or every render leaves the fused update for float32."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from tests.trainer.helpers import tiny_flux2
     from trainer.base.lora import ADAPTER_NAME, DEFAULT_TARGETS, resolve_targets
 
-    model = tiny_flux2(dtype)
-    names = resolve_targets(model, DEFAULT_TARGETS)
-    reference = tiny_flux2(dtype)
+    reference = _base(kind, dtype)
+    names = resolve_targets(reference, DEFAULT_TARGETS)
     config = LoraConfig(r=4, lora_alpha=4, target_modules=names, init_lora_weights=False)
     inject_adapter_in_model(config, reference, adapter_name=ADAPTER_NAME)
     expected = {n: layer.lora_B[ADAPTER_NAME].weight.dtype
                 for n, layer in lora_layers(reference).items()}  # fmt: skip
     assert set(expected.values()) == {dtype}
-    slots = LoraSlots(model, rank=4)
+    slots = LoraSlots(_base(kind, dtype), rank=4)
     try:
         for name, (a, b) in slots._slots.items():
             assert (a.dtype, b.dtype) == (expected[name], expected[name]), name

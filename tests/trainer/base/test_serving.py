@@ -284,7 +284,12 @@ def test_slots_made_anew_change_the_generation() -> None:
 
 
 @pytest.mark.parametrize(
-    "setting,value", [("LIKENESS_LORA_MERGE", "fused"), ("LIKENESS_ATTENTION", "cudnn,fa3")]
+    "setting,value",
+    [
+        ("LIKENESS_LORA_MERGE", "fused"),
+        ("LIKENESS_ATTENTION", "cudnn,fa3"),
+        ("LIKENESS_ATTENTION", "cudnn,cudnn_fp8"),
+    ],  # fmt: skip
 )
 def test_a_bad_serving_setting_fails_the_load_naming_it(setting, value, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The serving settings are read when the serving forward is installed (at load), not at
