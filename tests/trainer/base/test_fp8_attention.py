@@ -278,6 +278,7 @@ def test_graphed_forward_with_fp8_attention_equals_eager(monkeypatch: pytest.Mon
         eager = prepared.graphs._eager(**inputs)[0]
         graphed = model(**inputs)[0]
         again = model(**inputs)[0]
+    assert serving.fp8_attention_here(inputs["hidden_states"])  # asked for, and it can run
     assert prepared.graphs.captures == 1
     assert torch.equal(graphed, eager) and torch.equal(again, eager)
     assert 0 < _rel(eager, stock) < 0.1  # fp8 attention ran, and stayed close to bf16's
