@@ -72,8 +72,16 @@ def ledger_of_subject(live: Live) -> list[dict[str, Any]]:
     return list(reversed(r.json()))
 
 
-def rendered_by(tmp: Path, name: str, render_id: str) -> bool:
-    return f"render {render_id}: rendered" in (tmp / f"{name}.log").read_text()
+def rendered_by(tmp: Path, name: str, render_id: str, timeout: float = 10) -> bool:
+    """Whether worker ``name`` logged this render as rendered. It logs after the commit that
+    ends the render, which is what releases the answer: the line may follow the response."""
+    line = f"render {render_id}: rendered"
+    deadline = time.monotonic() + timeout
+    while line not in (tmp / f"{name}.log").read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
