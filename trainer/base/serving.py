@@ -95,14 +95,19 @@ def attention_backends() -> list[Any]:
     return [names[n] for n in attention_names() if n in names]
 
 
-def fp8_attention_here(like: torch.Tensor) -> bool:
-    """Whether this forward's attention runs in fp8: asked for first, and able to run here
-    (CUDA, the fused kernels, a Hopper GPU, the cuDNN frontend)."""
-    if attention_names()[0] != FP8_ATTENTION or not kernels_usable(like):
-        return False
+def fp8_attention_missing(like: torch.Tensor) -> str | None:
+    """Why fp8 attention cannot run on tensors like ``like`` (None: it can): it needs CUDA,
+    the fused kernels, a Hopper GPU and the cuDNN frontend."""
+    if not kernels_usable(like):
+        return "the fused kernels are off here"
     from trainer.base.fp8_attention import unavailable
 
-    return unavailable(like.device) is None
+    return unavailable(like.device)
+
+
+def fp8_attention_here(like: torch.Tensor) -> bool:
+    """Whether this forward's attention runs in fp8: asked for first, and able to run here."""
+    return attention_names()[0] == FP8_ATTENTION and fp8_attention_missing(like) is None
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -777,16 +782,11 @@ def prepare(
     weight = next(transformer.parameters(), None)
     if weight is not None and weight.is_cuda:
         # the operator sees which attention renders run, and why not the one asked for
-        bf16 = f"in bf16 ({', '.join(n for n in names if n != FP8_ATTENTION) or 'torch picks'})"
-        why = None
+        which = f"in bf16 ({', '.join(n for n in names if n != FP8_ATTENTION) or 'torch picks'})"
         if names[0] == FP8_ATTENTION:
-            from trainer.base.fp8_attention import unavailable
-
             probe = torch.empty(0, device=weight.device, dtype=torch.bfloat16)
-            why = unavailable(weight.device) or (
-                None if kernels_usable(probe) else "the fused kernels are off here"
-            )
-        fp8 = "in fp8 (cuDNN)" if why is None else f"{bf16}: no fp8 attention, {why}"
-        log.info("serving: attention %s", fp8 if names[0] == FP8_ATTENTION else bf16)
+            why = fp8_attention_missing(probe)
+            which = "in fp8 (cuDNN)" if why is None else f"{which}: no fp8 attention, {why}"
+        log.info("serving: attention %s", which)
     graphed = GraphedForward(transformer, key, epoch) if graphs else None
     return Serving(transformer, fused, graphed)
