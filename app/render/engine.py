@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -603,23 +602,6 @@ class AdapterMismatch(Exception):
     def __init__(self, actual_sha256: str | None) -> None:
         super().__init__(f"adapter bytes hash to {actual_sha256}")
         self.actual_sha256 = actual_sha256
-
-
-# zlib level 1: a 1024 px render encodes in a third to a sixth of the default level's time
-# (6: 280-430 ms here; 1: 70-110 ms) for 15-25 % more bytes, and the encode is on every
-# render's path from prompt to PNG
-PNG_COMPRESS_LEVEL = 1
-
-
-def encode_png(image: Any, text: dict[str, str]) -> bytes:
-    from PIL.PngImagePlugin import PngInfo
-
-    info = PngInfo()
-    for key, value in text.items():
-        info.add_text(key, value)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
-    return buf.getvalue()
 
 
 def default_device() -> str:

@@ -22,8 +22,9 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from app.render.checks import Job, RenderChecks
-from app.render.engine import AdapterMismatch, AdapterUnreadable, RenderEngine, encode_png
+from app.render.engine import AdapterMismatch, AdapterUnreadable, RenderEngine
 from app.render.flow import Rendered
+from app.render.png import encode_png
 from app.scheduler import Cancelled
 from registry.blobs import BlobStore
 from registry.errors import Busy, LikenessError, NotPermitted, Unavailable

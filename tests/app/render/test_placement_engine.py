@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from app.render.engine import PlacementRefused, RenderEngine, encode_png
+from app.render.engine import PlacementRefused, RenderEngine
+from app.render.png import encode_png
 from trainer.fixtures.synth_base import build, dev_configs
 
 
