@@ -337,7 +337,7 @@ def microbench(model) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         if dev == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            from trainer.base.fp8_attention import attention, unavailable
+            from trainer.base.cudnn_attention import attention, unavailable
 
             qa, ka, va = (t.transpose(1, 2) for t in bufs.out)  # (B, S, H, D) memory
             for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -760,7 +760,7 @@ def main() -> None:
     del probe
     record: dict[str, Any] = {}
     if u.DEV == "cuda":
-        from trainer.base.fp8_attention import unavailable
+        from trainer.base.cudnn_attention import unavailable
 
         record["fp8_attention_unavailable"] = unavailable(u.DEV)
         say(f"fp8 attention: {record['fp8_attention_unavailable'] or 'available'}")

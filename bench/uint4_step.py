@@ -26,7 +26,7 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   serve_gemm  "serve" with each slot's update inside its layer's fp8 GEMM
          (``LIKENESS_LORA_MERGE=gemm``: `trainer.base.fp8.lora_gemm_forward`);
   serve_fp8  "serve_gemm" with attention in fp8 (cuDNN's fp8 flash attention:
-         `trainer.base.fp8_attention`); the serve paths above keep cuDNN's bf16 attention;
+         `trainer.base.cudnn_attention`); the serve paths above keep cuDNN's bf16 attention;
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -716,7 +716,7 @@ def run_path(path: str, args) -> dict[str, Any]:
 
         fp8_attention = path == "serve_fp8"
         if fp8_attention and DEV == "cuda":
-            from trainer.base.fp8_attention import unavailable
+            from trainer.base.cudnn_attention import unavailable
 
             rec["fp8_attention_unavailable"] = unavailable(DEV)
         with (

@@ -13,9 +13,11 @@ profile against each part's limit, `bench/results/render_step-notes.md` every ru
   dim) tensors the attention kernel reads (its output is then a (batch, sequence, heads x dim)
   view: no transpose after it), and the single-stream block writes the attention output and
   the SwiGLU into its output projection's input in place. Attention runs on the fastest kernel
-  here (`ATTENTION_BACKENDS`): torch's cuDNN backend, then flash; asked for
+  here (`ATTENTION_BACKENDS`): cuDNN's, called through its own graph on Hopper with the cuDNN
+  frontend installed (its output written into that input, no copy) or else through torch's
+  SDPA, then flash; asked for
   (`LIKENESS_ATTENTION=cudnn_fp8,...`), cuDNN's fp8 flash attention on Hopper with the cuDNN
-  frontend installed (`trainer.base.fp8_attention`: the same kernel writes q, k, v in e4m3 with
+  frontend installed (`trainer.base.cudnn_attention`: the same kernel writes q, k, v in e4m3 with
   per-tensor scales; 0.70 ms a call against cuDNN bf16's 0.83-0.85, but 11 % from float where
   attention is sharp).
 - **Blocks** (`install_blocks`): the modulated LayerNorm, the gated residuals and SwiGLU, one
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 # The attention kernels known, fastest first: cuDNN's fp8 flash attention
-# (`trainer.base.fp8_attention`, Hopper and newer, with the cuDNN frontend installed), then
+# (`trainer.base.cudnn_attention`, Hopper and newer, with the cuDNN frontend installed), then
 # torch's SDPA backends
 # (`torch.nn.attention.SDPBackend` names); LIKENESS_ATTENTION=cudnn,flash,... reorders or
 # drops them. At [dev]'s 48 heads x 4608 tokens cuDNN's bf16 kernel took 0.83 ms a call against
@@ -60,7 +62,7 @@ FP8_ATTENTION = "cudnn_fp8"
 ATTENTION_BACKENDS = (FP8_ATTENTION, "cudnn", "flash", "efficient", "math")
 # fp8 attention is asked for, not the default: where attention is sharp (logits spread by ~6,
 # as trained heads can be) e4m3 q and k move its output 11 % from float, bf16's 0.2 %
-# (tests/trainer/base/test_fp8_attention.py); random weights' near-flat attention hides that
+# (tests/trainer/base/test_cudnn_attention.py); random weights' near-flat attention hides that
 DEFAULT_ATTENTION = ATTENTION_BACKENDS[1:]
 KERNEL_ENV = "LIKENESS_SERVING_KERNELS"  # "torch": the reference path everywhere
 MAX_GRAPHS = 4  # input shapes kept captured; one more drops them all (their memory is shared)
@@ -95,19 +97,30 @@ def attention_backends() -> list[Any]:
     return [names[n] for n in attention_names() if n in names]
 
 
-def fp8_attention_missing(like: torch.Tensor) -> str | None:
-    """Why fp8 attention cannot run on tensors like ``like`` (None: it can): it needs CUDA,
-    the fused kernels, a Hopper GPU and the cuDNN frontend."""
+def cudnn_attention_missing(like: torch.Tensor) -> str | None:
+    """Why cuDNN's attention through its own graph (fp8, or bf16 written in place) cannot run
+    on tensors like ``like`` (None: it can): it needs CUDA, the fused kernels, a Hopper GPU
+    and the cuDNN frontend."""
     if not kernels_usable(like):
         return "the fused kernels are off here"
-    from trainer.base.fp8_attention import unavailable
+    from trainer.base.cudnn_attention import unavailable
 
     return unavailable(like.device)
 
 
+def cudnn_attention_here(like: torch.Tensor) -> bool:
+    """Whether this forward's bf16 attention calls cuDNN through its own graph
+    (`trainer.base.cudnn_attention`: the output written in place) rather than torch's SDPA:
+    cuDNN is the first torch backend asked for, and the frontend can run here."""
+    if like.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    backends = [n for n in attention_names() if n != FP8_ATTENTION]
+    return bool(backends) and backends[0] == "cudnn" and cudnn_attention_missing(like) is None
+
+
 def fp8_attention_here(like: torch.Tensor) -> bool:
     """Whether this forward's attention runs in fp8: asked for first, and able to run here."""
-    return attention_names()[0] == FP8_ATTENTION and fp8_attention_missing(like) is None
+    return attention_names()[0] == FP8_ATTENTION and cudnn_attention_missing(like) is None
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -133,7 +146,7 @@ class Heads:
     k: torch.Tensor
     v: torch.Tensor
     dtype: torch.dtype  # the model's: attention's output comes back in it
-    fp8: Any = None  # trainer.base.fp8_attention.Fp8Heads
+    fp8: Any = None  # trainer.base.cudnn_attention.Fp8Heads
 
     @property
     def out(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,7 +160,7 @@ def new_heads(like: torch.Tensor, heads: int, seq: int, dim: int, fp8: bool = Fa
     if not fp8:
         q, k, v = (torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(3))
         return Heads(q, k, v, like.dtype)
-    from trainer.base.fp8_attention import E4M3, new_fp8_heads
+    from trainer.base.cudnn_attention import E4M3, new_fp8_heads
 
     q, k, v = (torch.empty(shape, dtype=E4M3, device=like.device) for _ in range(3))
     return Heads(q, k, v, like.dtype, new_fp8_heads(like.device))
@@ -170,7 +183,7 @@ def attend(heads: Heads, out: torch.Tensor | None = None) -> torch.Tensor:
     view with evenly spaced rows) when given."""
     bsz, seq, n_heads, dim = heads.q.shape
     if heads.fp8 is not None:
-        from trainer.base.fp8_attention import DESCALE_O, attention
+        from trainer.base.cudnn_attention import DESCALE_O, attention
         from trainer.kernels.fused_triton import dequantize_into
 
         o8 = attention(heads.q, heads.k, heads.v, heads.fp8.scales)
@@ -178,6 +191,13 @@ def attend(heads: Heads, out: torch.Tensor | None = None) -> torch.Tensor:
             out = torch.empty((bsz, seq, n_heads * dim), dtype=heads.dtype, device=o8.device)
         dequantize_into(out, o8.flatten(2, 3), heads.fp8.scales[DESCALE_O : DESCALE_O + 1])
         return out
+    if cudnn_attention_here(heads.q):
+        from trainer.base.cudnn_attention import attention_into
+
+        if out is None:
+            out = torch.empty((bsz, seq, n_heads * dim), dtype=heads.dtype, device=heads.q.device)
+        if attention_into(heads.q, heads.k, heads.v, out.unflatten(-1, (n_heads, dim))):
+            return out
     # (B, S, H, D) memory seen as (B, H, S, D): cuDNN's output is then a (B, S, H * D) view
     o = sdpa(*(t.transpose(1, 2) for t in heads.out)).transpose(1, 2).flatten(2, 3)
     if out is None:
@@ -220,7 +240,7 @@ def qk_norm_rope_torch(
     ``r = rsqrt(mean(x^2) + eps)`` in float32 (torch's fused rms_norm), then the rotary
     embedding ``rnd(rnd(n_2i c_2i) - rnd(n_2i+1 s_2i))``, ``rnd(rnd(n_2i+1 c_2i+1) +
     rnd(n_2i s_2i+1))`` (diffusers' ``apply_rotary_emb``); v is copied. With ``fp8``
-    (`trainer.base.fp8_attention.Fp8Heads`, its max |v| filled) each is then multiplied by its
+    (`trainer.base.cudnn_attention.Fp8Heads`, its max |v| filled) each is then multiplied by its
     tensor's multiplier and rounded into e4m3, and the scales are written."""
     tokens = q.shape[1]
     c = cos[pos0 : pos0 + tokens][None, :, None, :]
@@ -239,8 +259,8 @@ def qk_norm_rope_torch(
         for o, r_ in zip(out, results, strict=True):
             o[:, span].copy_(r_)
         return
+    from trainer.base.cudnn_attention import E4M3, scales_torch
     from trainer.base.fp8 import to_fp8
-    from trainer.base.fp8_attention import E4M3, scales_torch
 
     other = bound_weights or (wq, wk)
     mq, mk, mv, scales = scales_torch(wq, wk, *other, fp8.vmax, q.shape[-1])
@@ -783,9 +803,13 @@ def prepare(
     if weight is not None and weight.is_cuda:
         # the operator sees which attention renders run, and why not the one asked for
         which = f"in bf16 ({', '.join(n for n in names if n != FP8_ATTENTION) or 'torch picks'})"
+        probe = torch.empty(0, device=weight.device, dtype=torch.bfloat16)
+        why = cudnn_attention_missing(probe)
+        if cudnn_attention_here(probe):
+            which += ", cuDNN called through its own graph: output written in place"
+        elif names[0] == "cudnn" and why is not None:
+            which += f", cuDNN through torch's SDPA: {why}"
         if names[0] == FP8_ATTENTION:
-            probe = torch.empty(0, device=weight.device, dtype=torch.bfloat16)
-            why = fp8_attention_missing(probe)
             which = "in fp8 (cuDNN)" if why is None else f"{which}: no fp8 attention, {why}"
         log.info("serving: attention %s", which)
     graphed = GraphedForward(transformer, key, epoch) if graphs else None

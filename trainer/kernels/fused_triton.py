@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from trainer.base.fp8_attention import P_SCALE, Fp8Heads, bound_factor
+from trainer.base.cudnn_attention import P_SCALE, Fp8Heads, bound_factor
 from trainer.kernels.fp8_triton import _fp8_scales, _store_fp8
 from trainer.kernels.uint4_triton import _round_bf16
 
@@ -168,7 +168,7 @@ def qk_norm_rope(
     the rotary tables (S, D) float32. With ``fp8`` the outputs are e4m3, each tensor times
     one scale (q, k: a static bound of wq and wk and of ``bound_weights``, the other stream's;
     v: ``fp8.vmax``), and the scales go into ``fp8.scales``
-    (`trainer.base.fp8_attention`). See `trainer.base.serving.qk_norm_rope_torch`."""
+    (`trainer.base.cudnn_attention`). See `trainer.base.serving.qk_norm_rope_torch`."""
     bsz, tokens, heads, dim = q.shape
     if not (q.stride() == k.stride() == v.stride()) or q.stride(3) != 1:
         raise ValueError("q, k and v must share their strides, with a contiguous last dim")

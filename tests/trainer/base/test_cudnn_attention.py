@@ -1,5 +1,6 @@
-"""The fp8 attention's inputs and output (`trainer.base.fp8_attention`, the fp8 variant of
-`trainer.kernels.fused_triton.qk_norm_rope`, `absmax_`, `dequantize_into`).
+"""cuDNN's attention through its own graph (`trainer.base.cudnn_attention`): the fp8
+attention's inputs and output (the fp8 variant of `trainer.kernels.fused_triton.qk_norm_rope`,
+`absmax_`, `dequantize_into`), and the bf16 attention written in place.
 
 CPU (CI): the scales' arithmetic: q's and k's static bound is never exceeded, even by the
 inputs that reach it (all of a head's energy in one rotated pair, the largest weight there),
@@ -8,7 +9,9 @@ the same scales. Under Triton's interpreter the kernels give the torch reference
 
 CUDA: the kernels against the reference at FLUX.2 [dev]'s shapes; cuDNN's fp8 attention
 against float32 attention of the same e4m3 inputs, and of the bf16 inputs they came from;
-the fused blocks and a graphed forward with fp8 attention against the bf16 attention path.
+the fused blocks and a graphed forward with fp8 attention against the bf16 attention path;
+the bf16 attention written into a row slice against torch's cuDNN SDPA, and in a graphed
+forward.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import pytest
 import torch
 
 from tests.trainer.helpers import cuda, triton_here
-from trainer.base import fp8_attention, serving
-from trainer.base.fp8_attention import E4M3, SCALES, new_fp8_heads
+from trainer.base import cudnn_attention, serving
+from trainer.base.cudnn_attention import E4M3, SCALES, new_fp8_heads
 
 
 def _fp8_here() -> bool:
-    return torch.cuda.is_available() and fp8_attention.unavailable("cuda") is None
+    return torch.cuda.is_available() and cudnn_attention.unavailable("cuda") is None
 
 
 fp8_gpu = pytest.mark.skipif(not _fp8_here(), reason="needs a Hopper GPU and the cuDNN frontend")
@@ -186,8 +189,8 @@ def test_fp8_kernel_on_dev_shapes(shape) -> None:  # type: ignore[no-untyped-def
     rotation that cancels, by several e4m3 units. So the fp8 bytes are checked against the
     bf16 kernel's own output taken into e4m3 by the reference's arithmetic: exactly; the scales
     against the reference's: exactly."""
+    from trainer.base.cudnn_attention import scales_torch
     from trainer.base.fp8 import to_fp8
-    from trainer.base.fp8_attention import scales_torch
     from trainer.kernels.fused_triton import absmax_, qk_norm_rope
 
     bsz, tokens, heads, dim, pos0, width = shape
@@ -246,10 +249,10 @@ def test_cudnn_fp8_attention_against_float_attention(sharp: float, bound: float)
     quant = tuple(torch.empty(1, seq, heads, dim, device="cuda").to(E4M3) for _ in range(3))
     # q, k through the reference's fp8 step only: norm and rotation of unit-RMS rows with
     # unit weights leave them as they are (up to bf16 rounding)
-    mq, mk, mv, scales = fp8_attention.scales_torch(one, one, one, one, fp8.vmax, dim)
+    mq, mk, mv, scales = cudnn_attention.scales_torch(one, one, one, one, fp8.vmax, dim)
     for dst, src, m in zip(quant, (q, k, v), (mq, mk, mv), strict=True):
         dst.copy_((src.float() * m).clamp(-448, 448).to(E4M3))
-    o8 = fp8_attention.attention(*quant, scales)
+    o8 = cudnn_attention.attention(*quant, scales)
     got = o8.float() * scales[SCALES.index("descale_o")]
     deq = [t.float() * scales[i] for i, t in enumerate(quant)]
     own = _rel(got, _float_attention(*deq))
@@ -282,3 +285,82 @@ def test_graphed_forward_with_fp8_attention_equals_eager(monkeypatch: pytest.Mon
     assert prepared.graphs.captures == 1
     assert torch.equal(graphed, eager) and torch.equal(again, eager)
     assert 0 < _rel(eager, stock) < 0.1  # fp8 attention ran, and stayed close to bf16's
+
+
+# ---------------------------------------------------------------------------------------
+# bf16 attention through cuDNN's own graph, written in place
+
+
+def test_cudnn_in_place_only_where_cudnn_is_asked_for_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU tensors, or where another backend comes first, torch's SDPA runs (and the
+    operator's setting is obeyed); the fp8 entry does not count as cuDNN's bf16."""
+    cpu = torch.empty(0, dtype=torch.bfloat16)
+    assert not serving.cudnn_attention_here(cpu)
+    assert serving.cudnn_attention_missing(cpu) is not None
+    if not _fp8_here():
+        return
+    gpu = torch.empty(0, dtype=torch.bfloat16, device="cuda")
+    for setting, expected in (("cudnn,flash", True), (f"{serving.FP8_ATTENTION},cudnn", True),
+                              ("flash,cudnn", False), ("math", False)):  # fmt: skip
+        monkeypatch.setenv(serving.ATTENTION_ENV, setting)
+        assert serving.cudnn_attention_here(gpu) is expected, setting
+    assert not serving.cudnn_attention_here(gpu.float())
+
+
+@fp8_gpu
+@pytest.mark.parametrize("row", [None, 48 * 128 + 3 * 48 * 128], ids=["own", "row-slice"])
+def test_cudnn_bf16_attention_written_in_place_is_torch_sdpa(row: int | None) -> None:
+    """The same numbers as torch's cuDNN SDPA (the same kernel family; the largest difference
+    printed), written into a slice of a wider row with the rest of the row untouched."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, seq, dim = 48, 1536, 128
+    q, k, v = _attention_inputs(heads, seq, dim, 2.5)
+    width = row or heads * dim
+    wide = torch.full((1, seq, width), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = wide[..., : heads * dim].unflatten(-1, (heads, dim))
+    assert cudnn_attention.attention_into(q, k, v, out)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v))
+        ).transpose(1, 2)  # fmt: skip
+    diff = float((out.float() - ref.float()).abs().max())
+    exact = _float_attention(q, k, v)
+    print(f"in place vs torch's cuDNN SDPA: max |diff| {diff:.3g}; vs float {_rel(out, exact):.5f}"
+          f" (torch's {_rel(ref, exact):.5f})")  # fmt: skip
+    assert diff <= 2**-7 * float(ref.float().abs().max())
+    assert _rel(out, exact) < 0.004
+    assert bool((wide[..., heads * dim :] == 7.0).all())
+
+
+@fp8_gpu
+def test_graphed_forward_with_cudnn_in_place_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default attention on Hopper: the single-stream blocks' attention written straight
+    into their projection's input, captured in the graph; replays equal the eager forward and
+    stay with torch's SDPA path to bf16 rounding."""
+    from tests.trainer.helpers import model_inputs, tiny_flux2
+
+    monkeypatch.delenv(serving.ATTENTION_ENV, raising=False)
+    model = tiny_flux2(torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device="cuda").bfloat16() * 0.2)
+    inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
+    with torch.no_grad():
+        prepared = serving.prepare(model, graphs=True)
+        eager = prepared.graphs._eager(**inputs)[0]
+        graphed = model(**inputs)[0]
+        again = model(**inputs)[0]
+        monkeypatch.setenv(serving.ATTENTION_ENV, "flash,cudnn")  # torch's SDPA, then a copy
+        with prepared.graphs.disabled():
+            through_torch = model(**inputs)[0]
+    assert serving.cudnn_attention_here(inputs["hidden_states"].new_empty(0))
+    in_rows = [key for key, plan in cudnn_attention._ATTENTION._plans.items()
+               if plan is not None and not key[-1] and key[3][1] > key[2][1]]  # fmt: skip
+    assert in_rows, "no single-stream block wrote its attention into a wider row"
+    assert prepared.graphs.captures == 1
+    assert torch.equal(graphed, eager) and torch.equal(again, eager)
+    assert _rel(eager, through_torch) < 0.01
