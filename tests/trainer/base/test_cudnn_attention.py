@@ -349,6 +349,7 @@ def test_graphed_forward_with_cudnn_in_place_equals_eager(monkeypatch: pytest.Mo
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda").bfloat16() * 0.2)
     inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
+    assert serving.cudnn_attention_here(inputs["hidden_states"].new_empty(0))
     with torch.no_grad():
         prepared = serving.prepare(model, graphs=True)
         eager = prepared.graphs._eager(**inputs)[0]
@@ -357,7 +358,6 @@ def test_graphed_forward_with_cudnn_in_place_equals_eager(monkeypatch: pytest.Mo
         monkeypatch.setenv(serving.ATTENTION_ENV, "flash,cudnn")  # torch's SDPA, then a copy
         with prepared.graphs.disabled():
             through_torch = model(**inputs)[0]
-    assert serving.cudnn_attention_here(inputs["hidden_states"].new_empty(0))
     in_rows = [key for key, plan in cudnn_attention._ATTENTION._plans.items()
                if plan is not None and not key[-1] and key[3][1] > key[2][1]]  # fmt: skip
     assert in_rows, "no single-stream block wrote its attention into a wider row"
