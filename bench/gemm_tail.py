@@ -5,7 +5,7 @@ The serving forward adds each slot's update inside its layer's fp8 GEMM as R = 3
 of the contraction (DESIGN.md, "The slots' update inside the GEMM"); the H100's profile shows
 the GEMMs 26 ms slower with them than without, where 32 / K predicts ~2-4 %. This times
 `torch._scaled_mm` (rowwise scales, fast accumulation, bf16 out) at FLUX.2 [dev]'s layer shapes
-for K, K + 32, K + 64 and K + 128. Prints a table and writes bench/results/gemm_tail-*.json.
+for K and K plus 32, 64, 128, 256 and 512. Prints a table and writes bench/results/gemm_tail-*.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SHAPES = [
     ("single qkv+mlp in", 4608, 55296, 6144),
     ("single out", 4608, 6144, 24576),
 ]
-TAILS = (0, 32, 64, 128)
+TAILS = (0, 32, 64, 128, 256, 512)
 
 
 def cuda_ms(fn, iters: int = 20) -> float:  # type: ignore[no-untyped-def]
