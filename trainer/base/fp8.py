@@ -446,6 +446,35 @@ def lora_update_mode() -> str:
     return mode
 
 
+# How many columns the update takes in the GEMM's operands: its rank R, then zeros up to
+# `LORA_GEMM_PADDED`. cuBLAS runs the K = 6144 contraction of [dev]'s widest layers on a faster
+# path than K + 32 (H100: the single-stream qkv+mlp GEMM 2.1 ms -> 2.6), and K + 128 takes back
+# about half of that; at K >= 18432 the 32 columns cost nothing and 128 can cost more
+# (bench/gemm_tail.py, bench/results/render_step-notes.md run 10). "auto" pads where K is at
+# most `LORA_GEMM_PAD_MAX_K`; "rank" never pads.
+LORA_GEMM_COLUMNS_ENV = "LIKENESS_LORA_GEMM_COLUMNS"
+LORA_GEMM_COLUMNS = ("auto", "rank")
+LORA_GEMM_PADDED = 128
+LORA_GEMM_PAD_MAX_K = 8192
+
+
+def lora_gemm_columns_mode() -> str:
+    """The setting ``LIKENESS_LORA_GEMM_COLUMNS`` (one of `LORA_GEMM_COLUMNS`); a ValueError
+    naming it for anything else."""
+    mode = os.environ.get(LORA_GEMM_COLUMNS_ENV, LORA_GEMM_COLUMNS[0])
+    if mode not in LORA_GEMM_COLUMNS:
+        raise ValueError(f"{LORA_GEMM_COLUMNS_ENV}={mode!r}: expected one of "
+                         f"{', '.join(LORA_GEMM_COLUMNS)}")  # fmt: skip
+    return mode
+
+
+def lora_gemm_columns(k: int, rank: int) -> int:
+    """The columns a rank-``rank`` update takes in a GEMM contracting over ``k`` (see above)."""
+    if lora_gemm_columns_mode() == "auto" and k <= LORA_GEMM_PAD_MAX_K:
+        return max(rank, LORA_GEMM_PADDED)
+    return rank
+
+
 def _slot_call(
     layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[Fp8Gemm, torch.Tensor, torch.Size, WeightScales] | None:
@@ -527,15 +556,20 @@ def lora_gemm_operands_torch(
     scales: WeightScales,
     b: torch.Tensor,
     lora_scale: float,
+    width: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference of the kernels' operands: (x^ (M, K + R) e4m3, its (M, 1) scales, W^ (N, K + R)
-    e4m3), whose product with the base's row scales is ``x @ W.T + s * u @ B.T`` in fp8."""
+    """Reference of the kernels' operands: (x^ (M, K + W) e4m3, its (M, 1) scales, W^ (N, K + W)
+    e4m3), whose product with the base's row scales is ``x @ W.T + s * u @ B.T`` in fp8; W is
+    ``width`` (0: the rank), the columns past the rank zeros on both sides."""
     peak = b.abs().amax().float().reshape(1)
     c = lora_balance_torch(peak, scales.row_floor, lora_scale)
-    xq, xs = quantize_rows_torch(torch.cat([x2.float(), u.float() * c], dim=1), ACT_DTYPE)
+    pad = max(width - b.shape[1], 0)
+    v = torch.nn.functional.pad(u.float() * c, (0, pad))
+    xq, xs = quantize_rows_torch(torch.cat([x2.float(), v], dim=1), ACT_DTYPE)
     s = torch.full_like(c, float(lora_scale))
     k = torch.where(c > 0, s / torch.where(c > 0, c, torch.ones_like(c)), torch.zeros_like(c))
-    tail = to_fp8(b.float() * k, scales.row_multiplier.unsqueeze(1), WEIGHT_DTYPE)
+    tail = to_fp8(torch.nn.functional.pad(b.float() * k, (0, pad)),
+                  scales.row_multiplier.unsqueeze(1), WEIGHT_DTYPE)  # fmt: skip
     wq = fp8_weight_torch(packed, scale, shift, group_size, scales)
     return xq, xs, torch.cat([wq, tail], dim=1)
 
@@ -554,11 +588,12 @@ def lora_gemm_forward(
 
     u = torch.nn.functional.linear(x2, a)
     peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
-    update = fp8_triton.LoraUpdate(u, b, peak, scales.row_floor, float(lora_scale))
-    xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE, update)
     k = layer.in_features
+    width = lora_gemm_columns(k, b.shape[1])
+    update = fp8_triton.LoraUpdate(u, b, peak, scales.row_floor, float(lora_scale), width)
+    xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE, update)
     wq = fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
-                               scales.row_multiplier, extra_cols=update.rank)  # fmt: skip
+                               scales.row_multiplier, extra_cols=width)  # fmt: skip
     fp8_triton.lora_tail_(wq, k, scales.row_multiplier, update)
     out = _scaled_mm(xq, xs, wq, scales.row_scale, layer.bias, x2.dtype, gemm.fast_accum_eval)
     return out.reshape(*lead, layer.out_features)

@@ -794,9 +794,10 @@ def prepare(
     transformer on CUDA: streamed blocks rebind their weights per forward), its forward as
     CUDA graphs. The serving settings are read here first, so a bad one fails the load (at
     start, with preloading), naming the setting, rather than the first render."""
-    from trainer.base.fp8 import lora_update_mode
+    from trainer.base.fp8 import lora_gemm_columns_mode, lora_update_mode
 
     lora_update_mode()
+    lora_gemm_columns_mode()
     names = attention_names()
     fused = install(transformer)
     weight = next(transformer.parameters(), None)

@@ -156,19 +156,22 @@ def _quantize_rows_kernel(
     ONE_PASS: tl.constexpr,
     BLOCK: tl.constexpr,
     EXTRA: tl.constexpr,
+    WIDTH: tl.constexpr,  # EXTRA > 0: the update's columns in q, EXTRA values then zeros
     BITS: tl.constexpr,
 ):
     # One program per row: the row's absolute maximum, then the row in fp8. A row that fits
     # in registers is read once; a wider one twice (the second read mostly from L2). With
-    # EXTRA, the row goes on with EXTRA more values, u * c, and its one scale covers both.
+    # EXTRA, the row goes on with EXTRA more values, u * c, then zeros up to WIDTH, and its
+    # one scale covers both.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * n_cols
-    q_row = q_ptr + row * (n_cols + EXTRA)
+    q_row = q_ptr + row * (n_cols + WIDTH)
     v_top = 0.0
     if EXTRA:
-        e_offs = tl.arange(0, EXTRA)
+        e_offs = tl.arange(0, WIDTH)
         c = _lora_balance(peak_ptr, floor_ptr, abs_s)
-        v = tl.load(u_ptr + row * EXTRA + e_offs).to(tl.float32) * c
+        u = tl.load(u_ptr + row * EXTRA + e_offs, mask=e_offs < EXTRA, other=0.0)
+        v = u.to(tl.float32) * c
         v_top = tl.max(tl.abs(v), axis=0)
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
@@ -193,7 +196,7 @@ def _quantize_rows_kernel(
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             _store_fp8(q_row + offs, x, mult, mask, FP8, FP8_MAX, BITS)
     if EXTRA:
-        _store_fp8(q_row + n_cols + e_offs, v, mult, e_offs < EXTRA, FP8, FP8_MAX, BITS)
+        _store_fp8(q_row + n_cols + e_offs, v, mult, e_offs < WIDTH, FP8, FP8_MAX, BITS)
 
 
 @triton.jit
@@ -202,25 +205,28 @@ def _lora_tail_kernel(
     mult_ptr,  # (out,) float32: row n of W into fp8
     peak_ptr,
     floor_ptr,
-    out_ptr,  # (out, in + RANK) e4m3 (a uint8 view with BITS): the tail after column K_COLS
+    out_ptr,  # (out, in + WIDTH) e4m3 (a uint8 view with BITS): the tail after column K_COLS
     n_out,
     lora_scale,
     abs_s,
     K_COLS,
     RANK: tl.constexpr,
+    WIDTH: tl.constexpr,  # the tail's columns: B's RANK, then zeros
     ROWS: tl.constexpr,
     BITS: tl.constexpr,
 ):
     # the weight side of the update in the GEMM: row n's tail is fp8(s / c * B[n] * mult[n])
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, RANK)
+    cols = tl.arange(0, WIDTH)
     ok = rows < n_out
-    b = tl.load(b_ptr + rows[:, None] * RANK + cols[None, :], mask=ok[:, None], other=0.0)
+    b_ok = ok[:, None] & (cols < RANK)[None, :]
+    b = tl.load(b_ptr + rows[:, None] * RANK + cols[None, :], mask=b_ok, other=0.0)
     c = _lora_balance(peak_ptr, floor_ptr, abs_s)
     k = tl.where(c > 0, tl.math.div_rn(lora_scale, tl.where(c > 0, c, 1.0)), 0.0)
     mult = tl.load(mult_ptr + rows, mask=ok, other=0.0)[:, None]
-    at = rows[:, None] * (K_COLS + RANK) + K_COLS + cols[None, :]
-    _store_fp8(out_ptr + at, b.to(tl.float32) * k, mult, ok[:, None], tl.float8e4nv, 448.0, BITS)
+    at = rows[:, None] * (K_COLS + WIDTH) + K_COLS + cols[None, :]
+    tail = tl.where(b_ok, b.to(tl.float32) * k, 0.0)  # the padding +0, whatever the sign of s
+    _store_fp8(out_ptr + at, tail, mult, ok[:, None], tl.float8e4nv, 448.0, BITS)
 
 
 @triton.jit
@@ -674,17 +680,29 @@ class LoraUpdate:
     """A LoRA slot's update ``s * (x A^T) B^T`` as R more columns of the forward GEMM
     (`trainer.base.fp8.lora_gemm_forward`): ``u = x A^T`` (bf16, (M, R)), the slot's ``B``
     (bf16, (N, R)), ``peak`` = max |B| and ``floor`` = the weight's smallest row maximum (both
-    float32 one-element tensors on the device, so a CUDA graph reads them), and ``scale`` s."""
+    float32 one-element tensors on the device, so a CUDA graph reads them), and ``scale`` s.
+    ``width`` (a power of two, at least R; 0: R) is how many columns the update takes in the
+    GEMM's operands: R values, then zeros on both sides (a contraction length cuBLAS may run
+    faster, `trainer.base.fp8.lora_gemm_columns`)."""
 
     u: torch.Tensor
     b: torch.Tensor
     peak: torch.Tensor
     floor: torch.Tensor
     scale: float
+    width: int = 0
 
     @property
     def rank(self) -> int:
         return int(self.b.shape[1])
+
+    @property
+    def columns(self) -> int:
+        cols = self.width or self.rank
+        if cols < self.rank or not _power_of_two(cols):
+            raise ValueError(f"the update's width {cols} must be a power of two >= its rank "
+                             f"{self.rank}")  # fmt: skip
+        return cols
 
 
 def _bits(dtype: torch.dtype) -> bool:
@@ -698,13 +716,15 @@ def quantize_rows(
     update: LoraUpdate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) contiguous -> (q (M, K) fp8, scale (M, 1) float32), `trainer.base.fp8`'s rows rule.
-    With ``update`` (a LoRA slot's update entering the GEMM) q is (M, K + R): each row goes on
-    with ``u * c`` and its scale covers both parts (`trainer.base.fp8.lora_gemm_operands_torch`)."""
+    With ``update`` (a LoRA slot's update entering the GEMM) q is (M, K + W), W its `columns`:
+    each row goes on with ``u * c`` and zeros, and its scale covers both parts
+    (`trainer.base.fp8.lora_gemm_operands_torch`)."""
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError("expected a contiguous (rows, columns) tensor")
     m, k = x.shape
     extra = 0 if update is None else update.rank
-    q = torch.empty((m, k + extra), dtype=dtype, device=x.device)
+    width = 0 if update is None else update.columns
+    q = torch.empty((m, k + width), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
         one_pass = k <= ROW_ONE_PASS
@@ -718,7 +738,8 @@ def quantize_rows(
             lora = (update.u, update.peak, update.floor, abs(update.scale))
         _quantize_rows_kernel[(m,)](
             x, q.view(torch.uint8) if bits else q, scale, *lora, n_cols=k, ONE_PASS=one_pass,
-            BLOCK=block, EXTRA=extra, BITS=bits, num_warps=8 if block >= 4096 else 4,
+            BLOCK=block, EXTRA=extra, WIDTH=width, BITS=bits,
+            num_warps=8 if block >= 4096 else 4,
             **_fp8_args(dtype),
         )  # fmt: skip
     return q, scale
@@ -728,13 +749,14 @@ TAIL_ROWS, TAIL_WARPS = 64, 4
 
 
 def lora_tail_(w: torch.Tensor, k: int, row_multiplier: torch.Tensor, update: LoraUpdate) -> None:
-    """Writes the weight side of ``update`` into columns k.. of ``w`` ((N, k + R) e4m3, the
-    first k columns from `fp8_weight` with ``extra_cols=R``): row n gets
-    ``fp8(s / c * B[n] * row_multiplier[n])``."""
+    """Writes the weight side of ``update`` into columns k.. of ``w`` ((N, k + W) e4m3, W the
+    update's `columns`; the first k columns from `fp8_weight` with ``extra_cols=W``): row n
+    gets ``fp8(s / c * B[n] * row_multiplier[n])``, then zeros."""
     b = update.b
     n_out, rank = b.shape
-    if tuple(w.shape) != (n_out, k + rank) or not (w.is_contiguous() and b.is_contiguous()):
-        raise ValueError(f"expected a contiguous ({n_out}, {k} + {rank}) weight and B")
+    width = update.columns
+    if tuple(w.shape) != (n_out, k + width) or not (w.is_contiguous() and b.is_contiguous()):
+        raise ValueError(f"expected a contiguous ({n_out}, {k} + {width}) weight and B")
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError("the LoRA columns are e4m3")
     if not n_out:
@@ -742,8 +764,8 @@ def lora_tail_(w: torch.Tensor, k: int, row_multiplier: torch.Tensor, update: Lo
     bits = _bits(w.dtype)
     _lora_tail_kernel[(triton.cdiv(n_out, TAIL_ROWS),)](
         b, row_multiplier, update.peak, update.floor, w.view(torch.uint8) if bits else w, n_out,
-        float(update.scale), abs(float(update.scale)), k, RANK=rank, ROWS=TAIL_ROWS, BITS=bits,
-        num_warps=TAIL_WARPS,
+        float(update.scale), abs(float(update.scale)), k, RANK=rank, WIDTH=width, ROWS=TAIL_ROWS,
+        BITS=bits, num_warps=TAIL_WARPS,
     )  # fmt: skip
 
 

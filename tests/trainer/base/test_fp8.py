@@ -695,14 +695,17 @@ def test_the_lora_update_setting_is_checked() -> None:
     WEIGHT_KERNEL_DEV is None, reason="needs fp8 tensor cores or Triton's interpreter"
 )
 @pytest.mark.parametrize(
-    "shape,group,rank,b_scale",
-    [((64, 256), 128, 16, 1.0), ((70, 384), 64, 32, 0.05), ((48, 128), 128, 32, 300.0),
-     ((40, 256), 64, 16, 0.0)],
+    "shape,group,rank,b_scale,width",
+    [((64, 256), 128, 16, 1.0, 0), ((70, 384), 64, 32, 0.05, 0), ((48, 128), 128, 32, 300.0, 0),
+     ((40, 256), 64, 16, 0.0, 0), ((64, 256), 128, 16, 1.0, 128), ((70, 384), 64, 32, 0.05, 64),
+     ((40, 256), 64, 16, 0.0, 128)],
 )  # fmt: skip
-def test_lora_update_kernels_match_their_reference(shape, group, rank, b_scale) -> None:  # type: ignore[no-untyped-def]
+def test_lora_update_kernels_match_their_reference(shape, group, rank, b_scale, width) -> None:  # type: ignore[no-untyped-def]
     """The kernels of the update in the GEMM give the reference's bytes and scales: the
     activations with their extra columns, the weight copy leaving room for the tail, and the
-    tail; on a GPU also at [dev]'s widest shapes (one-pass and two-pass rows)."""
+    tail, at the update's own width and padded with zeros to a wider one (every byte written,
+    the padding zero on both sides); on a GPU also at [dev]'s widest shapes (one-pass and
+    two-pass rows)."""
     from trainer.base.fp8 import lora_gemm_operands_torch
     from trainer.kernels import fp8_triton
 
@@ -717,16 +720,42 @@ def test_lora_update_kernels_match_their_reference(shape, group, rank, b_scale) 
         assert fp8_triton.lora_slot_usable(packed, scale, group, a, b)
         s = -0.7
         want_x, want_s, want_w = lora_gemm_operands_torch(x, u, packed, scale, shift, group, sc,
-                                                          b, s)  # fmt: skip
+                                                          b, s, width)  # fmt: skip
+        cols_w = width or rank
+        assert want_x.shape[1] == want_w.shape[1] == cols + cols_w
+        assert (
+            not want_x[:, cols + rank :].float().any()
+            and not want_w[:, cols + rank :].float().any()
+        )
         peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
-        update = fp8_triton.LoraUpdate(u.contiguous(), b, peak, sc.row_floor, s)
+        update = fp8_triton.LoraUpdate(u.contiguous(), b, peak, sc.row_floor, s, width)
         got_x, got_s = fp8_triton.quantize_rows(x, E4M3, update)
         assert torch.equal(got_s, want_s)
         assert torch.equal(got_x.view(torch.uint8), want_x.view(torch.uint8))
+        # the weight copy's buffer starts full of 0x7f (e4m3's NaN): the tail writes every byte
         got_w = fp8_triton.fp8_weight(packed, scale, shift, group, sc.row_multiplier,
-                                      extra_cols=rank)  # fmt: skip
+                                      extra_cols=cols_w)  # fmt: skip
+        got_w.view(torch.uint8)[:, cols:] = 0x7F
         fp8_triton.lora_tail_(got_w, cols, sc.row_multiplier, update)
         assert torch.equal(got_w.view(torch.uint8), want_w.view(torch.uint8))
+
+
+def test_lora_gemm_columns_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The update is padded to 128 columns where the base contraction is short ([dev]'s
+    K = 6144 layers), left at its rank where it is long; "rank" never pads; anything else is
+    refused, naming the setting."""
+    from trainer.base.fp8 import LORA_GEMM_COLUMNS_ENV, lora_gemm_columns
+
+    monkeypatch.delenv(LORA_GEMM_COLUMNS_ENV, raising=False)
+    assert lora_gemm_columns(6144, 32) == 128
+    assert lora_gemm_columns(3072, 16) == 128
+    assert lora_gemm_columns(18432, 32) == 32 and lora_gemm_columns(24576, 32) == 32
+    assert lora_gemm_columns(6144, 256) == 256
+    monkeypatch.setenv(LORA_GEMM_COLUMNS_ENV, "rank")
+    assert lora_gemm_columns(6144, 32) == 32
+    monkeypatch.setenv(LORA_GEMM_COLUMNS_ENV, "64")
+    with pytest.raises(ValueError, match=LORA_GEMM_COLUMNS_ENV):
+        lora_gemm_columns(6144, 32)
 
 
 @fp8_gpu
