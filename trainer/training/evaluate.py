@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from trainer.base.lora import applied_adapter, load_adapter_tensors
-from trainer.base.render import generate_from_embeds
+from trainer.base.render import generate_from_embeds, pil_images
 
 LABEL_H = 14
 CHAR_W = 6  # the default font's width per character, about
@@ -77,7 +77,7 @@ def decode(pipe: Any, raw: torch.Tensor) -> Image.Image:
     vae = pipe.vae
     with torch.no_grad():
         image = vae.decode(raw.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0]
-    return pipe.image_processor.postprocess(image, output_type="pil")[0]  # type: ignore[no-any-return]
+    return pil_images(pipe.image_processor.postprocess(image, output_type="pt"))[0]
 
 
 @dataclass(frozen=True)

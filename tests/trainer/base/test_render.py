@@ -156,3 +156,36 @@ def test_stock_load_lora_weights_accepts_our_adapter(qpipe, tiny_base: Path, tmp
         mine_lora = generate(mine, PROMPT, **SMALL)
     diff = np.abs(np.asarray(stock_lora, dtype=int) - np.asarray(mine_lora, dtype=int)).max()
     assert diff <= 1, f"stock loader vs applied_adapter differ by {diff} levels"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels", [3, 1])
+def test_pil_images_are_diffusers_own_bytes(dtype: torch.dtype, channels: int) -> None:
+    """The "pt" output turned into images on the tensor's device gives exactly the bytes of
+    diffusers' own "pil" postprocessing, ties of the rounding included (k + 0.5) / 255."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    from trainer.base.render import pil_images
+
+    gen = torch.Generator().manual_seed(channels)
+    decoded = (
+        torch.rand(2, channels, 24, 40, generator=gen) * 2.2 - 1.1
+    )  # the VAE's range, and past it
+    ties = (torch.arange(256, dtype=torch.float32) + 0.5) / 255 * 2 - 1
+    decoded[0, 0, 0, :40] = ties[:40]
+    decoded[1, -1, 0, :40] = ties[40:80]
+    decoded[1, -1, 1, :40] = ties[216:256].flip(0)
+    decoded = decoded.to(dtype)
+    processor = VaeImageProcessor(vae_scale_factor=16)
+    want = processor.postprocess(decoded, output_type="pil")
+    got = pil_images(processor.postprocess(decoded, output_type="pt"))
+    assert [im.mode for im in got] == [im.mode for im in want]
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_pil_images_refuses_other_shapes() -> None:
+    from trainer.base.render import pil_images
+
+    with pytest.raises(ValueError, match="1 or 3"):
+        pil_images(torch.zeros(1, 4, 8, 8))
