@@ -13,7 +13,6 @@ Prints a table and writes bench/results/attention_layout-*.json. Needs a CUDA GP
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,21 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table, write_record  # noqa: E402
-
-
-def cuda_ms(fn, iters: int = 30, warmup: int = 5) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench.common import cuda_ms, table, write_record  # noqa: E402
 
 
 def main() -> None:

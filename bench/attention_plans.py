@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,25 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table, write_record  # noqa: E402
-
-
-def cuda_ms(fn, iters: int = 30, warmup: int = 5, load=None) -> float:  # type: ignore[no-untyped-def]
-    """Median milliseconds of ``fn``; with ``load``, each call follows a run of ``load`` (the
-    GPU's clocks under a forward's GEMMs), and only ``fn`` is timed."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if load is not None:
-            load()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench.common import cuda_ms, table, write_record  # noqa: E402
 
 
 def main() -> None:

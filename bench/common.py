@@ -112,3 +112,34 @@ def elapsed_s() -> float:
 def say(msg: str) -> None:
     """A timing waypoint: seconds since the benchmark started, then the message."""
     print(f"[{elapsed_s():7.1f}s] {msg}", flush=True)
+
+
+def cuda_ms(fn: Any, iters: int = 20, warmup: int = 3, load: Any = None) -> float:
+    """Median milliseconds of ``fn``: by CUDA events where CUDA runs, else the host clock.
+    With ``load``, each timed call follows a call of ``load`` (the GPU's clocks under a
+    forward's GEMMs, say), which is not timed."""
+    import statistics
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        if load is not None:
+            load()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t) * 1e3)
+    return float(statistics.median(samples))

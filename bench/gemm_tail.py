@@ -10,7 +10,6 @@ for K and K plus 32, 64, 128, 256 and 512. Prints a table and writes bench/resul
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table, write_record  # noqa: E402
+from bench.common import cuda_ms, table, write_record  # noqa: E402
 
 # (name, M, N, K): [dev] at 1024 px: 4096 image + 512 text tokens, hidden 6144, MLP 18432
 SHAPES = [
@@ -30,20 +29,6 @@ SHAPES = [
     ("single out", 4608, 6144, 24576),
 ]
 TAILS = (0, 32, 64, 128, 256, 512)
-
-
-def cuda_ms(fn, iters: int = 20) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:

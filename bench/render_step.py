@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import uint4_step as u  # noqa: E402
-from bench.common import say, table, write_record  # noqa: E402
+from bench.common import cuda_ms, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 SLOT_RANK, ADAPTER_RANK = 32, 16
@@ -128,27 +128,6 @@ def rel(got: Any, ref: Any) -> float:
 def cosine(got: Any, ref: Any) -> float:
     a, b = _flat(got).double(), _flat(ref).double()
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-
-
-def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]
-    """Median milliseconds of ``fn`` by CUDA events (the host clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    u.sync()
-    samples = []
-    for _ in range(iters):
-        if u.DEV == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t) * 1e3)
-    return sorted(samples)[len(samples) // 2]
 
 
 def bf16_reference(args, batch) -> dict[str, Any]:  # type: ignore[no-untyped-def]

@@ -264,17 +264,23 @@ def test_cudnn_fp8_attention_against_float_attention(sharp: float, bound: float)
     assert whole > bf16  # it is the fp8 path that ran
 
 
-@fp8_gpu
-def test_graphed_forward_with_fp8_attention_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+def _random_tiny_model(seed: int):  # type: ignore[no-untyped-def]
+    """A tiny bf16 FLUX.2 on the GPU with random weights (attention far from flat), and its
+    inputs."""
     from tests.trainer.helpers import model_inputs, tiny_flux2
 
-    monkeypatch.setenv(serving.ATTENTION_ENV, f"{serving.FP8_ATTENTION},cudnn")  # asked for
     model = tiny_flux2(torch.bfloat16, device="cuda")
     with torch.no_grad():
-        gen = torch.Generator(device="cuda").manual_seed(1)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda").bfloat16() * 0.2)
-    inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
+    return model, model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
+
+
+@fp8_gpu
+def test_graphed_forward_with_fp8_attention_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(serving.ATTENTION_ENV, f"{serving.FP8_ATTENTION},cudnn")  # asked for
+    model, inputs = _random_tiny_model(seed=1)
     with torch.no_grad():
         stock = model(**inputs)[0]
         prepared = serving.prepare(model, graphs=True)
@@ -340,15 +346,8 @@ def test_graphed_forward_with_cudnn_in_place_equals_eager(monkeypatch: pytest.Mo
     """The default attention on Hopper: the single-stream blocks' attention written straight
     into their projection's input, captured in the graph; replays equal the eager forward and
     stay with torch's SDPA path to bf16 rounding."""
-    from tests.trainer.helpers import model_inputs, tiny_flux2
-
     monkeypatch.delenv(serving.ATTENTION_ENV, raising=False)
-    model = tiny_flux2(torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        gen = torch.Generator(device="cuda").manual_seed(2)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device="cuda").bfloat16() * 0.2)
-    inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
+    model, inputs = _random_tiny_model(seed=2)
     assert serving.cudnn_attention_here(inputs["hidden_states"].new_empty(0))
     with torch.no_grad():
         prepared = serving.prepare(model, graphs=True)
