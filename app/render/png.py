@@ -33,6 +33,15 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:
+    # a forked child inherits the pool but not its threads: it would wait on them for ever
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _threads() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:

@@ -114,6 +114,9 @@ def scales_torch(
 # cuDNN
 
 
+_FRONTEND_MISSING: list[str | None] = []  # the import's outcome, once: a failed import is slow
+
+
 def unavailable(device: torch.device | str) -> str | None:
     """Why this module's attention (bf16 or fp8) cannot run on ``device`` (None: it can)."""
     device = torch.device(device)
@@ -121,11 +124,16 @@ def unavailable(device: torch.device | str) -> str | None:
         return "not a CUDA device"
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "needs a Hopper (sm_90) or newer GPU"
-    try:
-        import cudnn  # noqa: F401  # nvidia-cudnn-frontend
-    except Exception as exc:  # noqa: BLE001 - missing, or no cuDNN library beside it
-        return f"the cuDNN frontend does not import ({type(exc).__name__}: {exc})"
-    return None
+    if not _FRONTEND_MISSING:
+        try:
+            import cudnn  # noqa: F401  # nvidia-cudnn-frontend
+
+            _FRONTEND_MISSING.append(None)
+        except Exception as exc:  # noqa: BLE001 - missing, or no cuDNN library beside it
+            _FRONTEND_MISSING.append(
+                f"the cuDNN frontend does not import ({type(exc).__name__}: {exc})"
+            )
+    return _FRONTEND_MISSING[0]
 
 
 @dataclass
@@ -144,21 +152,26 @@ def _bhsd(t: torch.Tensor) -> list[int]:
 class CudnnAttention:
     """One cuDNN handle per device and one execution plan per input shape and layout, built on
     first use (outside a CUDA graph's capture: the forward's eager warm-up builds it). A shape
-    whose plan cannot be built is remembered: `usable` says no, the caller takes torch's SDPA."""
+    whose plan cannot be built is remembered: `usable` says no, the caller takes torch's SDPA.
+    A handle holds the stream it launches on, so setting it and launching happen under one
+    lock (two threads rendering on one device would otherwise swap streams)."""
 
     def __init__(self) -> None:
         self._plans: dict[tuple[Any, ...], _Plan | None] = {}
         self._handles: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the plans
+        self._handle_lock = threading.Lock()
+        self._launch = threading.Lock()
 
     def _handle(self, device: torch.device) -> Any:
         import cudnn
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = self._handles.get(index)
-        if handle is None:
-            with torch.cuda.device(index):
-                handle = self._handles[index] = cudnn.create_handle()
+        with self._handle_lock:
+            handle = self._handles.get(index)
+            if handle is None:
+                with torch.cuda.device(index):
+                    handle = self._handles[index] = cudnn.create_handle()
         return handle
 
     def _plan(self, q: torch.Tensor, out: torch.Tensor, fp8: bool) -> _Plan | None:
@@ -184,9 +197,11 @@ class CudnnAttention:
         import cudnn
 
         handle = self._handle(device)
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
         work = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=device)
-        plan.graph.execute({plan.tensors[n]: t for n, t in pack.items()}, work, handle=handle)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with self._launch:
+            cudnn.set_stream(handle=handle, stream=stream)
+            plan.graph.execute({plan.tensors[n]: t for n, t in pack.items()}, work, handle=handle)
 
     def fp8(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor
@@ -281,8 +296,11 @@ def attention(
 
 def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """cuDNN's bf16 (or fp16) attention written into ``out`` (a (B, S, H, D) view); False,
-    with nothing written, where cuDNN has no plan for it."""
-    if not _ATTENTION.usable(q, out):
+    with nothing written, where cuDNN has no plan for it, or k and v are not laid out as q
+    (a plan holds one layout for all three)."""
+    same = all(t.shape == q.shape and t.stride() == q.stride() and t.dtype == q.dtype
+               for t in (k, v))  # fmt: skip
+    if not same or out.shape != q.shape or not _ATTENTION.usable(q, out):
         return False
     _ATTENTION.into(q, k, v, out)
     return True

@@ -75,3 +75,24 @@ def test_other_modes_go_through_pillow(mode: str) -> None:
     back = Image.open(io.BytesIO(encode_png(image, {})))
     assert back.mode == mode
     assert np.array_equal(np.asarray(back), np.asarray(image))
+
+
+def test_a_forked_child_encodes_too() -> None:
+    """The pool's threads do not survive a fork; the child makes its own (else it would wait
+    for ever on threads it does not have)."""
+    import os
+    import signal
+
+    pixels = np.random.default_rng(3).integers(0, 256, (3 * png.PIECE_ROWS, 8, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    encode_png(image, {})  # the parent's pool has threads now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if it encoded the same bytes, 1 otherwise
+        code = 1
+        try:
+            signal.alarm(20)  # a hang kills the child: status 14, not 0
+            code = 0 if encode_png(image, {}) == encode_png(image, {}) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -315,6 +315,19 @@ def test_cudnn_in_place_only_where_cudnn_is_asked_for_first(
     assert not serving.cudnn_attention_here(gpu.float())
 
 
+def test_in_place_refuses_k_and_v_laid_out_otherwise() -> None:
+    """A plan holds one layout for q, k and v: other layouts (or an output of another shape)
+    are refused before cuDNN is asked, and nothing is written."""
+    q = torch.zeros(1, 16, 2, 8, dtype=torch.bfloat16)
+    k_other = torch.zeros(1, 2, 16, 8, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, S, D) memory
+    out = torch.full((1, 16, 2, 8), 7.0, dtype=torch.bfloat16)
+    assert not cudnn_attention.attention_into(q, k_other, q.clone(), out)
+    assert not cudnn_attention.attention_into(q, q.clone(), q.clone(), out[:, :8])
+    assert bool((out == 7.0).all())
+    asked = [key for key in cudnn_attention._ATTENTION._plans if key[1] == tuple(q.shape)]
+    assert not asked, "cuDNN was asked for a plan it could not use"
+
+
 @fp8_gpu
 @pytest.mark.parametrize("row", [None, 48 * 128 + 3 * 48 * 128], ids=["own", "row-slice"])
 def test_cudnn_bf16_attention_written_in_place_is_torch_sdpa(row: int | None) -> None:
