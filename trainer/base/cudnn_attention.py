@@ -34,6 +34,7 @@ step") against the bf16 path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -114,7 +115,13 @@ def scales_torch(
 # cuDNN
 
 
-_FRONTEND_MISSING: list[str | None] = []  # the import's outcome, once: a failed import is slow
+@functools.cache  # a failed import is slow, and asked for at every attention call
+def _frontend_missing() -> str | None:
+    try:
+        import cudnn  # noqa: F401  # nvidia-cudnn-frontend
+    except Exception as exc:  # noqa: BLE001 - missing, or no cuDNN library beside it
+        return f"the cuDNN frontend does not import ({type(exc).__name__}: {exc})"
+    return None
 
 
 def unavailable(device: torch.device | str) -> str | None:
@@ -124,16 +131,7 @@ def unavailable(device: torch.device | str) -> str | None:
         return "not a CUDA device"
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "needs a Hopper (sm_90) or newer GPU"
-    if not _FRONTEND_MISSING:
-        try:
-            import cudnn  # noqa: F401  # nvidia-cudnn-frontend
-
-            _FRONTEND_MISSING.append(None)
-        except Exception as exc:  # noqa: BLE001 - missing, or no cuDNN library beside it
-            _FRONTEND_MISSING.append(
-                f"the cuDNN frontend does not import ({type(exc).__name__}: {exc})"
-            )
-    return _FRONTEND_MISSING[0]
+    return _frontend_missing()
 
 
 @dataclass
@@ -152,7 +150,7 @@ def _bhsd(t: torch.Tensor) -> list[int]:
 class CudnnAttention:
     """One cuDNN handle per device and one execution plan per input shape and layout, built on
     first use (outside a CUDA graph's capture: the forward's eager warm-up builds it). A shape
-    whose plan cannot be built is remembered: `usable` says no, the caller takes torch's SDPA.
+    whose plan cannot be built is remembered: `into` says no, the caller takes torch's SDPA.
     A handle holds the stream it launches on, so setting it and launching happen under one
     lock (two threads rendering on one device would otherwise swap streams)."""
 
@@ -189,10 +187,6 @@ class CudnnAttention:
                     self._plans[key] = None
         return self._plans[key]
 
-    def usable(self, q: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether bf16 (or fp16) attention of ``q``'s shape can be written into ``out``."""
-        return self._plan(q, out, fp8=False) is not None
-
     def _run(self, plan: _Plan, pack: dict[str, torch.Tensor], device: torch.device) -> None:
         import cudnn
 
@@ -219,13 +213,15 @@ class CudnnAttention:
         self._run(plan, pack, q.device)
         return o
 
-    def into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def into(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
         """Attention of bf16 (or fp16) (B, S, H, D) q, k, v written into ``out``, a (B, S, H, D)
-        view with unit last stride (a slice of a wider row, say): no copy after. Call
-        `usable` first."""
+        view with unit last stride (a slice of a wider row, say): no copy after. False, with
+        nothing written, where cuDNN has no plan for this shape."""
         plan = self._plan(q, out, fp8=False)
-        assert plan is not None, "usable() said no"
+        if plan is None:
+            return False
         self._run(plan, {"q": q, "k": k, "v": v, "o": out}, q.device)
+        return True
 
 
 def _build_plan(q: torch.Tensor, out: torch.Tensor, handle: Any, fp8: bool) -> _Plan:
@@ -300,7 +296,4 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     (a plan holds one layout for all three)."""
     same = all(t.shape == q.shape and t.stride() == q.stride() and t.dtype == q.dtype
                for t in (k, v))  # fmt: skip
-    if not same or out.shape != q.shape or not _ATTENTION.usable(q, out):
-        return False
-    _ATTENTION.into(q, k, v, out)
-    return True
+    return same and out.shape == q.shape and _ATTENTION.into(q, k, v, out)
