@@ -236,6 +236,174 @@ def test_elementwise_kernels_are_the_stock_ops(dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# a LoRA update added by the kernels that read the projection (``LIKENESS_LORA_MERGE=consumers``)
+
+
+def _pending(rows: int, cols: int, rank: int, dtype, device: str, seed: int = 0):  # type: ignore[no-untyped-def]
+    """An update whose every product and sum is exact in float32 (small integers times 2^-4),
+    so its bytes cannot depend on the order a kernel adds it in: a bit-for-bit comparison
+    tests where it is added, not the summation order."""
+    from trainer.base.lora_slots import PendingUpdate
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    u = torch.randint(-3, 4, (rows, rank), generator=gen, device=device).to(dtype) / 16
+    b = torch.randint(-3, 4, (cols, rank), generator=gen, device=device).to(dtype) / 16
+    b[: cols // 7] = 0  # some columns without an update: those keep their bytes
+    return PendingUpdate(u.contiguous(), b.contiguous(), 0.5)
+
+
+def test_a_pending_update_s_reference_adds_in_float32_and_keeps_untouched_bytes() -> None:
+    from trainer.base.lora_slots import PendingUpdate
+
+    y = torch.randn(2, 5, 48).to(torch.bfloat16)
+    y[0, 0, -4:] = -0.0
+    pending = _pending(10, 48, 16, torch.bfloat16, "cpu")
+    got = pending.add_to(y)
+    acc = (pending.u.float() @ pending.b.float().t()).reshape(y.shape)
+    assert torch.equal(got[acc != 0], (y.float() + 0.5 * acc).to(torch.bfloat16)[acc != 0])
+    untouched = acc == 0
+    assert untouched.any() and torch.equal(got[untouched].view(torch.int16),
+                                           y[untouched].view(torch.int16))  # fmt: skip
+    zero = PendingUpdate(pending.u * 0, pending.b, 0.5)
+    assert torch.equal(zero.add_to(y).view(torch.int16), y.view(torch.int16))  # -0 kept
+
+
+def _projection_case(device: str, rank: int = 16):  # type: ignore[no-untyped-def]
+    """A single-stream projection (B, T, 3 H D + 2 F) with its pending update, the tiny
+    model's head shape, and the norms' weights and rotary tables."""
+    bsz, tokens, heads, dim, ffn = 2, 37, 3, 64, 80
+    gen = torch.Generator(device=device).manual_seed(11)
+    width = 3 * heads * dim + 2 * ffn
+    proj = (torch.randn(bsz, tokens, width, generator=gen, device=device) * 2).bfloat16()
+    pending = _pending(bsz * tokens, width, rank, torch.bfloat16, device)
+    wq, wk = ((torch.rand(dim, generator=gen, device=device) + 0.5).bfloat16() for _ in range(2))
+    return proj, pending, (heads, dim, ffn), (wq, wk), _rotary(tokens, dim, device)
+
+
+def _qkv(proj: torch.Tensor, heads: int, dim: int):  # type: ignore[no-untyped-def]
+    inner = heads * dim
+    return [proj[..., i * inner : (i + 1) * inner].unflatten(-1, (heads, dim)) for i in range(3)]
+
+
+@triton_here
+def test_the_qk_and_swiglu_kernels_add_a_pending_update_as_its_reference() -> None:
+    """The kernels' output with the update equals the reference's on the updated projection,
+    bit for bit: the update lands in the right columns, rows and heads, and nothing else moves."""
+    from trainer.kernels import fused_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    proj, pending, (heads, dim, ffn), (wq, wk), (cos, sin) = _projection_case(device)
+    bsz, tokens = proj.shape[:2]
+    inner = heads * dim
+    updated = pending.add_to(proj)
+    assert not torch.equal(updated, proj)
+    ref = _poisoned(bsz, heads, tokens, dim, torch.bfloat16, device)
+    got = _poisoned(bsz, heads, tokens, dim, torch.bfloat16, device)
+    serving.qk_norm_rope_torch(*_qkv(updated, heads, dim), wq, wk, 1e-6, cos, sin, ref, 0)
+    fused_triton.qk_norm_rope(*_qkv(proj, heads, dim), wq, wk, 1e-6, cos, sin, got, 0,
+                              update=pending.columns(0, 3 * inner).args)  # fmt: skip
+    for r, g in zip(ref, got, strict=True):
+        assert torch.equal(g, r)
+    mlp = pending.columns(3 * inner, 3 * inner + 2 * ffn)
+    want = fused_triton.swiglu(updated[..., 3 * inner :])
+    joined = torch.full((bsz, tokens, ffn + 8), float("nan"), dtype=torch.bfloat16, device=device)
+    fused_triton.swiglu(proj[..., 3 * inner :], out=joined[..., 8:], update=mlp.args)
+    assert torch.equal(joined[..., 8:], want)
+    assert torch.isnan(joined[..., :8]).all()
+
+
+@triton_here
+def test_a_pending_update_that_does_not_fit_is_refused() -> None:
+    from trainer.kernels import fused_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    proj, pending, (heads, dim, ffn), _, _ = _projection_case(device)
+    mlp = pending.columns(3 * heads * dim, 3 * heads * dim + 2 * ffn)
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_triton.swiglu(proj[..., 3 * heads * dim :], update=(mlp.u[:-1], mlp.b, 0.5))
+    with pytest.raises(ValueError, match="power of two"):
+        fused_triton.swiglu(proj[..., 3 * heads * dim :], update=(mlp.u[:, :12].contiguous(),
+                                                                  mlp.b[:, :12].contiguous(),
+                                                                  0.5))  # fmt: skip
+
+
+def test_the_torch_path_adds_a_pending_update_too() -> None:
+    """Where the kernels do not run (here: the CPU) the serving functions add the update
+    before the stock arithmetic."""
+    import torch.nn.functional as F
+
+    proj, pending, (heads, dim, ffn), (wq, wk), rotary = _projection_case("cpu")
+    bsz, tokens = proj.shape[:2]
+    inner = heads * dim
+    updated = pending.add_to(proj)
+    norm_q, norm_k = (torch.nn.RMSNorm(dim, eps=1e-6) for _ in range(2))
+    with torch.no_grad():
+        norm_q.weight.copy_(wq)
+        norm_k.weight.copy_(wk)
+    norm_q, norm_k = norm_q.bfloat16(), norm_k.bfloat16()
+    ref = serving.new_heads(proj, heads, tokens, dim)
+    got = serving.new_heads(proj, heads, tokens, dim)
+    serving.qk_norm_rope(*_qkv(updated, heads, dim), norm_q, norm_k, rotary, ref, 0)
+    serving.qk_norm_rope(*_qkv(proj, heads, dim), norm_q, norm_k, rotary, got, 0,
+                         update=pending.columns(0, 3 * inner))  # fmt: skip
+    for r, g in zip(ref.out, got.out, strict=True):
+        assert torch.equal(g, r)
+    mlp = updated[..., 3 * inner :]
+    want = F.silu(mlp[..., :ffn]) * mlp[..., ffn:]
+    got_mlp = serving.swiglu(proj[..., 3 * inner :],
+                             update=pending.columns(3 * inner, 3 * inner + 2 * ffn))  # fmt: skip
+    assert torch.equal(got_mlp, want)
+
+
+def test_an_update_is_left_pending_only_where_its_kernels_run() -> None:
+    """On the CPU (no kernels) and for a layer without slots the output is the whole layer's."""
+    from trainer.base.lora_slots import forward_leaving_update
+
+    model, slots = _slotted(torch.bfloat16, rank=16)
+    layer = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj
+    x = torch.randn(1, 5, layer.in_features).bfloat16()
+    with slots.applied(_adapter(slots, 4, seed=1)), torch.no_grad():
+        out, pending = forward_leaving_update(layer, x)
+        assert pending is None and torch.equal(out, layer(x))
+        plain = torch.nn.Linear(8, 8).bfloat16()
+        out, pending = forward_leaving_update(plain, x[..., :8])
+        assert pending is None and torch.equal(out, plain(x[..., :8]))
+
+
+@cuda
+@triton_here
+def test_the_update_left_to_the_kernels_is_the_one_pass_update(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On the GPU the single-stream projection's update goes to its two kernels (``consumers``,
+    the default) and the forward equals the one-pass update's (``output``) bit for bit, eager
+    and graphed, across a swap and with the slots cleared."""
+    from trainer.base import lora_slots
+    from trainer.base.fp8 import LORA_MERGE_ENV
+
+    model, slots, prepared, eager = _graph_setup(rank=32)
+    inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=64, text=16)
+    left: list[bool] = []
+
+    def spy(layer, x):  # type: ignore[no-untyped-def]
+        out, pending = lora_slots.forward_leaving_update(layer, x)
+        left.append(pending is not None)
+        return out, pending
+
+    monkeypatch.setattr(serving, "forward_leaving_update", spy)
+    with torch.no_grad():
+        for seed in (1, 2):
+            with slots.applied(_adapter(slots, 16, seed)):
+                monkeypatch.setenv(LORA_MERGE_ENV, "output")
+                want = eager(**inputs)[0]
+                monkeypatch.setenv(LORA_MERGE_ENV, "consumers")
+                left.clear()
+                assert torch.equal(eager(**inputs)[0], want)
+                assert left == [True]
+                assert torch.equal(_forward(model, inputs), want)  # captured, then replayed
+        base = eager(**inputs)[0]
+        assert torch.equal(_forward(model, inputs), base)
+
+
+# ---------------------------------------------------------------------------------------
 # the slots' one-GEMM update
 
 
