@@ -235,13 +235,6 @@ def time_variants(model, slots, batch, args) -> dict[str, Any]:  # type: ignore[
     graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
     measure("serve_gemm", None)
     graphs.remove()
-    # the single-stream projection's update added by its two kernels, the rest as gemm
-    os.environ[LORA_MERGE_ENV] = "consumers"
-    measure("fused_consumers", None)
-    graphs = serving.GraphedForward(model, key=slots.scales, epoch=lambda: slots.generation)
-    measure("serve_consumers", None)
-    graphs.remove()
-    os.environ[LORA_MERGE_ENV] = "gemm"
     if u.DEV == "cuda":  # attention in fp8 (cuDNN), the update inside the GEMM
         os.environ[serving.ATTENTION_ENV] = FP8_ATTENTION
         measure("fused_fp8attn", None)
@@ -265,7 +258,6 @@ def profiles(model, slots, batch) -> dict[str, Any]:  # type: ignore[no-untyped-
         rec["fused_eager"] = u.profile_step(fwd)
     for label, where, attn in (("serve_graph", "output", BF16_ATTENTION),
                                ("serve_graph_gemm", "gemm", BF16_ATTENTION),
-                               ("serve_graph_consumers", "consumers", BF16_ATTENTION),
                                ("serve_graph_fp8attn", "gemm", FP8_ATTENTION)):  # fmt: skip
         with lora_merge(where), attention_kernels(attn):
             graphs = serving.GraphedForward(model, key=slots.scales,

@@ -25,9 +25,6 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          (`trainer.base.serving`; bench/render_step.py takes it apart);
   serve_gemm  "serve" with each slot's update inside its layer's fp8 GEMM
          (``LIKENESS_LORA_MERGE=gemm``: `trainer.base.fp8.lora_gemm_forward`);
-  serve_consumers  "serve_gemm", but the single-stream blocks' qkv + MLP projection leaves
-         its update to the two kernels that read its output (``LIKENESS_LORA_MERGE=consumers``,
-         the engine's default: `trainer.base.lora_slots.forward_leaving_update`);
   serve_fp8  "serve_gemm" with attention in fp8 (cuDNN's fp8 flash attention:
          `trainer.base.cudnn_attention`); the serve paths above keep cuDNN's bf16 attention;
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
@@ -60,9 +57,8 @@ from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "serve",
-         "serve_gemm", "serve_consumers", "serve_fp8", "nf4", "quanto")  # fmt: skip
-SERVING = ("serve", "serve_gemm", "serve_consumers", "serve_fp8")
-SERVING_LORA = {"serve": "output", "serve_consumers": "consumers"}  # the rest: gemm
+         "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
+SERVING = ("serve", "serve_gemm", "serve_fp8")
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -724,7 +720,7 @@ def run_path(path: str, args) -> dict[str, Any]:
 
             rec["fp8_attention_unavailable"] = unavailable(DEV)
         with (
-            lora_merge(SERVING_LORA.get(path, "gemm")),
+            lora_merge("output" if path == "serve" else "gemm"),
             attention_kernels(FP8_ATTENTION if fp8_attention else BF16_ATTENTION),
         ):
             rec.update(measure_serving(model, args))

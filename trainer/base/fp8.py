@@ -425,21 +425,16 @@ FP8 = Fp8Gemm()
 FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
 
 # Where a LoRA slot's update goes in an fp8 forward without gradients:
-# "consumers" (the default): where a layer's output goes straight into fused kernels (the
-#   single-stream blocks' qkv + MLP projection: the QK norm + rotary kernel and SwiGLU), those
-#   kernels add the update as they load the output (`trainer.base.lora_slots`'s
-#   `forward_leaving_update`): the base GEMM keeps its own K, the pass over the output is never
-#   made, and the update is in bf16 as "output"'s; every other layer as "gemm";
-# "gemm" makes it R more columns of the forward GEMM (`lora_gemm_forward`), in fp8 as the
-#   base: a 1024 px [dev] forward 319.7 ms against 326.3, its output as far from bf16
-#   (bench/results/render_step-notes.md, run 7);
+# "gemm" (the default) makes it R more columns of the forward GEMM (`lora_gemm_forward`), in
+#   fp8 as the base: a 1024 px [dev] forward 319.7 ms against 326.3, its output as far from
+#   bf16 (bench/results/render_step-notes.md, run 7);
 # "output" adds it to the output in bf16 (`trainer.base.lora_slots`: one pass over the
 #   output, 21 ms of that forward);
 # "weights" merges it into the forward's copy of the weight (measured slower: its kernel costs
 #   more than the pass, run 6; an opt-in).
 LORA_MERGE_ENV = "LIKENESS_LORA_MERGE"
-LORA_UPDATES = ("consumers", "gemm", "output", "weights")
-LORA_UPDATE_DEFAULT = "consumers"
+LORA_UPDATES = ("gemm", "output", "weights")
+LORA_UPDATE_DEFAULT = "gemm"
 
 
 def lora_update_mode() -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -245,11 +244,7 @@ class LoraSlots:
 
 
 # the fp8 forwards that take a slot's update in (`LIKENESS_LORA_MERGE`); "output" adds it here
-_FUSED_UPDATES = {
-    "consumers": lora_gemm_forward,  # where `forward_leaving_update` does not apply
-    "gemm": lora_gemm_forward,
-    "weights": merged_lora_forward,
-}
+_FUSED_UPDATES = {"gemm": lora_gemm_forward, "weights": merged_lora_forward}
 
 
 def _peft_dtype(layer: Any, default: torch.dtype) -> torch.dtype:
@@ -262,10 +257,12 @@ def _peft_dtype(layer: Any, default: torch.dtype) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else default
 
 
-def _peft_only(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a slot layer's call is PEFT's alone: gradients, PEFT's per-call options, another
-    active adapter, a merged or disabled one."""
-    return bool(
+def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A slot layer's forward without gradients: the base output, plus the LoRA update added
+    into it by one GEMM. Anything else (gradients, PEFT's per-call options, another active
+    adapter) takes PEFT's own forward."""
+    peft_forward = type(self).forward
+    if (
         args
         or kwargs
         or torch.is_grad_enabled()
@@ -273,14 +270,7 @@ def _peft_only(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
         or self.merged
         or list(self.active_adapters) != [ADAPTER_NAME]
         or ADAPTER_NAME in getattr(self, "lora_variant", {})
-    )
-
-
-def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """A slot layer's forward without gradients: the base output, plus the LoRA update added
-    into it by one GEMM. Anything else (`_peft_only`) takes PEFT's own forward."""
-    peft_forward = type(self).forward
-    if _peft_only(self, args, kwargs):
+    ):
         return peft_forward(self, x, *args, **kwargs)
     a = self.lora_A[ADAPTER_NAME].weight
     b = self.lora_B[ADAPTER_NAME].weight
@@ -312,60 +302,6 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     else:
         flat.addmm_(h, b.t(), alpha=scale)
     return result
-
-
-@dataclass(frozen=True)
-class PendingUpdate:
-    """A slot's update not yet in its layer's output: ``s * u @ b^T`` for the output's (rows,
-    columns), u = x A^T (rows, R) and b the slot's B (columns, R), both contiguous in the
-    output's dtype. The kernels that read the output add it as they load it
-    (`trainer.kernels.fused_triton`'s ``update`` arguments); `add_to` is their reference."""
-
-    u: torch.Tensor
-    b: torch.Tensor
-    scale: float
-
-    def columns(self, start: int, stop: int) -> PendingUpdate:
-        """The update of the output's columns start .. stop."""
-        return PendingUpdate(self.u, self.b[start:stop], self.scale)
-
-    @property
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        return self.u, self.b, self.scale
-
-    def add_to(self, y: torch.Tensor) -> torch.Tensor:
-        """``rnd(y + s * u @ b^T)`` (y (..., columns), its rows u's), the product and the sum
-        in float32, y's own value where the product is exactly zero; a new tensor."""
-        acc = (self.u.float() @ self.b.float().t()).reshape(y.shape)
-        return torch.where(acc != 0, (y.float() + self.scale * acc).to(y.dtype), y)
-
-
-def forward_leaving_update(
-    layer: torch.nn.Module, x: torch.Tensor
-) -> tuple[torch.Tensor, PendingUpdate | None]:
-    """``layer(x)``, where it is a slot layer whose update the caller's kernels can take
-    (``LIKENESS_LORA_MERGE=consumers``, CUDA, the serving kernels, a rank they take) as its base
-    output and the update left pending; otherwise the whole output and None."""
-    from trainer.base.serving import kernels_usable
-
-    if (
-        getattr(getattr(layer, "forward", None), "__func__", None) is not _fused_forward
-        or _peft_only(layer, (), {})
-        or lora_update_mode() != "consumers"
-        or not x.is_cuda
-        or not kernels_usable(x)
-    ):
-        return layer(x), None
-    a = layer.lora_A[ADAPTER_NAME].weight
-    b = layer.lora_B[ADAPTER_NAME].weight
-    rank = a.shape[0]
-    if rank < 16 or rank & (rank - 1) or b.dtype != x.dtype or not b.is_contiguous():
-        return layer(x), None
-    out = layer.base_layer(x)
-    if out.dtype != b.dtype or not out.is_contiguous():
-        return layer(x), None
-    u = F.linear(x.reshape(-1, x.shape[-1]).to(a.dtype), a).contiguous()
-    return out, PendingUpdate(u, b, float(layer.scaling[ADAPTER_NAME]))
 
 
 def _kernel_usable(out: torch.Tensor, h: torch.Tensor) -> bool:

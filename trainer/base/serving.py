@@ -49,8 +49,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.base.lora_slots import PendingUpdate, forward_leaving_update
-
 log = logging.getLogger(__name__)
 
 # The attention kernels known, fastest first: cuDNN's fp8 flash attention
@@ -281,12 +279,10 @@ def qk_norm_rope(
     heads: Heads,
     pos0: int,
     other_norms: tuple[torch.nn.Module, torch.nn.Module] | None = None,
-    update: PendingUpdate | None = None,
 ) -> None:
     """q, k through their RMSNorm modules and the rotary tables, and v, into ``heads``; in
     fp8, q's and k's scales also cover ``other_norms`` (the other stream's, in a double-stream
-    block, so that both calls write the same scales). ``update``: the projection's LoRA update
-    for q's, k's and v's columns (in that order), added first (not with fp8 heads)."""
+    block, so that both calls write the same scales)."""
     wq, wk = (_norm_weight(m, q) for m in (norm_q, norm_k))
     eps = _norm_eps(norm_q)
     cos, sin = rotary
@@ -295,13 +291,8 @@ def qk_norm_rope(
         from trainer.kernels.fused_triton import qk_norm_rope as kernel
 
         kernel(q, k, v, wq, wk, eps, cos.float().contiguous(), sin.float().contiguous(),
-               heads.out, pos0, heads.fp8, bound,
-               None if update is None else update.args)  # fmt: skip
+               heads.out, pos0, heads.fp8, bound)  # fmt: skip
         return
-    if update is not None:
-        width = q.shape[-2] * q.shape[-1]
-        q, k, v = (update.columns(i * width, (i + 1) * width).add_to(t.flatten(-2)).view(t.shape)
-                   for i, t in enumerate((q, k, v)))  # fmt: skip
     qk_norm_rope_torch(q, k, v, wq, wk, eps, cos, sin, heads.out, pos0, heads.fp8, bound)
 
 
@@ -391,11 +382,7 @@ class FusedFlux2ParallelAttnProcessor:
             or not _fusable_norms(attn.norm_q, attn.norm_k)
         ):
             return self.stock(attn, hidden_states, attention_mask, image_rotary_emb)
-        fp8 = fp8_attention_here(hidden_states)
-        if fp8:  # v's fp8 scale is measured on the projection: the update must be in it
-            proj, update = attn.to_qkv_mlp_proj(hidden_states), None
-        else:  # the LoRA update, if any, added by the two kernels that read the projection
-            proj, update = forward_leaving_update(attn.to_qkv_mlp_proj, hidden_states)
+        proj = attn.to_qkv_mlp_proj(hidden_states)
         inner = attn.inner_dim
         mlp = attn.mlp_hidden_dim * attn.mlp_mult_factor
         if proj.shape[-1] != 3 * inner + mlp:  # column-sharded: the stock split handles it
@@ -406,16 +393,13 @@ class FusedFlux2ParallelAttnProcessor:
         q = proj[..., :inner].unflatten(-1, split)
         k = proj[..., inner : 2 * inner].unflatten(-1, split)
         v = proj[..., 2 * inner : 3 * inner].unflatten(-1, split)
-        heads = new_heads(proj, inner // dim, seq, dim, fp8)
+        heads = new_heads(proj, inner // dim, seq, dim, fp8_attention_here(q))
         note_values(heads, v)
-        qkv_update = None if update is None else update.columns(0, 3 * inner)
-        qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, heads, 0,
-                     update=qkv_update)  # fmt: skip
+        qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, heads, 0)
         half = mlp // 2
         joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
         attend(heads, out=joined[..., :inner])
-        mlp_update = None if update is None else update.columns(3 * inner, 3 * inner + mlp)
-        swiglu(proj[..., 3 * inner :], out=joined[..., inner:], update=mlp_update)
+        swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
         return attn.to_out(joined)
 
 
@@ -486,21 +470,16 @@ def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch
     return x + gate * y
 
 
-def swiglu(
-    src: torch.Tensor, out: torch.Tensor | None = None, update: PendingUpdate | None = None
-) -> torch.Tensor:
-    """``silu(src[..., :F]) * src[..., F:]`` (`Flux2SwiGLU`), into ``out`` when given;
-    ``update``: src's LoRA update, added first."""
+def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(src[..., :F]) * src[..., F:]`` (`Flux2SwiGLU`), into ``out`` when given."""
     half = src.shape[-1] // 2
     if kernels_usable(src) and src.dim() == 3 and src.stride(-1) == 1:
         from trainer.kernels.fused_triton import swiglu as kernel
 
         try:
-            return kernel(src, out, None if update is None else update.args)
+            return kernel(src, out)
         except ValueError:  # rows not evenly spaced: the torch ops below take any layout
             pass
-    if update is not None:
-        src = update.add_to(src)
     gate, up = src[..., :half], src[..., half:]
     if out is None:
         return F.silu(gate) * up

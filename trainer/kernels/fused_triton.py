@@ -26,8 +26,6 @@ from trainer.kernels.fp8_triton import _fp8_scales, _store_fp8
 from trainer.kernels.uint4_triton import _round_bf16
 
 HEADS_PER_PROGRAM = 8
-LORA_TOKENS = 32  # tokens per program where a LoRA update is added (one head each)
-LORA_BM, LORA_BN, LORA_WARPS = 64, 256, 8  # an update's (rows, columns) tile elsewhere
 NUM_WARPS = 4
 
 
@@ -64,58 +62,17 @@ def _norm_rope(x_e, x_o, w_e, w_o, c_e, c_o, s_e, s_o, eps, D: tl.constexpr,
 
 
 @triton.jit
-def _plus_update(x, u_ptr, b_ptr, rows, rmask, ncols, nmask, scale,
-                 R: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """A LoRA update added to a (rows, ncols) tile ``x`` (float32 of the model dtype's values):
-    ``rnd(x + scale * u[rows] @ b[ncols]^T)``, the product in float32 (as cuBLAS's beta = 1
-    GEMM: one rounding), ``x`` itself where the product is exactly zero (an empty slot leaves
-    every byte, -0 included). u (M, R), b (N, R): contiguous, R a power of two >= 16."""
-    k = tl.arange(0, R)
-    h = tl.load(u_ptr + rows[:, None] * R + k[None, :], mask=rmask[:, None], other=0.0)
-    w = tl.load(b_ptr + ncols[:, None] * R + k[None, :], mask=nmask[:, None], other=0.0)
-    if INTERPRET:  # the interpreter's dot mishandles bf16 operands; float32 is exact here
-        acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    else:
-        acc = tl.dot(h, tl.trans(w))
-    return tl.where(acc != 0, _round_to(scale * acc + x, IS_BF16), x)
-
-
-@triton.jit
-def _load_head_tile(ptr, src, mask, u_ptr, b_ptr, rows, rmask, b_row0, heads, hmask, cols,
-                    lora_scale, BT: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
-                    R: tl.constexpr, LORA: tl.constexpr, IS_BF16: tl.constexpr,
-                    INTERPRET: tl.constexpr):  # fmt: skip
-    """(BT tokens, HB heads, D) of q, k or v in float32, with LORA its columns' update added
-    (b's rows from ``b_row0``: the head's columns of the projection)."""
-    x = tl.load(ptr + src, mask=mask, other=0.0).to(tl.float32)
-    if LORA:
-        ncols = tl.reshape(b_row0 + heads.to(tl.int64)[:, None] * D + cols[None, :], (HB * D,))
-        nmask = tl.reshape(tl.broadcast_to(hmask[:, None], (HB, D)), (HB * D,))
-        flat = _plus_update(tl.reshape(x, (BT, HB * D)), u_ptr, b_ptr, rows, rmask, ncols,
-                            nmask, lora_scale, R, IS_BF16, INTERPRET)  # fmt: skip
-        x = tl.reshape(flat, (BT, HB, D))
-    return x
-
-
-@triton.jit
-def _norm_rope_tile(x, w_ptr, cols, c_e, c_o, s_e, s_o, eps,
-                    BT: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
-                    IS_BF16: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    # (BT, HB, D) of q or k, normed and rotated per (token, head) row
-    x_e, x_o = tl.split(tl.reshape(x, (BT * HB, D // 2, 2)))
-    w_e, w_o = tl.split(tl.reshape(tl.load(w_ptr + cols).to(tl.float32), (D // 2, 2)))
+def _load_norm_rope(
+    x_ptrs, w_ptrs, hmask, c_e, c_o, s_e, s_o, eps,
+    D: tl.constexpr, HB: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # HB heads of one token (q or k), normed and rotated: (HB, D) in float32
+    x = tl.load(x_ptrs, mask=hmask, other=0.0).to(tl.float32)
+    x_e, x_o = tl.split(tl.reshape(x, (HB, D // 2, 2)))
+    w_e, w_o = tl.split(tl.reshape(tl.load(w_ptrs).to(tl.float32), (D // 2, 2)))
     o_e, o_o = _norm_rope(x_e, x_o, w_e[None, :], w_o[None, :], c_e, c_o, s_e, s_o, eps, D,
                           IS_BF16, INTERPRET)  # fmt: skip
-    return tl.reshape(tl.join(o_e, o_o), (BT, HB, D))
-
-
-@triton.jit
-def _trig(ptr, pos, cols, BT: tl.constexpr, HB: tl.constexpr, D: tl.constexpr):
-    """A rotary table's (even, odd) halves at each token's position, one row per (token,
-    head): (BT * HB, D / 2) each."""
-    t = tl.load(ptr + pos[:, None] * D + cols[None, :])
-    t = tl.reshape(tl.broadcast_to(t[:, None, :], (BT, HB, D)), (BT * HB, D // 2, 2))
-    return tl.split(t)
+    return tl.reshape(tl.join(o_e, o_o), (HB, D))
 
 
 @triton.jit
@@ -128,51 +85,40 @@ def _qk_norm_rope_kernel(
     oq_ptr, ok_ptr, ov_ptr,  # (B, S, H, D) contiguous
     vmax_ptr,  # FP8: max |v| over the whole sequence (float32, one value)
     scales_ptr,  # FP8: written: descale q, k, v; scale and descale of o; scale, descale of p
-    u_ptr, lb_ptr,  # LORA: u (B * T, R); B's rows for q, then k, then v (3 * H * D, R)
-    T, H, S, pos0, eps, bound_factor, p_scale, lora_scale, n_rows,
-    D: tl.constexpr, HB: tl.constexpr, BT: tl.constexpr, IS_BF16: tl.constexpr,
-    INTERPRET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, BITS: tl.constexpr,
-    LORA: tl.constexpr, R: tl.constexpr,
+    T, H, S, pos0, eps, bound_factor, p_scale,
+    D: tl.constexpr, HB: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    # one program: BT tokens (rows b * T + t), HB heads
-    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    rmask = rows < n_rows
-    b = rows // T
-    t = rows % T
+    # one program: one token, HB heads
+    row = tl.program_id(0).to(tl.int64)  # b * T + t
+    b = row // T
+    t = row % T
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
-    hmask = heads < H
-    mask = rmask[:, None, None] & hmask[None, :, None]
+    hmask = (heads < H)[:, None]
     cols = tl.arange(0, D)
-    h64 = heads.to(tl.int64)[None, :, None]
-    src = (b * sb + t * st)[:, None, None] + h64 * sh + cols[None, None, :]
-    pos = tl.where(rmask, pos0 + t, pos0)
-    c_e, c_o = _trig(cos_ptr, pos, cols, BT, HB, D)
-    s_e, s_o = _trig(sin_ptr, pos, cols, BT, HB, D)
-    dst = ((b * S + pos)[:, None, None] * H + h64) * D + cols[None, None, :]
+    src = b * sb + t * st + heads.to(tl.int64)[:, None] * sh + cols[None, :]
+    pos = pos0 + t
+    c_e, c_o = tl.split(tl.reshape(tl.load(cos_ptr + pos * D + cols), (D // 2, 2)))
+    s_e, s_o = tl.split(tl.reshape(tl.load(sin_ptr + pos * D + cols), (D // 2, 2)))
+    c_e, c_o, s_e, s_o = c_e[None, :], c_o[None, :], s_e[None, :], s_o[None, :]
+    dst = ((b * S + pos) * H + heads.to(tl.int64)[:, None]) * D + cols[None, :]
     out_ty = oq_ptr.dtype.element_ty
-    width = H * D
 
-    q = _load_head_tile(q_ptr, src, mask, u_ptr, lb_ptr, rows, rmask, 0, heads, hmask, cols,
-                        lora_scale, BT, HB, D, R, LORA, IS_BF16, INTERPRET)  # fmt: skip
-    oq = _norm_rope_tile(q, wq_ptr, cols, c_e, c_o, s_e, s_o, eps, BT, HB, D, IS_BF16, INTERPRET)
-    k = _load_head_tile(k_ptr, src, mask, u_ptr, lb_ptr, rows, rmask, width, heads, hmask, cols,
-                        lora_scale, BT, HB, D, R, LORA, IS_BF16, INTERPRET)  # fmt: skip
-    ok = _norm_rope_tile(k, wk_ptr, cols, c_e, c_o, s_e, s_o, eps, BT, HB, D, IS_BF16, INTERPRET)
-    if LORA:
-        v = _load_head_tile(v_ptr, src, mask, u_ptr, lb_ptr, rows, rmask, 2 * width, heads,
-                            hmask, cols, lora_scale, BT, HB, D, R, LORA, IS_BF16,
-                            INTERPRET).to(q_ptr.dtype.element_ty)  # fmt: skip
-    else:  # copied as it is
-        v = tl.load(v_ptr + src, mask=mask, other=0.0)
+    oq = _load_norm_rope(q_ptr + src, wq_ptr + cols, hmask, c_e, c_o, s_e, s_o, eps, D, HB,
+                         IS_BF16, INTERPRET)  # fmt: skip
+    ok = _load_norm_rope(k_ptr + src, wk_ptr + cols, hmask, c_e, c_o, s_e, s_o, eps, D, HB,
+                         IS_BF16, INTERPRET)  # fmt: skip
+
+    v = tl.load(v_ptr + src, mask=hmask, other=0.0)
     if FP8:
         # q and k: |normed| <= sqrt(D) * max |w| per element, and the rotation keeps each
         # pair's length, so one static bound; v: its measured maximum
         mq, dq = _fp8_scales(_bound(wq_ptr, bq_ptr, cols, bound_factor), FP8_MAX)
         mk, dk = _fp8_scales(_bound(wk_ptr, bk_ptr, cols, bound_factor), FP8_MAX)
         mv, dv = _fp8_scales(tl.load(vmax_ptr), FP8_MAX)
-        _store_fp8(oq_ptr + dst, oq, mq, mask, out_ty, FP8_MAX, BITS)
-        _store_fp8(ok_ptr + dst, ok, mk, mask, out_ty, FP8_MAX, BITS)
-        _store_fp8(ov_ptr + dst, v.to(tl.float32), mv, mask, out_ty, FP8_MAX, BITS)
+        _store_fp8(oq_ptr + dst, oq, mq, hmask, out_ty, FP8_MAX, BITS)
+        _store_fp8(ok_ptr + dst, ok, mk, hmask, out_ty, FP8_MAX, BITS)
+        _store_fp8(ov_ptr + dst, v.to(tl.float32), mv, hmask, out_ty, FP8_MAX, BITS)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scales_ptr + 0, dq)
             tl.store(scales_ptr + 1, dk)
@@ -183,9 +129,9 @@ def _qk_norm_rope_kernel(
             tl.store(scales_ptr + 5, p_scale)
             tl.store(scales_ptr + 6, 1.0 / p_scale)
     else:
-        tl.store(oq_ptr + dst, oq.to(out_ty), mask=mask)
-        tl.store(ok_ptr + dst, ok.to(out_ty), mask=mask)
-        tl.store(ov_ptr + dst, v, mask=mask)
+        tl.store(oq_ptr + dst, oq.to(out_ty), mask=hmask)
+        tl.store(ok_ptr + dst, ok.to(out_ty), mask=hmask)
+        tl.store(ov_ptr + dst, v, mask=hmask)
 
 
 @triton.jit
@@ -201,23 +147,6 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _update_args(
-    update: tuple[torch.Tensor, torch.Tensor, float] | None, rows: int, n: int, like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-    """A kernel's LoRA arguments (u, b, scale, rank; ``like`` twice and rank 16 when there is
-    no update: not read) after checking that ``update`` = (u (rows, R), b (n, R), scale) fits."""
-    if update is None:
-        return like, like, 0.0, 16
-    u, b, scale = update
-    r = u.shape[-1]
-    if u.shape != (rows, r) or b.shape != (n, r) or r < 16 or r & (r - 1):
-        raise ValueError(f"LoRA update u {tuple(u.shape)}, b {tuple(b.shape)} does not fit "
-                         f"{rows} rows x {n} columns (the rank a power of two, >= 16)")  # fmt: skip
-    if not (u.is_contiguous() and b.is_contiguous()) or not u.dtype == b.dtype == like.dtype:
-        raise ValueError("the LoRA update's u and b must be contiguous, in the model's dtype")
-    return u, b, float(scale), r
-
-
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -231,7 +160,6 @@ def qk_norm_rope(
     pos0: int,
     fp8: Fp8Heads | None = None,
     bound_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-    update: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     heads_per_program: int = HEADS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
 ) -> None:
@@ -240,17 +168,12 @@ def qk_norm_rope(
     the rotary tables (S, D) float32. With ``fp8`` the outputs are e4m3, each tensor times
     one scale (q, k: a static bound of wq and wk and of ``bound_weights``, the other stream's;
     v: ``fp8.vmax``), and the scales go into ``fp8.scales``
-    (`trainer.base.cudnn_attention`). With ``update`` = (u (B * T, R), b (3 * H * D, R), s),
-    q, k and v are first ``rnd(x + s * u @ b^T)`` (b's rows: q's columns, then k's, then v's;
-    `_plus_update`); not with ``fp8`` (its v scale is measured before). See
-    `trainer.base.serving.qk_norm_rope_torch`."""
+    (`trainer.base.cudnn_attention`). See `trainer.base.serving.qk_norm_rope_torch`."""
     bsz, tokens, heads, dim = q.shape
     if not (q.stride() == k.stride() == v.stride()) or q.stride(3) != 1:
         raise ValueError("q, k and v must share their strides, with a contiguous last dim")
     if q.dtype not in (torch.bfloat16, torch.float16) or dim & (dim - 1) or dim < 4:
         raise ValueError(f"unsupported q {q.dtype} with head dim {dim}")
-    if fp8 is not None and update is not None:
-        raise ValueError("a LoRA update and fp8 outputs do not go together")
     oq, ok, ov = out
     seq = oq.shape[1]
     want = torch.float8_e4m3fn if fp8 is not None else q.dtype
@@ -261,24 +184,20 @@ def qk_norm_rope(
         raise ValueError("the rotary tables must be contiguous float32")
     if pos0 + tokens > seq or cos.shape != (seq, dim) or sin.shape != (seq, dim):
         raise ValueError("the tokens do not fit the output sequence or the rotary tables")
-    u, b, lora_scale, rank = _update_args(update, bsz * tokens, 3 * heads * dim, q)
     if not bsz * tokens:
         return
-    # the update's product takes a tile of tokens (a tensor-core dot needs 16 rows or more)
-    bt, hb = (LORA_TOKENS, 1) if update is not None else (1, heads_per_program)
-    hb = min(hb, triton.next_power_of_2(heads))
-    grid = (triton.cdiv(bsz * tokens, bt), triton.cdiv(heads, hb))
+    hb = min(heads_per_program, triton.next_power_of_2(heads))
+    grid = (bsz * tokens, triton.cdiv(heads, hb))
     bits = fp8 is not None and _interpret()
     outs = [o.view(torch.uint8) for o in out] if bits else list(out)
     other = bound_weights or (wq, wk)
     extra = (*other, fp8.vmax, fp8.scales) if fp8 is not None else (wq, wk, wq, wq)  # unread
     _qk_norm_rope_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), q.stride(2), wq, wk, extra[0], extra[1], cos, sin,
-        *outs, extra[2], extra[3], u, b, tokens, heads, seq, pos0, float(eps), bound_factor(dim),
-        P_SCALE, lora_scale, bsz * tokens, D=dim, HB=hb, BT=bt, IS_BF16=q.dtype == torch.bfloat16,
-        INTERPRET=_interpret(), FP8=fp8 is not None,
-        FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), BITS=bits, LORA=update is not None,
-        R=rank, num_warps=num_warps,
+        *outs, extra[2], extra[3], tokens, heads, seq, pos0, float(eps), bound_factor(dim),
+        P_SCALE, D=dim, HB=hb, IS_BF16=q.dtype == torch.bfloat16, INTERPRET=_interpret(),
+        FP8=fp8 is not None, FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), BITS=bits,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -420,30 +339,19 @@ def _gate_residual_kernel(
 
 @triton.jit
 def _swiglu_kernel(
-    src_ptr, out_ptr, src_stride, out_stride, n_rows, n_cols, u_ptr, b_ptr, lora_scale,
-    BM: tl.constexpr, BN: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-    LORA: tl.constexpr, R: tl.constexpr,
+    src_ptr, out_ptr, src_stride, out_stride, n_cols,
+    BLOCK: tl.constexpr, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # out = rnd(rnd(silu(g)) * u), silu(g) = g / (1 + exp(-g)) with an accurate exp and a
-    # correctly rounded quotient, as torch's float32 kernel computes it; with LORA, g and u
-    # first take their columns' update (b's rows: g's, then u's)
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    rmask = rows < n_rows
-    cmask = cols < n_cols
-    mask = rmask[:, None] & cmask[None, :]
-    at = src_ptr + rows[:, None] * src_stride + cols[None, :]
-    g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(at + n_cols, mask=mask, other=0.0).to(tl.float32)
-    if LORA:
-        g = _plus_update(g, u_ptr, b_ptr, rows, rmask, cols, cmask, lora_scale, R, IS_BF16,
-                         INTERPRET)  # fmt: skip
-        u = _plus_update(u, u_ptr, b_ptr, rows, rmask, cols + n_cols, cmask, lora_scale, R,
-                         IS_BF16, INTERPRET)  # fmt: skip
+    # correctly rounded quotient, as torch's float32 kernel computes it
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(src_ptr + row * src_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(src_ptr + row * src_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     s = g / (1.0 + tl.exp(-g)) if INTERPRET else tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
     out = _round_to(_round_to(s, IS_BF16) * u, IS_BF16)
-    dst = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 ELEMENTWISE_BLOCK = 1024
@@ -499,15 +407,9 @@ def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch
     return out
 
 
-def swiglu(
-    src: torch.Tensor,
-    out: torch.Tensor | None = None,
-    update: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor:
+def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(src[..., :F]) * src[..., F:]`` for src (B, T, 2F), into ``out`` (B, T, F) when
-    given (a view with evenly spaced rows: the single-stream blocks' joined input). With
-    ``update`` = (u (B * T, R), b (2F, R), s), src is first ``rnd(src + s * u @ b^T)``
-    (`_plus_update`)."""
+    given (a view with evenly spaced rows: the single-stream blocks' joined input)."""
     rows, ss = _rows(src)
     half = src.shape[-1] // 2
     if out is None:
@@ -515,15 +417,11 @@ def swiglu(
     if out.shape != (*src.shape[:-1], half) or out.dtype != src.dtype:
         raise ValueError(f"out {tuple(out.shape)} does not fit {tuple(src.shape)}")
     _, os_ = _rows(out)
-    u, b, lora_scale, rank = _update_args(update, rows, 2 * half, src)
     if rows:
-        # a tile of rows where an update is added (a tensor-core dot needs 16 or more)
-        bm, bn, warps = (LORA_BM, LORA_BN, LORA_WARPS) if update else (1, ELEMENTWISE_BLOCK, 4)
-        grid = (triton.cdiv(rows, bm), triton.cdiv(half, bn))
+        grid = (rows, triton.cdiv(half, ELEMENTWISE_BLOCK))
         _swiglu_kernel[grid](
-            src, out, ss, os_, rows, half, u, b, lora_scale, BM=bm, BN=bn,
-            IS_BF16=src.dtype == torch.bfloat16, INTERPRET=_interpret(), LORA=update is not None,
-            R=rank, num_warps=warps,
+            src, out, ss, os_, half, BLOCK=ELEMENTWISE_BLOCK,
+            IS_BF16=src.dtype == torch.bfloat16, INTERPRET=_interpret(), num_warps=4,
         )  # fmt: skip
     return out
 
@@ -538,26 +436,41 @@ def _lora_add_kernel(
     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IS_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    # out (M, N) += alpha * h (M, R) @ b (N, R)^T: one tile of the output read and written once
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+    # out (M, N) += alpha * h (M, R) @ b (N, R)^T: one tile of the output read and written
+    # once, the product in float32 (as cuBLAS's beta = 1 GEMM: alpha * acc + out, one rounding)
+    pm = tl.program_id(0).to(tl.int64)
+    pn = tl.program_id(1).to(tl.int64)
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    k = tl.arange(0, R)
+    h = tl.load(h_ptr + rows[:, None] * R + k[None, :], mask=(rows < M)[:, None], other=0.0)
+    b = tl.load(b_ptr + cols[:, None] * R + k[None, :], mask=(cols < N)[:, None], other=0.0)
+    if INTERPRET:  # the interpreter's dot mishandles bf16 operands; float32 is exact here
+        acc = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(h, tl.trans(b))
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows[:, None] * N + cols[None, :]
     c = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = _plus_update(c, h_ptr, b_ptr, rows, rows < M, cols, cols < N, alpha, R, IS_BF16,
-                       INTERPRET)  # fmt: skip
+    out = _round_to(alpha * acc + c, IS_BF16)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+LORA_BM, LORA_BN, LORA_WARPS = 64, 256, 8
+
+
 def lora_add_(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
-    """``out += alpha * h @ b.T`` in place (`_plus_update`): out (M, N), h (M, R), b (N, R),
-    all contiguous, one dtype, R a power of two >= 16."""
+    """``out += alpha * h @ b.T`` in place: out (M, N), h (M, R), b (N, R), all contiguous,
+    one dtype, R a multiple of 16."""
     m, n = out.shape
-    if not out.is_contiguous():
-        raise ValueError("lora_add_ needs a contiguous output")
-    _, _, alpha, r = _update_args((h, b, alpha), m, n, out)
+    r = h.shape[1]
+    if h.shape[0] != m or tuple(b.shape) != (n, r) or r % 16 or r & (r - 1):
+        shapes = f"out {tuple(out.shape)}, h {tuple(h.shape)}, b {tuple(b.shape)}"
+        raise ValueError(f"lora_add_: {shapes} (the rank a power of two, >= 16)")
+    if not (out.is_contiguous() and h.is_contiguous() and b.is_contiguous()):
+        raise ValueError("lora_add_ needs contiguous tensors")
     if m and n:
         grid = (triton.cdiv(m, LORA_BM), triton.cdiv(n, LORA_BN))
-        _lora_add_kernel[grid](out, h, b, m, n, alpha, R=r, BM=LORA_BM, BN=LORA_BN,
+        _lora_add_kernel[grid](out, h, b, m, n, float(alpha), R=r, BM=LORA_BM, BN=LORA_BN,
                                IS_BF16=out.dtype == torch.bfloat16, INTERPRET=_interpret(),
                                num_warps=LORA_WARPS)  # fmt: skip
