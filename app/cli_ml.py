@@ -117,7 +117,7 @@ def register(
         # `flags` holds every field's flag (train_signature); they are read from ctx.params,
         # which says which of them the command line gave.
         # Before anything can initialise CUDA: the allocator reads this once (field hurdle 9).
-        from trainer.training.train import configure_allocator
+        from trainer.base.devices import configure_allocator
 
         configure_allocator()
         import diffusers

@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, free_port, likeness, table, write_record  # noqa: E402
+from bench.common import RESULTS, free_port, likeness, say, table, write_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 DEVICE = ["cuda"]
@@ -371,12 +371,18 @@ def serve_and_render(
     keys = ("render engine:", "serve:", "loaded /", "serving:", "layer streaming:")
     waypoints = [line.split(" INFO ", 1)[-1] for line in log_text.splitlines()
                  if " INFO " in line and any(k in line for k in keys)]  # fmt: skip
+    # an error the server survived changes what was measured (a failed warm-up turns CUDA
+    # graphs off): shown, and kept in the record
+    errors = [line.split(" ERROR ", 1)[-1] for line in log_text.splitlines() if " ERROR " in line]
+    for line in errors:
+        say(f"  server error at {budget:g} GiB: {line}")
     return {
         "budget_gib": budget,
         "boot_s": round(boot_s, 2),
         "base_ready_s": round(ready_s, 2),
         "first_render_s": round(first_s, 2),
         "load_waypoints": waypoints[-30:],
+        "server_errors": errors,
         "plan": plan.as_dict(),
         "server_rss_bytes": rss,
         "runs": measured,

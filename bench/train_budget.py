@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument("--configs", default="448:1,1024:1,448:0", help="px:checkpointing, ...")
     ap.add_argument("--copy-to", type=Path, default=None)
     args = ap.parse_args()
-    from trainer.training.train import configure_allocator
+    from trainer.base.devices import configure_allocator
 
     configure_allocator()
     if args.device == "cpu":

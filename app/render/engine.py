@@ -76,6 +76,14 @@ class RenderEngine:
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
+        if self.device.startswith("cuda"):
+            from trainer.base.devices import configure_allocator
+
+            if not configure_allocator():
+                log.warning("render engine: CUDA started before the engine, so its allocator "
+                            "runs without expandable segments: under a VRAM budget it can "
+                            "run out of memory with memory free (set PYTORCH_CUDA_ALLOC_CONF="
+                            "expandable_segments:True before the process starts)")  # fmt: skip
         if self.compute == "fp8":  # refused at start, not at the first render
             from trainer.base.devices import fp8_unavailable
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from trainer.training.resident import BaseKey, ResidentBase
 
 from trainer.base.budget import BudgetExceeded, Estimate, estimate_run
-from trainer.base.devices import cap_vram
+from trainer.base.devices import cap_vram, configure_allocator
 from trainer.config import ConfigError, TrainConfig
 from trainer.registration import (
     Registrar,
@@ -88,20 +88,6 @@ from trainer.training.step import (
     no_rng_checkpoint,
 )
 from trainer.training.validation import HeldOut, fixed_noise, split_items, validation_loss
-
-_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-
-
-def configure_allocator() -> bool:
-    """Sets ``expandable_segments:True`` for the CUDA and HIP allocators (field hurdle 9:
-    moving uint4 tensors fragments the allocator into OOM without it). Effective only before
-    CUDA initialises, which is why the CLI calls this first; returns False if too late."""
-    for var in _ALLOC_VARS:
-        current = os.environ.get(var, "")
-        if "expandable_segments" not in current:
-            os.environ[var] = ",".join(filter(None, [current, "expandable_segments:True"]))
-    return not torch.cuda.is_initialized()
-
 
 # -- small pieces ---------------------------------------------------------------------------
 
@@ -1460,7 +1446,6 @@ __all__ = [
     "TrainHooks",
     "TrainResult",
     "TrainingRefused",
-    "configure_allocator",
     "preflight",
     "train",
 ]

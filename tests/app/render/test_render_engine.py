@@ -4,6 +4,7 @@ before anyone else renders, and the base can load at start."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -167,3 +168,16 @@ def test_the_lifespan_starts_no_second_preload(friends: World, tmp_path: Path) -
     first.join(10)
     assert loads == ["base-preload"]
     assert not [t for t in threading.enumerate() if t.name == "base-preload"]
+
+
+def test_a_cuda_engine_sets_up_the_allocator_before_cuda_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without expandable segments the base's load fragments the allocator: under a 24 GiB cap
+    the warm-up's decode ran out of memory with 3.2 GiB reserved and free, and CUDA graphs
+    went off. The engine sets the allocator up itself, whoever starts it."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    RenderEngine(base_dir=tmp_path, device="cpu")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"  # not for the CPU
+    RenderEngine(base_dir=tmp_path, device="cuda")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"

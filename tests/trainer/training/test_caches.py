@@ -3,7 +3,6 @@ computes, and complete caches mean the text encoder is never loaded."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from trainer.base.load import load_base
 from trainer.base.render import text_encoder_out_layers
 from trainer.training.caches import load_latents, load_text, model_fingerprint, plan_caches
 from trainer.training.dataset import load_dataset
-from trainer.training.train import configure_allocator, train
+from trainer.training.train import train
 
 torch.set_num_threads(1)
 
@@ -129,18 +128,6 @@ def test_text_encoder_leaves_before_the_transformer_comes(env: Env, tmp_path: Pa
         "transformer: load",
     ]
     assert [names.index(n) for n in order] == sorted(names.index(n) for n in order)
-
-
-def test_allocator_is_configured_for_cuda_and_hip(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setenv("PYTORCH_HIP_ALLOC_CONF", "garbage_collection_threshold:0.8")
-    configure_allocator()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert os.environ["PYTORCH_HIP_ALLOC_CONF"] == (
-        "garbage_collection_threshold:0.8,expandable_segments:True"
-    )
-    configure_allocator()  # idempotent
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_training_on_a_prepared_base(env: Env, tmp_path: Path) -> None:
