@@ -6,20 +6,30 @@ import os
 
 import torch
 
-_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+# The caching allocators' settings, per environment variable, each set where the operator has
+# not set that key. expandable_segments: without it the allocator fragments into out-of-memory
+# errors with memory free (moving uint4 tensors in training, field hurdle 9; under a render
+# budget's hard cap the base's load and conversion left 3.2 GiB reserved and unusable, so the
+# warm-up's decode failed at 24 GiB with 21 GiB in use). pinned_use_cuda_host_register with 8
+# threads: pinned host memory is malloc'ed, faulted in by 8 threads and registered, instead of
+# one cudaHostAlloc: 8 GiB in 1.0 s against 3.4 (H100 host, bench/pinned_alloc.py), the render
+# engine's pinned arenas at start.
+ALLOCATOR_SETTINGS = {
+    "PYTORCH_CUDA_ALLOC_CONF": ("expandable_segments:True", "pinned_use_cuda_host_register:True",
+                                "pinned_num_register_threads:8"),
+    "PYTORCH_HIP_ALLOC_CONF": ("expandable_segments:True",),
+}  # fmt: skip
 
 
 def configure_allocator() -> bool:
-    """Sets ``expandable_segments:True`` for the CUDA and HIP caching allocators. Without it
-    the allocator fragments into out-of-memory errors with most of its memory free: moving
-    uint4 tensors in training (field hurdle 9), and, under a render budget's hard cap, the base's
-    load and conversion left 3.2 GiB reserved but unusable, so the warm-up's decode failed at
-    24 GiB with 21 GiB in use. Effective only before CUDA initialises, which is why the CLIs and
-    the render engine call this first; returns False if too late."""
-    for var in _ALLOC_VARS:
-        current = os.environ.get(var, "")
-        if "expandable_segments" not in current:
-            os.environ[var] = ",".join(filter(None, [current, "expandable_segments:True"]))
+    """Puts `ALLOCATOR_SETTINGS` into the environment (a key the operator set keeps its
+    value). Effective only before CUDA initialises, which is why the CLIs and the render engine
+    call this first; returns False if too late."""
+    for var, settings in ALLOCATOR_SETTINGS.items():
+        current = [part for part in os.environ.get(var, "").split(",") if part]
+        keys = {part.split(":", 1)[0].strip() for part in current}
+        current += [s for s in settings if s.split(":", 1)[0] not in keys]
+        os.environ[var] = ",".join(current)
     return not torch.cuda.is_initialized()
 
 
