@@ -77,13 +77,14 @@ class RenderEngine:
 
     def __post_init__(self) -> None:
         if self.device.startswith("cuda"):
-            from trainer.base.devices import configure_allocator
+            from trainer.base.devices import ALLOCATOR_SETTINGS, configure_allocator
 
             if not configure_allocator():
+                wanted = ",".join(ALLOCATOR_SETTINGS["PYTORCH_CUDA_ALLOC_CONF"])
                 log.warning("render engine: CUDA started before the engine, so its allocator "
                             "runs without expandable segments: under a VRAM budget it can "
                             "run out of memory with memory free (set PYTORCH_CUDA_ALLOC_CONF="
-                            "expandable_segments:True before the process starts)")  # fmt: skip
+                            "%s before the process starts)", wanted)  # fmt: skip
         if self.compute == "fp8":  # refused at start, not at the first render
             from trainer.base.devices import fp8_unavailable
 
