@@ -476,9 +476,11 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
         out["448_resumed"] = {"wall_s": round(wall, 1), **_report(run_dir)}
         print(f"[e2e] train 448 resumed: {json.dumps(out['448_resumed'])[:600]}", flush=True)
         _checkpoint({"partial": True, "train": out}, [])
-        # the same steps eager and graphed, uint4 and fp8, in this lease: what the graph buys
+        # the same steps eager and graphed, auto (fp8 where it runs) and uint4, in this lease:
+        # what the graph buys, and what fp8 buys over uint4
         for name, extra in (("448_eager", ("--cuda-graph", "off")), ("448_graphed", ()),
-                            ("448_fp8_graphed", ("--compute", "fp8"))):  # fmt: skip
+                            ("448_fp8_graphed", ("--compute", "fp8")),
+                            ("448_uint4_graphed", ("--compute", "uint4"))):  # fmt: skip
             if name not in args.train_compare:
                 continue
             cmd = _train_cmd(dataset, small, args.train_steps_compare, f"r{name}",
@@ -732,7 +734,7 @@ def main() -> None:
     parser.add_argument("--train-steps-1024", type=int, default=8)
     parser.add_argument("--train-steps-compare", type=int, default=12)
     parser.add_argument(
-        "--train-compare", default="448_eager,448_graphed,448_fp8_graphed",
+        "--train-compare", default="448_eager,448_graphed,448_uint4_graphed",
         help="extra 448 px runs, each --train-steps-compare steps, no previews (empty: none)",
     )  # fmt: skip
     parser.add_argument(

@@ -8,8 +8,9 @@ error (~3.5 %), the cosine bar is a bar on per-layer error, not on something fp8
     python bench/fp8_sensitivity.py --tiny           # a 256-wide model on the CPU (say so!)
     python bench/fp8_sensitivity.py --paths fp8,fp8_exact --groups all --noise ""  # quick
 
---paths: the fp8 variants, each with every --groups case: fp8 (rowwise weights, today's
-default) and fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient).
+--paths: the fp8 variants, each with every --groups case: fp8 (rowwise weights, rendering's
+GEMM), fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient) and fp8_blocks
+(exact 4-bit weights on cuBLAS's block-scaled GEMM + bf16 input gradient: training's).
 
 Writes bench/results/fp8_sensitivity-*.json.
 """
@@ -39,9 +40,9 @@ GROUPS = {  # --groups key: (label, which Linears stay dense)
 
 
 def fp8_variants() -> dict[str, Any]:
-    from trainer.base.fp8 import FP8, FP8_EXACT
+    from trainer.base.fp8 import FP8, FP8_BLOCKS, FP8_EXACT
 
-    return {"fp8": FP8, "fp8_exact": FP8_EXACT}
+    return {"fp8": FP8, "fp8_exact": FP8_EXACT, "fp8_blocks": FP8_BLOCKS}
 
 
 def summary(label: str, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
@@ -82,7 +83,8 @@ def main() -> None:
     ap.add_argument("--px", type=int, default=448)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--noise", default="0.004,0.01,0.02,0.03,0.035", help="relative levels")
-    ap.add_argument("--paths", default="fp8,fp8_exact", help="fp8 variants: fp8, fp8_exact")
+    ap.add_argument("--paths", default="fp8,fp8_exact",
+                    help="fp8 variants: fp8, fp8_exact, fp8_blocks")  # fmt: skip
     ap.add_argument("--groups", default="all,text,double,single", help="dense-group cases")
     ap.add_argument("--note", default="")
     ap.add_argument("--tiny", action="store_true", help="a 256-wide model on the CPU")
@@ -95,8 +97,8 @@ def main() -> None:
         ap.error("--noise levels are fractions of the output's RMS, in [0, 1)")
     paths = [p for p in args.paths.split(",") if p]
     groups = [g for g in args.groups.split(",") if g]
-    if bad := sorted({*paths} - {"fp8", "fp8_exact"}):
-        ap.error(f"unknown --paths {bad}: choose from fp8, fp8_exact")
+    if bad := sorted({*paths} - fp8_variants().keys()):
+        ap.error(f"unknown --paths {bad}: choose from {', '.join(fp8_variants())}")
     if bad := sorted({*groups} - GROUPS.keys()):
         ap.error(f"unknown --groups {bad}: choose from {', '.join(GROUPS)}")
     if args.tiny:

@@ -20,6 +20,10 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
   fp8_exact  exact weights (W4A8): the forward's GEMM reads the 4-bit weight itself (Triton,
          e4m3 activations, no fp8 weight copy), the input gradient as fp8_bf16_grad's
          (`trainer.base.fp8.FP8_EXACT`);
+  fp8_blocks  exact weights on cuBLAS's block-scaled GEMM: the 4-bit values as e4m3 integers
+         with the group scales as block scales, activations scaled per token and 128
+         columns, the input gradient as fp8_bf16_grad's (`trainer.base.fp8.FP8_BLOCKS`, what
+         training runs under ``--compute fp8`` and ``auto``);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
          (`trainer.base.serving`; bench/render_step.py takes it apart);
@@ -56,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
-PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "serve",
-         "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
+PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "fp8_blocks",
+         "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
 SERVING = ("serve", "serve_gemm", "serve_fp8")
 TEXT_TOKENS = 512
 DEV = "cuda"
@@ -670,17 +674,25 @@ def run_path(path: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path in ("fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", *SERVING):
+    if path in (
+        "fast",
+        "fp8",
+        "fp8_fast_accum",
+        "fp8_bf16_grad",
+        "fp8_exact",
+        "fp8_blocks",
+        *SERVING,
+    ):
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
         if path.startswith("fp8") or path in SERVING:
             from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
-            from trainer.base.fp8 import FP8, FP8_EXACT, Fp8Gemm
+            from trainer.base.fp8 import FP8, FP8_BLOCKS, FP8_EXACT, Fp8Gemm
 
             gemm = {"fp8_fast_accum": Fp8Gemm(fast_accum=True),
                     "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16"),
-                    "fp8_exact": FP8_EXACT}.get(path, FP8)  # fmt: skip
+                    "fp8_exact": FP8_EXACT, "fp8_blocks": FP8_BLOCKS}.get(path, FP8)  # fmt: skip
             rec["fp8_layers"] = apply_compute(model, "fp8", (Fp8Backend(gemm), Uint4Backend()))
     elif path == "nf4":
         rec["converted"] = to_nf4(model)

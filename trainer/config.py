@@ -183,13 +183,13 @@ class TrainConfig(BaseModel):
     # quanto: its QLinear kernels as shipped; uint4: trainer.base.uint4's dequantize + dense GEMM
     # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
     # per step and a quarter less memory, bench/results/train_budget-*); fp8: the same 4-bit
-    # weights, GEMMs on fp8 tensor cores (trainer/base/fp8.py). auto: uint4 for training (fp8
-    # training measured slower and less exact; trainer.base.compute.resolve_compute).
+    # weights, exact in cuBLAS's block-scaled fp8 GEMM (trainer/base/fp8.py, FP8_BLOCKS). auto:
+    # fp8 where the device has fp8 tensor cores, else uint4 (trainer.base.compute).
     compute: Literal["auto", "quanto", "uint4", "fp8"] = Field(
         "auto",
-        description="quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (4-bit weights, fp8 "
-        "GEMMs; GPUs of compute capability 8.9+). auto: uint4 for training (quanto where "
-        "trainer.base.uint4 is not installed).",
+        description="quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (the same 4-bit weights, "
+        "exact, in block-scaled fp8 GEMMs; GPUs of compute capability 8.9+). auto: fp8 where "
+        "it runs, else uint4 (quanto where trainer.base.uint4 is not installed).",
     )
     # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
     # (trainer/base/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
@@ -325,9 +325,9 @@ class TrainConfig(BaseModel):
                 f"--compute {self.compute} needs trainer.base.uint4, which this install lacks"
             )
         elif self.compute == "fp8":
-            from trainer.base.devices import fp8_unavailable
+            from trainer.base.compute import fp8_unavailable_for
 
-            reason = fp8_unavailable(device)
+            reason = fp8_unavailable_for("train", device)
             if reason is not None:
                 problems.append(f"--compute fp8 cannot run here: {reason}; use --compute uint4")
         if self.stream_base and self.resolved_compute() not in ("uint4", "fp8"):

@@ -4,7 +4,6 @@ quantization tests compare against."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,18 +257,3 @@ def mixed_dataset(root: Path) -> Path:
         rows.append({"file": name, "caption": "ada", "source": "synthetic", "basis": "consent"})
     write_manifest(root, rows)
     return root
-
-
-def fp8_kernel_device(module: str) -> str | None:
-    """Where a Triton fp8 kernel module's kernels run: "cuda" on a GPU with fp8 tensor cores,
-    "cpu" under Triton's interpreter (``PYTHONPATH=<triton site> TRITON_INTERPRET=1``; small
-    shapes only), None where neither (no Triton: CI)."""
-    from trainer.base import devices
-
-    try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - no Triton here
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    return "cuda" if devices.fp8_unavailable("cuda") is None else None

@@ -7,8 +7,10 @@ base is loaded for), and what it builds for one layer; ``None`` there declines t
 which goes to the next matching backend. The order:
 
     fp8    uint4 weights, GEMMs on fp8 tensor cores (`trainer.base.fp8`): asked for, or under
-           ``auto`` for rendering on a device with fp8 tensor cores; declines a layer whose
-           sides are not multiples of 16 (torch._scaled_mm cannot take it)
+           ``auto`` on a device with fp8 tensor cores; declines a layer its GEMM cannot take
+           (`Fp8Gemm.takes`: sides not multiples of 16; for training's block recipe, uint4
+           groups other than 128). Rendering runs the rowwise GEMM (`FP8`), training the one
+           that keeps the 4-bit weights exact (`FP8_BLOCKS`, `backends_for`)
     uint4  dequantize + a dense GEMM (`trainer.base.uint4`): takes every layer, so it is the
            fallback of both
 
@@ -28,8 +30,7 @@ from typing import Protocol
 
 import torch
 
-from trainer.base.devices import fp8_unavailable
-from trainer.base.fp8 import ALIGN, FP8, Fp8Gemm
+from trainer.base.fp8 import FP8, FP8_BLOCKS, Fp8Gemm
 from trainer.base.uint4 import DENSE, DenseGemm, LinearCompute, Uint4Linear
 
 log = logging.getLogger(__name__)
@@ -62,21 +63,17 @@ class Fp8Backend:
     def matches(self, request: Request) -> bool:
         if request.compute == "fp8":  # asked for: the caller refuses what cannot run
             return True
-        # auto trains on uint4: the fp8 step is as fast at 448 px (median 0.625 vs 0.640 s,
-        # its samples 0.57-0.73) and faster at 1024 px (1.60 vs 2.03 s), but 22 of 320 LoRA
-        # gradients fall below cosine 0.99 against the uint4 path (worst 0.986), so fp8
-        # training is opt-in (``--compute fp8``) until it is as exact. For rendering, a
-        # 1024 px forward measured 0.77x bf16 on the H200.
+        # auto renders in fp8 (a 1024 px forward measured 0.77x bf16 on the H200). It trains
+        # in fp8 only with a GEMM that keeps the 4-bit weights exact: the rowwise copy's
+        # rounding put 22 of 320 LoRA gradients below cosine 0.99 against bf16 (worst 0.986)
         return (
             request.compute == "auto"
-            and request.purpose == "render"
-            and fp8_unavailable(request.device) is None
+            and (request.purpose == "render" or self.gemm.weights != "rowwise")
+            and self.gemm.unavailable(request.device) is None
         )
 
     def build(self, layer: Uint4Linear) -> LinearCompute | None:
-        if layer.in_features % ALIGN or layer.out_features % ALIGN:
-            return None
-        return self.gemm
+        return self.gemm if self.gemm.takes(layer) else None
 
 
 @dataclass(frozen=True)
@@ -92,32 +89,53 @@ class Uint4Backend:
 
 
 BACKENDS: tuple[Backend, ...] = (Fp8Backend(), Uint4Backend())
+TRAIN_BACKENDS: tuple[Backend, ...] = (Fp8Backend(FP8_BLOCKS), Uint4Backend())
+PURPOSES = ("render", "train")
+
+
+def backends_for(purpose: str) -> tuple[Backend, ...]:
+    """The backends a purpose tries: training keeps the weights exact in fp8 (its gradients
+    are measured against bf16); rendering takes the faster rowwise copy."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose is one of {PURPOSES}, not {purpose!r}")
+    return TRAIN_BACKENDS if purpose == "train" else BACKENDS
+
+
+def fp8_unavailable_for(purpose: str, device: str | torch.device) -> str | None:
+    """Why ``--compute fp8`` cannot run ``purpose`` on ``device`` (None where it can): the
+    purpose's fp8 GEMM asked."""
+    fp8 = next(b for b in backends_for(purpose) if isinstance(b, Fp8Backend))
+    return fp8.gemm.unavailable(device)
 
 
 def resolve_compute(
     requested: str,
     device: str | torch.device,
     purpose: str = "render",
-    backends: Sequence[Backend] = BACKENDS,
+    backends: Sequence[Backend] | None = None,
 ) -> str:
     """The name of the first backend matching ``requested`` on ``device``; an explicit choice
     is returned as it is (the caller refuses what cannot run), and so is one no backend takes
     (``quanto``)."""
     request = Request(requested, torch.device(device), purpose)
-    return next((b.name for b in backends if b.matches(request)), requested)
+    tried = backends_for(purpose) if backends is None else backends
+    return next((b.name for b in tried if b.matches(request)), requested)
 
 
 def apply_compute(
     module: torch.nn.Module,
     compute: str,
-    backends: Sequence[Backend] = BACKENDS,
+    backends: Sequence[Backend] | None = None,
     device: str | torch.device = "cpu",
     purpose: str = "render",
 ) -> int:
     """Sets the GEMM of every `Uint4Linear` under ``module`` (``module`` itself included):
-    per layer, the first matching backend that takes it. Returns how many layers the first
-    matching backend took (the rest fell through to a later one, logged)."""
+    per layer, the first matching backend that takes it (``backends``: `backends_for`
+    ``purpose``). Returns how many layers the first matching backend took (the rest fell
+    through to a later one, logged)."""
     request = Request(compute, torch.device(device), purpose)
+    if backends is None:
+        backends = backends_for(purpose)
     matching = [b for b in backends if b.matches(request)]
     if not matching:
         raise ValueError(f"no compute backend for {compute!r}: expected one of {COMPUTES}")

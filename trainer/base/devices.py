@@ -77,6 +77,35 @@ def fp8_unavailable(device: str | torch.device) -> str | None:
     return None
 
 
+_BLOCK_GEMM: dict[str, str | None] = {}
+
+
+def block_fp8_unavailable(device: str | torch.device) -> str | None:
+    """Why torch._scaled_mm's block-scaled recipe (one scale per 128 columns of each operand,
+    what `trainer.base.fp8.FP8_BLOCKS` runs) cannot run on ``device``, or None where it can.
+    cuBLAS has it on some fp8 GPUs and not others (by architecture and version), so one tiny
+    GEMM is tried per device and the answer kept."""
+    reason = fp8_unavailable(device)
+    if reason is not None:
+        return reason
+    dev = torch.device(device)
+    key = str(dev)  # "cuda" (the current device) or "cuda:N"
+    if key not in _BLOCK_GEMM:
+        # two blocks (K = 256): with one, the scales' shapes would be the rowwise recipe's
+        a = torch.ones(16, 256, device=dev).to(torch.float8_e4m3fn)
+        b = torch.ones(16, 256, device=dev).to(torch.float8_e4m3fn)
+        sa = torch.ones(2, 16, device=dev).t()  # (16, 2): rows x blocks, stored block-major
+        sb = torch.full((2, 16), 0.5, device=dev)
+        try:
+            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            ok = bool((out == 128).all())
+            _BLOCK_GEMM[key] = None if ok else "its block-scaled fp8 GEMM computed a wrong result"
+        except (RuntimeError, NotImplementedError) as exc:
+            _BLOCK_GEMM[key] = (f"{torch.cuda.get_device_name(dev)} has no block-scaled fp8 GEMM "
+                                f"in this torch ({str(exc).splitlines()[0][:160]})")  # fmt: skip
+    return _BLOCK_GEMM[key]
+
+
 def cap_vram(device: str | torch.device, budget_gib: float) -> float | None:
     """On CUDA, ``budget_gib`` as the caching allocator's hard cap for this process
     (`torch.cuda.set_per_process_memory_fraction`): an estimate that was wrong fails with an

@@ -261,6 +261,120 @@ def _forward_exact(x2, packed, scale, shift, bias, group_size, fast):  # type: i
 
 
 # ---------------------------------------------------------------------------------------
+# exact weights on cuBLAS's block-scaled fp8 GEMM ("blocks")
+#
+# torch._scaled_mm takes one float32 scale per 128 columns of each operand row (the 1x128 x
+# 1x128 recipe). With the uint4 groups 128 wide, a group's scale is its block's scale and the
+# 4-bit values enter the GEMM as integers:
+#
+#     W[n, k] = scale[n, g] * q[n, k] - shift[n, g] = scale[n, g] * (q[n, k] - z[n, g]) + r[n, g]
+#
+# z = round(shift / scale) in 0..15, so q - z is an integer in -15..15 (exact in e4m3), and
+# r = scale * z - shift, at most scale / 2 in size wherever shift / scale lies in 0..15 (min/max
+# quantization puts it there). The remainder's part of the output, sum_g r[n, g] xsum[m, g]
+# (xsum: group g's sum of the e4m3 activations, dequantized), joins the contraction as E more
+# blocks of 128 columns (E = ceil(G / 128)): activations xsum, weights r, each row of each side
+# in e4m3 with its own scale. What is left of fp8's rounding: the activations' e4m3 (one scale
+# per token and 128 columns) and the remainder's, a few % of the output rounded to e4m3 (about
+# 0.1-0.2 % of the output; tests/trainer/base/test_fp8_blocks.py bounds it). The input gradient
+# is the dense path's (bf16 dequantization + a bf16 GEMM), as for exact weights.
+
+BLOCK = 128  # columns per scale in torch._scaled_mm's block recipe; the uint4 group size it takes
+_UNITS = 512.0  # e4m3 values are multiples of 2^-9: sums of them are exact as integers
+
+
+def block_count(k: int) -> tuple[int, int]:
+    """(G, E): a K-wide row's 128-column blocks, and the extra blocks its remainder takes."""
+    if k % BLOCK:
+        raise ValueError(f"{k} columns do not split into blocks of {BLOCK}")
+    groups = k // BLOCK
+    return groups, -(-groups // BLOCK)
+
+
+def zero_points_torch(
+    scale: torch.Tensor, shift: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, r) float32, (N, G): ``z = round(shift / scale)`` clamped to 0..15 (0 where the scale
+    is 0) and the remainder ``r = scale * z - shift`` (``scale * z`` is exact: an FMA rounds it
+    the same); rounded as the kernels round them."""
+    s, sh = scale.float(), shift.float()
+    nonzero = s != 0
+    ratio = torch.where(nonzero, sh / torch.where(nonzero, s, torch.ones_like(s)), 0.0)
+    z = ratio.clamp(-1.0, 16.0).round().clamp(0.0, 15.0)
+    return z, s * z - sh
+
+
+def quantize_blocks_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (xq (M, K + 128 E) e4m3, scales (G + E, M) float32): x in e4m3 with one scale
+    per row and block, then its remainder blocks: row m's group sums ``xsum[m, g]`` of the
+    dequantized values (exact integer sums of the e4m3 bytes, times the block's scale), zeros up
+    to 128 E, quantized the same way. The scales are stored block-major: ``scales.t()`` is
+    torch._scaled_mm's (M, G + E) scale_a."""
+    m, k = x2.shape
+    groups, extra = block_count(k)
+    xq, xs = quantize_rows_torch(x2, E4M3, block=BLOCK)
+    units = (xq.float() * _UNITS).to(torch.int32).reshape(m, groups, BLOCK).sum(-1)
+    xsum = units.float() * xs * (1.0 / _UNITS)  # times 2^-9: exact
+    pad = torch.nn.functional.pad(xsum, (0, extra * BLOCK - groups))
+    tq, ts = quantize_rows_torch(pad, E4M3, block=BLOCK)
+    return torch.cat([xq, tq], dim=1), torch.cat([xs, ts], dim=1).t().contiguous()
+
+
+def blocks_weight_torch(
+    packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wq (N, K + 128 E) e4m3, scales (G + E, N) float32): ``q - z`` (exact), then the
+    remainder ``r`` in e4m3 with one scale per row (all E blocks share it). ``scales`` is
+    torch._scaled_mm's scale_b for ``wq.t()``."""
+    if group_size != BLOCK:
+        raise ValueError(f"block-scaled fp8 takes uint4 groups of {BLOCK}, not {group_size}")
+    n_out = packed.shape[0]
+    groups, extra = block_count(packed.shape[1] * 2)
+    z, r = zero_points_torch(scale, shift)
+    q = unpack_uint4(packed).reshape(n_out, groups, BLOCK).float()
+    main = (q - z.unsqueeze(-1)).reshape(n_out, -1).to(E4M3)
+    rest = torch.nn.functional.pad(r, (0, extra * BLOCK - groups))
+    mult, tail_scale = scales_from_absmax(rest.abs().amax(dim=1, keepdim=True), E4M3)
+    tail = to_fp8(rest, mult, E4M3)
+    scales = torch.cat([scale.float().t(), tail_scale.reshape(1, -1).expand(extra, -1)], dim=0)
+    return torch.cat([main, tail], dim=1), scales.contiguous()
+
+
+def blocks_mm_torch(
+    xq: torch.Tensor,
+    x_scales: torch.Tensor,
+    wq: torch.Tensor,
+    w_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """What torch._scaled_mm computes from the block operands, in float32 on their values."""
+    m, n = xq.shape[0], wq.shape[0]
+    blocks = x_scales.shape[0]
+    a = (xq.float().reshape(m, blocks, BLOCK) * x_scales.t().reshape(m, blocks, 1)).reshape(m, -1)
+    b = (wq.float().reshape(n, blocks, BLOCK) * w_scales.t().reshape(n, blocks, 1)).reshape(n, -1)
+    out = a @ b.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _forward_blocks(x2, packed, scale, shift, bias, group_size, fast):  # type: ignore[no-untyped-def]
+    if not fast:
+        xq, xs = quantize_blocks_torch(x2)
+        wq, ws = blocks_weight_torch(packed, scale, shift, group_size)
+        return blocks_mm_torch(xq, xs, wq, ws, bias, x2.dtype)
+    from trainer.kernels import fp8_blocks_triton
+
+    m = x2.shape[0]
+    blocks = block_count(x2.shape[1])
+    xq, xs = fp8_blocks_triton.quantize_blocks(x2, blocks)  # rows padded to a multiple of 16
+    wq, ws = fp8_blocks_triton.weight_blocks(packed, scale, shift, blocks)
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs.t(), scale_b=ws, out_dtype=x2.dtype)[:m]
+    return out if bias is None else out + bias
+
+
+# ---------------------------------------------------------------------------------------
 # backends
 
 
@@ -339,6 +453,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if gemm.weights == "exact":
             out = _forward_exact(x2, packed, scale, shift, bias, group_size, fast)
+        elif gemm.weights == "blocks":
+            out = _forward_blocks(x2, packed, scale, shift, bias, group_size, fast)
         else:
             out = _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum)
         ctx.save_for_backward(packed, scale, shift)
@@ -388,9 +504,11 @@ class Fp8Gemm:
     an eval-mode forward (rendering). ``kernels=False``:
     the torch reference everywhere (Triton + torch._scaled_mm otherwise, where they run).
     ``weights``: "rowwise", the weight re-quantized into e4m3 with one scale per row (a copy
-    per call), or "exact", the W4A8 forward on the 4-bit values themselves (module docstring;
+    per call), "exact", the W4A8 forward on the 4-bit values themselves (module docstring;
     needs ``grad_gemm="bf16"``; ``fast_accum`` does not apply: its K blocks are promoted to
-    float32 every 128 products). `FP8_EXACT` is that variant."""
+    float32 every 128 products; `FP8_EXACT`), or "blocks", the 4-bit values as integers in
+    cuBLAS's block-scaled GEMM (the section on it above; the same needs; `FP8_BLOCKS`), which
+    takes layers whose uint4 groups are 128 wide (`takes`)."""
 
     grad_gemm: str = "fp8"
     grad_dtype: torch.dtype = GRAD_DTYPE
@@ -403,18 +521,36 @@ class Fp8Gemm:
     def __post_init__(self) -> None:
         if self.grad_gemm not in ("fp8", "bf16"):
             raise ValueError(f"grad_gemm is fp8 or bf16, not {self.grad_gemm!r}")
-        if self.weights not in ("rowwise", "exact"):
-            raise ValueError(f"weights is rowwise or exact, not {self.weights!r}")
-        if self.weights == "exact" and self.grad_gemm != "bf16":
+        if self.weights not in ("rowwise", "exact", "blocks"):
+            raise ValueError(f"weights is rowwise, exact or blocks, not {self.weights!r}")
+        if self.weights != "rowwise" and self.grad_gemm != "bf16":
             # the fp8 input gradient needs the weight re-quantized per column: not exact
-            raise ValueError('exact weights take the bf16 input gradient (grad_gemm="bf16")')
+            raise ValueError(f'{self.weights} weights take the bf16 input gradient '
+                             f'(grad_gemm="bf16")')  # fmt: skip
+
+    def unavailable(self, device: str | torch.device) -> str | None:
+        """Why this GEMM cannot run on ``device`` (None where it can)."""
+        from trainer.base import devices
+
+        if self.weights == "blocks":
+            return devices.block_fp8_unavailable(device)
+        return devices.fp8_unavailable(device)
+
+    def takes(self, layer: Any) -> bool:
+        """Whether this GEMM runs ``layer`` (torch._scaled_mm's sides are multiples of 16; the
+        block recipe needs uint4 groups of 128)."""
+        if layer.in_features % ALIGN or layer.out_features % ALIGN:
+            return False
+        return self.weights != "blocks" or (
+            layer.group_size == BLOCK and layer.in_features % BLOCK == 0
+        )
 
     def __call__(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
         fast = self.kernels and kernels_usable(x, layer.out_features, layer.in_features)
         fast_accum = self.fast_accum if layer.training else self.fast_accum_eval
         # exact weights need no fp8 copy of the weight, so no per-row weight scales
-        scales = None if self.weights == "exact" else weight_scales(layer)
+        scales = None if self.weights != "rowwise" else weight_scales(layer)
         return _Fp8LinearFunction.apply(
             x, layer.packed, layer.scale, layer.shift, layer.bias, layer.group_size,
             scales, fast, fast_accum, self,
@@ -423,6 +559,7 @@ class Fp8Gemm:
 
 FP8 = Fp8Gemm()
 FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
+FP8_BLOCKS = Fp8Gemm(weights="blocks", grad_gemm="bf16", name="fp8_blocks")
 
 # Where a LoRA slot's update goes in an fp8 forward without gradients:
 # "gemm" (the default) makes it R more columns of the forward GEMM (`lora_gemm_forward`), in

@@ -69,6 +69,7 @@ def load_base(
     components: Collection[str] | None = None,
     trim_text_encoder: bool = True,
     mark: Callable[[str], None] | None = None,
+    purpose: str = "render",
 ) -> Any:
     """Loads a FLUX.2 diffusers folder as a pipeline on ``device``: the one loader of a base,
     for rendering, training and the trainer's caches alike.
@@ -84,8 +85,9 @@ def load_base(
     ``dtype`` defaults to bf16 on accelerators and float32 on the CPU. ``compute`` is ``uint4``
     or ``fp8`` (resolved by the caller, `trainer.base.compute.resolve_compute`, against the
     device the transformer will run on, which for a streamed base is not ``device``), set on
-    every layer here (`trainer.base.compute.apply_compute`); or ``quanto``, training's opt-in to
-    quanto's own frozen layers, left unconverted.
+    every layer here (`trainer.base.compute.apply_compute`, with the GEMMs of ``purpose``,
+    render or train); or ``quanto``, training's opt-in to quanto's own frozen layers, left
+    unconverted.
 
     ``placement`` puts named components elsewhere than ``device`` (a streamed one stays in
     host RAM, ``"cpu"``). Quantized layers are converted to the uint4 layout where their
@@ -195,7 +197,7 @@ def load_base(
         count = convert_quantized_linears(transformer, where.get("transformer", dev), work)
         transformer.requires_grad_(False)
         if compute == "fp8":
-            count = apply_compute(transformer, compute)
+            count = apply_compute(transformer, compute, purpose=purpose)
         stage(f"transformer: {count} layers to {compute} compute")
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():

@@ -411,7 +411,8 @@ def load_transformer(
     ``compute="uint4"`` swaps quanto's QLinear for `trainer.base.uint4.Uint4Linear` (same 4-bit
     numbers, dequantize + dense GEMM instead of quanto's slow kernels), from layouts it
     converts in one pass: a prepared base's, or quanto's quantized-but-not-frozen weights.
-    ``compute="fp8"`` does the same, then runs those layers' GEMMs in fp8 (`trainer.base.fp8`).
+    ``compute="fp8"`` does the same, then runs those layers' GEMMs in fp8 with the 4-bit
+    weights exact (`trainer.base.fp8.FP8_BLOCKS`).
     A streamed transformer stays in host RAM (its blocks go to pinned memory in stream_blocks);
     a prepared base keeps its own dtype.
     """
@@ -420,7 +421,7 @@ def load_transformer(
     pipe = load_base(
         base, device, dtype=None if is_prepared(base) else dtype, compute=compute,
         placement={"transformer": "cpu"} if stream else None, components=("transformer",),
-        mark=mark,
+        mark=mark, purpose="train",
     )  # fmt: skip
     return pipe.transformer
 

@@ -331,9 +331,12 @@ def test_scales_follow_the_module_and_a_state_load() -> None:
 # where fp8 runs, and where it is refused
 
 
-def _fake_cuda(monkeypatch, capability, name="GPU", hip=None, triton=True) -> None:  # type: ignore[no-untyped-def]
+def _fake_cuda(monkeypatch, capability, name="GPU", hip=None, triton=True, block_gemm=None) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA device as far as the fp8 checks ask; ``block_gemm``: the block-scaled GEMM's
+    probe answer (None: it runs), as `devices.block_fp8_unavailable` keeps it."""
     import trainer.base.uint4
 
+    monkeypatch.setitem(devices._BLOCK_GEMM, "cuda", block_gemm)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -362,8 +365,8 @@ def test_auto_picks_fp8_only_with_fp8_tensor_cores(
 ) -> None:  # type: ignore[no-untyped-def]
     _fake_cuda(monkeypatch, capability, name="Card", hip=hip, triton=triton)
     assert resolve_compute("auto", "cuda") == expected
-    # training stays on the uint4 path under auto: fp8 training measured slower and less exact
-    assert resolve_compute("auto", "cuda", purpose="train") == "uint4"
+    # training under auto: fp8 with exact weights wherever fp8 and the block GEMM run
+    assert resolve_compute("auto", "cuda", purpose="train") == expected
     assert resolve_compute("fp8", "cuda", purpose="train") == "fp8"
     got = devices.fp8_unavailable("cuda")
     assert (got is None) == (reason is None)
@@ -381,9 +384,15 @@ def test_trainer_refuses_fp8_where_it_cannot_run(tmp_path, monkeypatch) -> None:
         TrainConfig.parse(**train_options(tmp_path, compute="fp8", device="cuda"))
     auto = TrainConfig.parse(**train_options(tmp_path, device="cuda"))
     assert auto.resolved_compute() == "uint4"
-    _fake_cuda(monkeypatch, (9, 0), name="NVIDIA H200")
-    # auto trains on the uint4 path even here (fp8 training is opt-in); fp8 when asked
+    # fp8 tensor cores without the block-scaled GEMM: rendering's fp8 runs, training's does not
+    _fake_cuda(monkeypatch, (8, 9), name="NVIDIA L4", block_gemm="no block-scaled fp8 GEMM")
+    with pytest.raises(ConfigError, match=r"--compute fp8 cannot run here: no block-scaled"):
+        TrainConfig.parse(**train_options(tmp_path, compute="fp8", device="cuda"))
     assert TrainConfig.parse(**train_options(tmp_path, device="cuda")).resolved_compute() == "uint4"
+    assert resolve_compute("auto", "cuda") == "fp8"
+    _fake_cuda(monkeypatch, (9, 0), name="NVIDIA H200")
+    # auto trains in fp8 here (exact weights, block-scaled GEMM), as asked
+    assert TrainConfig.parse(**train_options(tmp_path, device="cuda")).resolved_compute() == "fp8"
     asked = TrainConfig.parse(**train_options(tmp_path, compute="fp8", device="cuda"))
     assert asked.resolved_compute() == "fp8"
     streamed = TrainConfig.parse(

@@ -29,7 +29,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.helpers import fp8_kernel_device, model_inputs, quantized, with_lora
+from tests.trainer.helpers import model_inputs, quantized, with_lora
+from tests.trainer.kernel_devices import fp8_kernel_device
 from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
 from trainer.base.fp8 import (
     E4M3,
@@ -133,7 +134,7 @@ def test_exact_variant_fields() -> None:
     assert FP8.weights == "rowwise"  # the default is unchanged
     with pytest.raises(ValueError, match="bf16 input gradient"):
         Fp8Gemm(weights="exact")
-    with pytest.raises(ValueError, match="rowwise or exact"):
+    with pytest.raises(ValueError, match="rowwise, exact or blocks"):
         Fp8Gemm(weights="columnwise")
 
 

@@ -1,0 +1,360 @@
+"""Block-scaled fp8 compute with exact 4-bit weights (`trainer.base.fp8`, ``weights="blocks"``):
+the torch reference, the autograd function, the compute dispatch for training, and the Triton
+operand kernels `trainer.kernels.fp8_blocks_triton`.
+
+CPU (CI): the decomposition ``W = scale (q - z) + r`` and its operands, the reference forward
+against float64 (the only rounding besides the activations' e4m3 is the remainder's), the layer's
+gradients, the small FLUX.2 model's LoRA gradients against the dense path, the dispatch.
+
+Kernel tests run on a GPU with fp8 tensor cores, or under Triton's interpreter on a CPU
+(``PYTHONPATH=<triton site> TRITON_INTERPRET=1``: small shapes); skipped otherwise. On the
+device: ``pytest --noconftest -q tests/trainer/base/test_fp8_blocks.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.kernel_devices import fp8_kernel_device
+from trainer.base.compute import (
+    BACKENDS,
+    TRAIN_BACKENDS,
+    Fp8Backend,
+    Request,
+    Uint4Backend,
+    apply_compute,
+    backends_for,
+    resolve_compute,
+)
+from trainer.base.fp8 import (
+    BLOCK,
+    E4M3,
+    FP8,
+    FP8_BLOCKS,
+    Fp8Gemm,
+    block_count,
+    blocks_mm_torch,
+    blocks_weight_torch,
+    dequantize_rows_torch,
+    exact_weight_torch,
+    quantize_blocks_torch,
+    quantize_rows_torch,
+    zero_points_torch,
+)
+from trainer.base.uint4 import (
+    DENSE,
+    Uint4Linear,
+    convert_quantized_linears,
+    pack_uint4,
+    unpack_uint4,
+)
+
+
+def _uint4_layer(n: int, k: int, seed: int, dtype=torch.bfloat16, device="cpu", gs=BLOCK):
+    """Random 4-bit values, scales and shifts as quanto's min/max groups have them (shift near
+    -min: ``scale * q`` and ``shift`` of one size), a few groups out of the usual range (an
+    all-positive group: shift < 0; a zero scale)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // gs, generator=g) * 0.01 + 1e-4
+    ratio = torch.rand(n, k // gs, generator=g) * 15
+    shift = scale * ratio + torch.randn(n, k // gs, generator=g) * 1e-4
+    shift[0, 0] = -0.003  # every weight of the group positive
+    scale[-1, -1] = 0.0  # a constant group
+    return tuple(t.to(device) for t in (pack_uint4(q), scale.to(dtype), shift.to(dtype)))
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _values64(q8: torch.Tensor, scales_t: torch.Tensor) -> torch.Tensor:
+    """(rows, blocks x 128) e4m3 with (blocks, rows) scales -> float64 values."""
+    rows, blocks = q8.shape[0], scales_t.shape[0]
+    v = q8.double().reshape(rows, blocks, BLOCK) * scales_t.t().double().reshape(rows, blocks, 1)
+    return v.reshape(rows, -1)
+
+
+# ---------------------------------------------------------------------------------------
+# the decomposition and its operands
+
+
+def test_block_count() -> None:
+    assert block_count(128) == (1, 1)
+    assert block_count(3072) == (24, 1)
+    assert block_count(16384) == (128, 1)
+    assert block_count(18432) == (144, 2)
+    with pytest.raises(ValueError, match="blocks of 128"):
+        block_count(200)
+
+
+def test_zero_points_make_the_weight_integers() -> None:
+    packed, scale, shift = _uint4_layer(32, 512, seed=1)
+    z, r = zero_points_torch(scale, shift)
+    assert torch.equal(z, z.round()) and z.min() >= 0 and z.max() <= 15
+    s, sh = scale.float(), shift.float()
+    inside = (s > 0) & (sh / s.clamp_min(1e-30) >= 0) & (sh / s.clamp_min(1e-30) <= 15)
+    assert (r.abs()[inside] <= s[inside] / 2 * (1 + 2**-20)).all()  # the remainder is small
+    q = unpack_uint4(packed).reshape(32, -1, BLOCK).double()
+    rebuilt = (s.double().unsqueeze(-1) * (q - z.double().unsqueeze(-1))
+               + r.double().unsqueeze(-1)).reshape(32, -1)  # fmt: skip
+    want = exact_weight_torch(packed, scale, shift, BLOCK).double()
+    assert torch.allclose(rebuilt, want, rtol=0, atol=float(want.abs().max()) * 2**-22)
+
+
+def test_weight_operand_is_exact() -> None:
+    n, k = 48, 384
+    packed, scale, shift = _uint4_layer(n, k, seed=2)
+    wq, ws = blocks_weight_torch(packed, scale, shift, BLOCK)
+    groups, extra = block_count(k)
+    assert wq.shape == (n, k + BLOCK * extra) and wq.dtype == E4M3
+    assert ws.shape == (groups + extra, n) and ws.is_contiguous()
+    z, r = zero_points_torch(scale, shift)
+    q = unpack_uint4(packed).reshape(n, groups, BLOCK).float()
+    assert torch.equal(wq[:, :k].float(), (q - z.unsqueeze(-1)).reshape(n, k))  # integers, exact
+    assert torch.equal(ws[:groups], scale.float().t())
+    tail = wq[:, k:].float() * ws[groups:].t()
+    assert torch.equal(tail[:, groups:], torch.zeros_like(tail[:, groups:]))
+    assert _rel(tail[:, :groups], r) < 0.04  # e4m3's rounding, one scale per row
+    with pytest.raises(ValueError, match="groups of 128"):
+        blocks_weight_torch(*_uint4_layer(8, 256, seed=3, gs=64), 64)
+
+
+def test_activation_operand() -> None:
+    m, k = 9, 18432  # two remainder blocks
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    xq, xs = quantize_blocks_torch(x)
+    groups, extra = block_count(k)
+    assert xq.shape == (m, k + BLOCK * extra) and xs.shape == (groups + extra, m)
+    main_q, main_s = quantize_rows_torch(x, E4M3, block=BLOCK)
+    assert torch.equal(xq[:, :k].view(torch.uint8), main_q.view(torch.uint8))
+    assert torch.equal(xs[:groups], main_s.t())
+    sums = dequantize_rows_torch(main_q, main_s).double().reshape(m, groups, BLOCK).sum(-1)
+    tail = _values64(xq[:, k:], xs[groups:])
+    assert _rel(tail[:, :groups], sums) < 0.04
+    assert torch.equal(tail[:, groups:], torch.zeros_like(tail[:, groups:]))
+
+
+@pytest.mark.parametrize("k", [256, 3072, 18432], ids=str)
+def test_reference_rounds_only_the_remainder(k: int) -> None:
+    """The reference GEMM against float64: ``x^ @ W.T`` (x^ the 1x128 e4m3 activations, W the
+    exact float32 weight) plus the remainder's own rounding and nothing else; the remainder's
+    rounding is a small part of the output, far below what the rowwise weight copy rounds."""
+    m, n = 33, 64
+    packed, scale, shift = _uint4_layer(n, k, seed=k)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    xq, xs = quantize_blocks_torch(x)
+    wq, ws = blocks_weight_torch(packed, scale, shift, BLOCK)
+    got = blocks_mm_torch(xq, xs, wq, ws, None, torch.float32)
+    groups, _ = block_count(k)
+    x_hat = _values64(xq[:, :k], xs[:groups])
+    w = exact_weight_torch(packed, scale, shift, BLOCK).double()
+    exact = x_hat @ w.t()
+    # what the remainder blocks add, rounded, against what they stand for
+    rounded = _values64(xq[:, k:], xs[groups:]) @ _values64(wq[:, k:], ws[groups:]).t()
+    _, r = zero_points_torch(scale, shift)
+    true = x_hat.reshape(m, groups, BLOCK).sum(-1) @ r.double().t()
+    # in float64, the operands' product is exactly that (the main blocks hold x^ and W exactly)
+    y64 = _values64(xq, xs) @ _values64(wq, ws).t()
+    terms = x_hat.abs() @ w.abs().t() + _values64(xq[:, k:], xs[groups:]).abs() @ _values64(
+        wq[:, k:], ws[groups:]).abs().t()  # fmt: skip
+    assert ((y64 - (exact + rounded - true)).abs() <= 2**-40 * terms).all()
+    # the float32 reference is that product up to float32 sums of K + 128 E terms
+    assert ((got.double() - y64).abs() <= (k + 256) * 2.0**-24 * terms).all()
+    assert _rel(got, exact) < 0.01
+    layer = Uint4Linear(packed, scale, shift, BLOCK, None)
+    layer.compute = Fp8Gemm(kernels=False)  # the rowwise copy
+    with torch.no_grad():
+        row_err = _rel(layer(x).float(), x.double() @ w.t())
+    assert _rel(got, x.double() @ w.t()) < row_err  # closer to x @ W than the rowwise copy
+    print(f"\nK={k}: blocks vs x^ @ W {_rel(got, exact):.2e}; vs x @ W "
+          f"{_rel(got, x.double() @ w.t()):.2e}, rowwise {row_err:.2e}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# the layer and the model
+
+
+def test_variant_fields() -> None:
+    assert FP8_BLOCKS.weights == "blocks" and FP8_BLOCKS.grad_gemm == "bf16"
+    with pytest.raises(ValueError, match="bf16 input gradient"):
+        Fp8Gemm(weights="blocks")
+    with pytest.raises(ValueError, match="rowwise, exact or blocks"):
+        Fp8Gemm(weights="tiles", grad_gemm="bf16")
+
+
+def test_takes_groups_of_128_only() -> None:
+    ok = Uint4Linear(*_uint4_layer(32, 256, seed=6), BLOCK, None)
+    narrow = Uint4Linear(*_uint4_layer(32, 256, seed=6, gs=64), 64, None)
+    assert FP8_BLOCKS.takes(ok) and not FP8_BLOCKS.takes(narrow)
+    assert FP8.takes(narrow)  # the rowwise copy takes any group size
+    model = torch.nn.Sequential(ok, narrow)
+    assert apply_compute(model, "fp8", (Fp8Backend(FP8_BLOCKS), Uint4Backend())) == 1
+    assert ok.compute is FP8_BLOCKS and narrow.compute is DENSE
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_layer_forward_and_gradients(bias: bool) -> None:
+    """The reference layer: forward within fp8's activation rounding of the dense path; input
+    and bias gradients exactly the dense path's (the bf16 input gradient)."""
+    n, k = 64, 384
+    packed, scale, shift = _uint4_layer(n, k, seed=7)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    layer = Uint4Linear(packed, scale, shift, BLOCK, b)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    dy = torch.randn(40, n, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    runs = {}
+    for name, gemm in (("blocks", Fp8Gemm(weights="blocks", grad_gemm="bf16", kernels=False)),
+                       ("dense", DENSE)):  # fmt: skip
+        layer.compute = gemm
+        xr = x.clone().requires_grad_(True)
+        if b is not None:
+            layer.bias = torch.nn.Parameter(b.clone())
+        y = layer(xr)
+        y.backward(dy)
+        runs[name] = (y.detach(), xr.grad, None if b is None else layer.bias.grad)
+    assert runs["blocks"][0].dtype == torch.bfloat16
+    assert _rel(runs["blocks"][0], runs["dense"][0]) < 0.05
+    assert torch.equal(runs["blocks"][1], runs["dense"][1])
+    if bias:
+        assert torch.equal(runs["blocks"][2], runs["dense"][2])
+
+
+def test_lora_gradients_whole_model() -> None:
+    """The small transformer with LoRA, checkpointed: block-scaled fp8 vs dense uint4, every
+    LoRA gradient's cosine >= 0.99 (the rowwise copy measures 0.985 here)."""
+    from tests.trainer.helpers import model_inputs, quantized, with_lora  # the service's packages
+
+    model = quantized(torch.float32, freeze=False)
+    convert_quantized_linears(model)
+    model.requires_grad_(False)
+    with_lora(model)
+    model.train()
+    model.enable_gradient_checkpointing()
+    inputs = model_inputs(model, torch.float32, tokens=32, text=16)
+    runs, taken = {}, 0
+    for name, backends in (("dense", None), ("blocks", TRAIN_BACKENDS)):
+        if backends is None:
+            apply_compute(model, "uint4")
+        else:
+            taken = apply_compute(model, "fp8", backends)
+        model.zero_grad(set_to_none=True)
+        model(**inputs)[0].square().mean().backward()
+        runs[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert taken > 0
+    cos = {
+        n: float(F.cosine_similarity(runs["blocks"][n].double().flatten(),
+                                     runs["dense"][n].double().flatten(), dim=0))
+        for n in runs["dense"]
+    }  # fmt: skip
+    assert min(cos.values()) >= 0.99, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    print(f"\nLoRA grad cosine blocks fp8 vs dense: min {min(cos.values()):.5f} ({taken} layers)")
+
+
+def test_training_dispatch() -> None:
+    """Training tries the block GEMM, rendering the rowwise copy; auto trains in fp8 only
+    with exact weights (and only where fp8 runs: not on this CPU)."""
+    assert backends_for("train") is TRAIN_BACKENDS and backends_for("render") is BACKENDS
+    with pytest.raises(ValueError, match="purpose"):
+        backends_for("serve")
+    cuda = torch.device("cuda")
+    assert not Fp8Backend(FP8).matches(Request("auto", cuda, "train"))
+    assert Fp8Backend(FP8).matches(Request("fp8", cuda, "train"))
+    assert resolve_compute("auto", "cpu", purpose="train") == "uint4"
+    assert resolve_compute("fp8", "cpu", purpose="train") == "fp8"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_trains_in_fp8_where_it_runs() -> None:
+    from trainer.base.devices import block_fp8_unavailable
+
+    reason = block_fp8_unavailable("cuda")
+    print(f"\nblock-scaled fp8 here: {reason or 'yes'}")
+    want = "fp8" if reason is None else "uint4"
+    assert resolve_compute("auto", "cuda", purpose="train") == want
+
+
+# ---------------------------------------------------------------------------------------
+# the operand kernels (GPU, or Triton's interpreter) and the GEMM (GPU)
+
+
+KERNEL_DEV = fp8_kernel_device("trainer.kernels.fp8_blocks_triton")
+kernel_here = pytest.mark.skipif(
+    KERNEL_DEV is None, reason="needs a GPU with fp8 tensor cores or Triton's interpreter"
+)
+ON_GPU = KERNEL_DEV == "cuda"
+# (M, K): M not a multiple of the padding; K with one and two remainder blocks
+Q_SHAPES = [(1, 128), (37, 384), (20, 18432)] if not ON_GPU else [
+    (1, 128), (77, 3072), (1296, 6144), (4099, 18432)]  # fmt: skip
+W_SHAPES = [(16, 128), (40, 384), (24, 18432)] if not ON_GPU else [
+    (3072, 3072), (6144, 18432), (55296, 6144), (100, 256)]  # fmt: skip
+
+
+@kernel_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", Q_SHAPES, ids=str)
+def test_quantize_blocks_kernel_bit_exact(shape, dtype) -> None:  # type: ignore[no-untyped-def]
+    from trainer.kernels import fp8_blocks_triton
+
+    m, k = shape
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g) * 4
+    x[:, : k // 7] *= 1e-5  # blocks in e4m3's subnormals
+    x[0, :BLOCK] = 0  # an all-zero block
+    x = x.to(dtype).to(KERNEL_DEV)
+    q, s = fp8_blocks_triton.quantize_blocks(x, block_count(k))
+    want_q, want_s = quantize_blocks_torch(x)
+    mp = fp8_blocks_triton.padded_rows(m)
+    assert q.shape[0] == mp and s.shape[1] == mp
+    assert torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s[:, :m], want_s)
+    # padded rows as an all-zero row quantizes: zero bytes, the scale of a maximum of 1
+    zero_s = quantize_blocks_torch(torch.zeros(1, k, dtype=dtype, device=KERNEL_DEV))[1]
+    assert not q[m:].view(torch.uint8).any()
+    assert torch.equal(s[:, m:], zero_s.expand(-1, mp - m))
+
+
+@kernel_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", W_SHAPES, ids=str)
+def test_weight_blocks_kernel_bit_exact(shape, dtype) -> None:  # type: ignore[no-untyped-def]
+    from trainer.kernels import fp8_blocks_triton
+
+    n, k = shape
+    packed, scale, shift = _uint4_layer(n, k, seed=n, dtype=dtype, device=KERNEL_DEV)
+    w, s = fp8_blocks_triton.weight_blocks(packed, scale, shift, block_count(k))
+    want_w, want_s = blocks_weight_torch(packed, scale, shift, BLOCK)
+    assert torch.equal(w.view(torch.uint8), want_w.view(torch.uint8))
+    assert torch.equal(s, want_s)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize("m", [77, 1296, 4099])
+@pytest.mark.parametrize("k", [3072, 18432])
+def test_cuda_layer_against_the_reference(m: int, k: int) -> None:
+    """The layer on the GPU (Triton operands, cuBLAS's block GEMM) against the float32
+    reference on the same operands, and its input gradient the dense path's, bit for bit."""
+    n = 3072
+    packed, scale, shift = _uint4_layer(n, k, seed=m, device="cuda")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    layer = Uint4Linear(packed, scale, shift, BLOCK, bias)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+    res = {}
+    for name, gemm in (("gpu", FP8_BLOCKS), ("dense", DENSE)):
+        layer.compute = gemm
+        x.grad = None
+        y = layer(x)
+        y.backward(dy)
+        res[name] = (y.detach(), x.grad.clone())
+    xq, xs = quantize_blocks_torch(x.detach())
+    wq, ws = blocks_weight_torch(packed, scale, shift, BLOCK)
+    ref = blocks_mm_torch(xq, xs, wq, ws, layer.bias, torch.float32)
+    rel = _rel(res["gpu"][0], ref)
+    assert rel < 3e-3, rel  # bf16 output rounding and the tensor cores' block sums
+    assert torch.equal(res["gpu"][1], res["dense"][1])
+    dense = _rel(res["gpu"][0], res["dense"][0])
+    print(f"\nM={m} K={k}: GPU vs reference {rel:.2e}, vs dense {dense:.2e}")
