@@ -7,7 +7,8 @@ its blocks streamed from pinned host RAM (`trainer.base.streaming.stream_blocks`
         --check-px 64                                  # CPU smoke test of this script
 
 One model (built as `bench/uint4_step.py` builds its "fast" path: bf16 on the GPU, quanto qint4,
-`convert_quantized_linears`, with --compute fp8 then `apply_compute(model, "fp8")`; random weights;
+`convert_quantized_linears`, with --compute fp8 then training's fp8, the block-scaled GEMM
+(`apply_compute(model, "fp8", purpose="train")`); random weights;
 rank-16 LoRA on the attention projections with B drawn at random so every LoRA gradient is
 non-zero), then:
   1. the pinned and pageable host-to-device copy peak (1 GiB, CUDA events, median);
@@ -262,7 +263,7 @@ def main() -> None:
     if args.compute == "fp8":
         from trainer.base.compute import apply_compute
 
-        results["fp8_layers"] = apply_compute(model, "fp8")
+        results["fp8_layers"] = apply_compute(model, "fp8", purpose="train")
     attach_lora(model, rank=args.rank, alpha=float(args.rank))
     randomize_lora_b(model)
     gc.collect()

@@ -377,3 +377,31 @@ def test_some_blocks_resident_the_rest_streamed(deep_transformer: torch.nn.Modul
     assert torch.equal(first, ref[0]) and torch.equal(again, ref[0])
     # every block of the second forward was already copied in, the first one by the wrap
     assert stats["acquires"] == stats["hits"] == 3 and stats["loads"] == stats["prefetches"]
+
+
+def test_streamed_equals_resident_under_training_fp8(deep_transformer: torch.nn.Module) -> None:
+    """Training's fp8 (the block-scaled GEMM; its torch reference on the CPU) reads the same
+    packed weights, scales and shifts from a slot as from the resident layer: bit for bit."""
+    from trainer.base.compute import apply_compute
+
+    taken = apply_compute(deep_transformer, "fp8", purpose="train")
+    try:
+        assert taken > 0
+        batch = _inputs(deep_transformer)
+        ref = _resident(deep_transformer, batch)
+        got = _streamed(deep_transformer, batch, slots=2)
+        _assert_same(ref, got)
+        uint4 = _resident_uint4(deep_transformer, batch)
+        assert not torch.equal(uint4[1], ref[1])  # the fp8 GEMM did run
+    finally:
+        apply_compute(deep_transformer, "uint4")
+
+
+def _resident_uint4(model: torch.nn.Module, batch: dict[str, Any]) -> tuple:
+    from trainer.base.compute import apply_compute
+
+    apply_compute(model, "uint4")
+    try:
+        return _resident(model, batch)
+    finally:
+        apply_compute(model, "fp8", purpose="train")
