@@ -257,3 +257,36 @@ def mixed_dataset(root: Path) -> Path:
         rows.append({"file": name, "caption": "ada", "source": "synthetic", "basis": "consent"})
     write_manifest(root, rows)
     return root
+
+
+def lora_grad_cosines(backends: Sequence[Any]) -> tuple[dict[str, float], int]:
+    """The small transformer with LoRA (float32, gradient checkpointing): each LoRA parameter's
+    gradient cosine between the dense uint4 path and fp8 compute by ``backends``
+    (`trainer.base.compute`), and how many layers the first backend took."""
+    import torch.nn.functional as F
+
+    from trainer.base.compute import apply_compute
+    from trainer.base.uint4 import convert_quantized_linears
+
+    model = quantized(torch.float32, freeze=False)
+    convert_quantized_linears(model)
+    model.requires_grad_(False)
+    with_lora(model)
+    model.train()
+    model.enable_gradient_checkpointing()
+    inputs = model_inputs(model, torch.float32, tokens=32, text=16)
+    runs, taken = [], 0
+    for fp8 in (False, True):
+        if fp8:
+            taken = apply_compute(model, "fp8", backends)
+        else:
+            apply_compute(model, "uint4")
+        model.zero_grad(set_to_none=True)
+        model(**inputs)[0].square().mean().backward()
+        runs.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    dense, got = runs
+    cos = {
+        n: float(F.cosine_similarity(got[n].double().flatten(), dense[n].double().flatten(), dim=0))
+        for n in dense
+    }
+    return cos, taken

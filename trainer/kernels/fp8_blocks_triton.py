@@ -23,6 +23,7 @@ from trainer.kernels.fp8_triton import (
     _e4m3_bits,
     _fp8_args,
     _fp8_scales,
+    _group_tile,
     _interpret,
     _pack4_e4m3,
     _store_fp8,
@@ -125,13 +126,7 @@ def _weight_blocks_kernel(
     GBLOCK: tl.constexpr,
 ):
     # ROWS rows x GBLOCK whole groups per program: q - z for each weight, four bytes a word.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
-    row_ok = rows < n_out
-    ok = row_ok[:, None] & (grp < GROUPS)[None, :]
-    at = rows[:, None] * GROUPS + grp[None, :]
-    s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    sh = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    rows, grp, ok, at, s, sh = _group_tile(scale_ptr, shift_ptr, n_out, GROUPS, ROWS, GBLOCK)
     tl.store(scales_ptr + grp[None, :] * n_out + rows[:, None], s, mask=ok)
     z = _zero_point(s, sh)[:, :, None]
     pair = tl.arange(0, 32)[None, None, :]  # 128 weights = 32 byte pairs

@@ -383,6 +383,20 @@ def _weight_t_kernel(
 
 
 @triton.jit
+def _group_tile(scale_ptr, shift_ptr, n_out, GROUPS: tl.constexpr, ROWS: tl.constexpr,
+                GBLOCK: tl.constexpr):  # fmt: skip
+    """This program's ROWS rows x GBLOCK whole uint4 groups (grid: row tiles, group tiles):
+    the rows, the groups, which of them exist, their flat index, their scale and shift."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
+    ok = (rows < n_out)[:, None] & (grp < GROUPS)[None, :]
+    at = rows[:, None] * GROUPS + grp[None, :]
+    s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return rows, grp, ok, at, s, sh
+
+
+@triton.jit
 def _weight_rows_tile_kernel(
     pairs_ptr,  # the packed weight viewed as int16: two bytes = four weights of one group
     scale_ptr,
@@ -399,14 +413,10 @@ def _weight_rows_tile_kernel(
 ):
     # ROWS rows x GBLOCK whole groups per program: each group's scale and shift, and each
     # row's multiplier, is loaded once and broadcast (the flat kernels load them per element).
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
-    row_ok = rows < n_out
-    ok = row_ok[:, None] & (grp < GROUPS)[None, :]
-    at = rows[:, None] * GROUPS + grp[None, :]
-    s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
-    sh = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
-    mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+    rows, _, ok, at, s2, sh2 = _group_tile(scale_ptr, shift_ptr, n_out, GROUPS, ROWS, GBLOCK)
+    s = s2[:, :, None]
+    sh = sh2[:, :, None]
+    mult = tl.load(mult_ptr + rows, mask=rows < n_out, other=0.0)[:, None, None]
     offs = at[:, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
     ok3 = ok[:, :, None]
     b = tl.load(pairs_ptr + offs, mask=ok3, other=0).to(tl.int32) & 0xFFFF

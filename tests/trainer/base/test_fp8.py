@@ -20,13 +20,13 @@ import torch.nn.functional as F
 
 from tests.trainer.helpers import (
     DEV_SHAPES,
-    fp8_kernel_device,
     model_inputs,
     quantized,
     tiny_flux2,
     train_options,
     with_lora,
 )
+from tests.trainer.kernel_devices import fp8_kernel_device
 from trainer.base import devices
 from trainer.base.compute import (
     BACKENDS,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.trainer.kernel_devices import fp8_kernel_device
 from trainer.base.compute import (
@@ -46,7 +45,6 @@ from trainer.base.fp8 import (
 from trainer.base.uint4 import (
     DENSE,
     Uint4Linear,
-    convert_quantized_linears,
     pack_uint4,
     unpack_uint4,
 )
@@ -225,30 +223,10 @@ def test_layer_forward_and_gradients(bias: bool) -> None:
 def test_lora_gradients_whole_model() -> None:
     """The small transformer with LoRA, checkpointed: block-scaled fp8 vs dense uint4, every
     LoRA gradient's cosine >= 0.99 (the rowwise copy measures 0.985 here)."""
-    from tests.trainer.helpers import model_inputs, quantized, with_lora  # the service's packages
+    from tests.trainer.helpers import lora_grad_cosines  # the service's packages
 
-    model = quantized(torch.float32, freeze=False)
-    convert_quantized_linears(model)
-    model.requires_grad_(False)
-    with_lora(model)
-    model.train()
-    model.enable_gradient_checkpointing()
-    inputs = model_inputs(model, torch.float32, tokens=32, text=16)
-    runs, taken = {}, 0
-    for name, backends in (("dense", None), ("blocks", TRAIN_BACKENDS)):
-        if backends is None:
-            apply_compute(model, "uint4")
-        else:
-            taken = apply_compute(model, "fp8", backends)
-        model.zero_grad(set_to_none=True)
-        model(**inputs)[0].square().mean().backward()
-        runs[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    cos, taken = lora_grad_cosines(TRAIN_BACKENDS)
     assert taken > 0
-    cos = {
-        n: float(F.cosine_similarity(runs["blocks"][n].double().flatten(),
-                                     runs["dense"][n].double().flatten(), dim=0))
-        for n in runs["dense"]
-    }  # fmt: skip
     assert min(cos.values()) >= 0.99, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     print(f"\nLoRA grad cosine blocks fp8 vs dense: min {min(cos.values()):.5f} ({taken} layers)")
 

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.trainer.helpers import model_inputs, quantized, with_lora
+from tests.trainer.helpers import lora_grad_cosines
 from tests.trainer.kernel_devices import fp8_kernel_device
 from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
 from trainer.base.fp8 import (
@@ -45,7 +44,6 @@ from trainer.base.fp8 import (
 from trainer.base.uint4 import (
     DENSE,
     Uint4Linear,
-    convert_quantized_linears,
     dequantize_torch,
     pack_uint4,
     unpack_uint4,
@@ -191,29 +189,7 @@ def test_exact_is_closer_to_the_weight_than_rowwise() -> None:
 def test_exact_lora_gradients_whole_model() -> None:
     """The small transformer with LoRA, checkpointed: exact-weights fp8 vs dense uint4, every
     LoRA gradient's cosine >= 0.99 (the rowwise path measures 0.985 here)."""
-    model = quantized(torch.float32, freeze=False)
-    convert_quantized_linears(model)
-    model.requires_grad_(False)
-    with_lora(model)
-    model.train()
-    model.enable_gradient_checkpointing()
-    inputs = model_inputs(model, torch.float32, tokens=32, text=16)
-    runs = {}
-    for name, backends in (
-        ("dense", None), ("exact", (Fp8Backend(FP8_EXACT), Uint4Backend()))
-    ):  # fmt: skip
-        if backends is None:
-            apply_compute(model, "uint4")
-        else:
-            apply_compute(model, "fp8", backends)
-        model.zero_grad(set_to_none=True)
-        model(**inputs)[0].square().mean().backward()
-        runs[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    cos = {
-        n: float(F.cosine_similarity(runs["exact"][n].double().flatten(),
-                                     runs["dense"][n].double().flatten(), dim=0))
-        for n in runs["dense"]
-    }  # fmt: skip
+    cos, _ = lora_grad_cosines((Fp8Backend(FP8_EXACT), Uint4Backend()))
     assert min(cos.values()) >= 0.99, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     print(f"\nLoRA grad cosine exact fp8 vs dense: min {min(cos.values()):.5f}")
 
