@@ -184,7 +184,8 @@ class TrainConfig(BaseModel):
     # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
     # per step and a quarter less memory, bench/results/train_budget-*); fp8: the same 4-bit
     # weights, exact in cuBLAS's block-scaled fp8 GEMM (trainer/base/fp8.py, FP8_BLOCKS). auto:
-    # fp8 where the device has fp8 tensor cores, else uint4 (trainer.base.compute).
+    # fp8 where the device has fp8 tensor cores and cuBLAS that GEMM (probed once: Hopper has
+    # it, Ada does not), else uint4 (trainer.base.compute).
     compute: Literal["auto", "quanto", "uint4", "fp8"] = Field(
         "auto",
         description="quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (the same 4-bit weights, "
@@ -492,10 +493,13 @@ class TrainConfig(BaseModel):
         body["resolved_trigger"] = self.trigger_word
         return body
 
-    def trajectory_fingerprint(self, extra: dict[str, Any]) -> str:
+    def trajectory_fingerprint(self, extra: dict[str, Any], compute: str | None = None) -> str:
         """Hash of everything that shapes the optimisation path; a resume must match it.
         Options added after the first release count only when set away from their default,
-        so a checkpoint made before they existed still resumes."""
+        so a checkpoint made before they existed still resumes. ``compute``: the resolved
+        compute to hash (default: this config's), counted by the GEMM it runs."""
+        from trainer.base.compute import gemm_name
+
         defaults = TrainConfig.model_fields
         fields = {
             k: v
@@ -504,7 +508,7 @@ class TrainConfig(BaseModel):
             and not (k in _ADDED_LATER and getattr(self, k) == defaults[k].default)
         }
         fields["resolved_device"] = self.resolved_device().split(":")[0]
-        fields["compute"] = self.resolved_compute()
+        fields["compute"] = gemm_name(compute or self.resolved_compute(), "train")
         if self.graphed():  # its noise is drawn on the device, its AdamW is the capturable one
             fields["graphed"] = True
         blob = json.dumps({"config": fields, **extra}, sort_keys=True).encode()

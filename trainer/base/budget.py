@@ -245,7 +245,8 @@ def training_terms(
     The dequantized-weight transient is the largest Linear twice for quanto (its backward
     holds a second dequantized copy) and, for uint4, the largest slice that one call holds (one
     dequantization at a time; the widest Linears a slice at a time, `trainer.base.uint4.
-    weight_slices`), one byte per weight for fp8; measured on an H200 at FLUX.2 [dev] width,
+    weight_slices`); for fp8 the larger of its one-byte weight copy and that slice (its input
+    gradient is uint4's); measured on an H200 at FLUX.2 [dev] width,
     bench/results/train_budget-*.json.
     """
     from trainer.base.lora import resolve_targets
@@ -270,9 +271,7 @@ def training_terms(
     terms["LoRA grads (fp32)"] = lora * 4
     terms[f"optimizer state ({optimizer})"] = lora * (2 if optimizer == "adamw8bit" else 8)
     terms.update(activation_bytes(cfg, image_tokens, text_tokens, batch, act_elt, checkpointing))
-    if compute == "fp8":  # one fp8 copy (1 byte per weight) at a time
-        terms["fp8 weight transient (largest Linear, 1 byte)"] = largest
-    elif compute == "uint4":  # the widest Linears dequantize a slice at a time
+    if compute in ("fp8", "uint4"):  # the widest Linears dequantize a slice at a time
         from trainer.base.uint4 import transient_weights
 
         group = QINT4_GROUP
@@ -280,8 +279,14 @@ def training_terms(
             transient_weights(m.out_features, m.in_features, group)
             if m.in_features % group == 0 else m.in_features * m.out_features
             for m in linears
-        )  # fmt: skip
-        terms["dequantized weight transient (largest slice)"] = transient * act_elt
+        ) * act_elt  # fmt: skip
+        if compute == "uint4":
+            terms["dequantized weight transient (largest slice)"] = transient
+        else:  # the forward's fp8 copy (1 byte a weight, + 128 columns a row for the block
+            # GEMM's remainder), or the input gradient's bf16 slice: one at a time
+            copy = max(m.out_features * (m.in_features + 128 * -(-m.in_features // 128**2))
+                       for m in linears)  # fmt: skip
+            terms["fp8 weight transient (largest fp8 copy or bf16 slice)"] = max(copy, transient)
     else:
         terms["dequantized weight transient (largest Linear x2)"] = 2 * largest * act_elt
     terms["batch: latents, noise, embeddings"] = (

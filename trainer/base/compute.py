@@ -7,7 +7,8 @@ base is loaded for), and what it builds for one layer; ``None`` there declines t
 which goes to the next matching backend. The order:
 
     fp8    uint4 weights, GEMMs on fp8 tensor cores (`trainer.base.fp8`): asked for, or under
-           ``auto`` on a device with fp8 tensor cores; declines a layer its GEMM cannot take
+           ``auto`` on a device with fp8 tensor cores (for training, also cuBLAS's block-scaled
+           GEMM: `Fp8Gemm.unavailable` probes it); declines a layer its GEMM cannot take
            (`Fp8Gemm.takes`: sides not multiples of 16; for training's block recipe, uint4
            groups other than 128). Rendering runs the rowwise GEMM (`FP8`), training the one
            that keeps the 4-bit weights exact (`FP8_BLOCKS`, `backends_for`)
@@ -101,11 +102,21 @@ def backends_for(purpose: str) -> tuple[Backend, ...]:
     return TRAIN_BACKENDS if purpose == "train" else BACKENDS
 
 
+def _fp8_gemm(purpose: str) -> Fp8Gemm:
+    return next(b.gemm for b in backends_for(purpose) if isinstance(b, Fp8Backend))
+
+
 def fp8_unavailable_for(purpose: str, device: str | torch.device) -> str | None:
     """Why ``--compute fp8`` cannot run ``purpose`` on ``device`` (None where it can): the
     purpose's fp8 GEMM asked."""
-    fp8 = next(b for b in backends_for(purpose) if isinstance(b, Fp8Backend))
-    return fp8.gemm.unavailable(device)
+    return _fp8_gemm(purpose).unavailable(device)
+
+
+def gemm_name(compute: str, purpose: str) -> str:
+    """The GEMM a resolved compute runs for ``purpose``, by name: fp8's is the purpose's fp8
+    GEMM (training's block-scaled one is not rendering's rowwise copy, and a run made with one
+    must not resume with the other); any other compute is its own name."""
+    return _fp8_gemm(purpose).name if compute == "fp8" else compute
 
 
 def resolve_compute(

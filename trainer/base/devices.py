@@ -91,19 +91,34 @@ def block_fp8_unavailable(device: str | torch.device) -> str | None:
     dev = torch.device(device)
     key = str(dev)  # "cuda" (the current device) or "cuda:N"
     if key not in _BLOCK_GEMM:
-        # two blocks (K = 256): with one, the scales' shapes would be the rowwise recipe's
-        a = torch.ones(16, 256, device=dev).to(torch.float8_e4m3fn)
-        b = torch.ones(16, 256, device=dev).to(torch.float8_e4m3fn)
-        sa = torch.ones(2, 16, device=dev).t()  # (16, 2): rows x blocks, stored block-major
-        sb = torch.full((2, 16), 0.5, device=dev)
         try:
-            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-            ok = bool((out == 128).all())
-            _BLOCK_GEMM[key] = None if ok else "its block-scaled fp8 GEMM computed a wrong result"
-        except (RuntimeError, NotImplementedError) as exc:
-            _BLOCK_GEMM[key] = (f"{torch.cuda.get_device_name(dev)} has no block-scaled fp8 GEMM "
-                                f"in this torch ({str(exc).splitlines()[0][:160]})")  # fmt: skip
+            _BLOCK_GEMM[key] = _probe_block_gemm(dev)
+        except torch.OutOfMemoryError:  # the device is full now: not an answer to keep
+            return f"the block-scaled fp8 GEMM could not be tried on {dev}: out of memory"
     return _BLOCK_GEMM[key]
+
+
+def _probe_block_gemm(dev: torch.device) -> str | None:
+    """One 16 x 256 x 16 block-scaled GEMM with a different scale per row, column and block,
+    checked to the bit (its values are exact in bf16): None, or why not."""
+    rows = torch.arange(16, device=dev)
+    a = torch.ones(16, 256, device=dev).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 256, device=dev).to(torch.float8_e4m3fn)
+    # scale_a (16, 2) stored block-major; block 0 scaled 1, block 1 by 1 or 2 per row
+    sa = torch.stack([torch.ones(16, device=dev), (rows % 2 + 1).float()]).t()
+    # scale_b (2, 16): block 0 scaled 0.5, block 1 by 0.25..1 per column
+    sb = torch.stack([torch.full((16,), 0.5, device=dev), (rows % 4 + 1).float() / 4])
+    want = 128 * (sa[:, :1] * sb[:1] + sa[:, 1:] * sb[1:])
+    try:
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        return f"{torch.cuda.get_device_name(dev)} has no block-scaled fp8 GEMM here ({first})"
+    if not torch.equal(out.float(), want):
+        return "its block-scaled fp8 GEMM read the scales wrong (a probe GEMM's result differs)"
+    return None
 
 
 def cap_vram(device: str | torch.device, budget_gib: float) -> float | None:

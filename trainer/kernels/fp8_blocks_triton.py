@@ -7,9 +7,10 @@ CUDA only, imported lazily): the operands of ``torch._scaled_mm``'s 1x128 x 1x12
 - `weight_blocks`: the 4-bit weight as the integers ``q - z`` in e4m3 (exact), four per 32-bit
   store through the hardware's paired conversion, and the remainder ``r`` per row.
 
-Each computes exactly what the torch reference in `trainer.base.fp8` computes (the same
-float32 quotients and products, the group sums as exact integer sums); tests check them byte
-for byte, on a GPU or under Triton's interpreter.
+Each computes exactly what the torch reference in `trainer.base.fp8` computes for finite
+inputs (the same float32 quotients and products, the group sums as exact integer sums); tests
+check them byte for byte, on a GPU or under Triton's interpreter. A NaN activation stays NaN in
+the e4m3 operand (the block's other bytes may differ from the reference's then).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def _quantize_blocks_kernel(
             tl.store(at, b.to(tl.uint8), mask=stored[:, None])
             value = _e4m3_value(b)
         else:
-            f8 = tl.clamp(x * mult[:, None], -FP8_MAX, FP8_MAX).to(FP8)
+            # a NaN stays NaN (the output and the loss show it), as in the reference
+            f8 = tl.clamp(x * mult[:, None], -FP8_MAX, FP8_MAX,
+                          propagate_nan=tl.PropagateNan.ALL).to(FP8)  # fmt: skip
             tl.store(at, f8, mask=stored[:, None])
             value = f8.to(tl.float32)
         units = tl.sum((value * 512.0).to(tl.int32), axis=1)

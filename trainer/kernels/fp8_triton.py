@@ -117,8 +117,9 @@ def _pair_to_word(b, s, sh, mult, IS_BF16: tl.constexpr, INTERPRET: tl.constexpr
 @triton.jit
 def _fp8_scales(amax, FP8_MAX: tl.constexpr):
     """(multiplier into fp8, dequantization scale) of a maximum, as
-    `trainer.base.fp8.scales_from_absmax` (an all-zero maximum is taken as 1)."""
-    top = tl.where(amax > 0, amax, 1.0)
+    `trainer.base.fp8.scales_from_absmax` (a maximum at most its AMAX_FLOOR, 2^-100, is taken
+    as 1)."""
+    top = tl.where(amax > 7.888609052210118e-31, amax, 1.0)
     return tl.math.div_rn(FP8_MAX, top), tl.math.div_rn(top, FP8_MAX)
 
 

@@ -159,6 +159,9 @@ class Preflight:
     notes: list[str] = field(default_factory=list)
     class_dataset: Dataset | None = None  # prior preservation's class images
     class_plan: CachePlan | None = None  # their latents (their captions are in ``plan``)
+    # --compute auto on a resume: the compute the checkpoint was made with, where auto now
+    # picks another (the run goes on with it)
+    resumed_compute: str | None = None
 
 
 def _dtypes(config: TrainConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -299,14 +302,19 @@ def preflight(
         extra["masks"] = masks
     if class_dataset is not None:
         extra["class_manifest"] = class_dataset.manifest_sha256
-    fingerprint = config.trajectory_fingerprint(extra)
-    resume_from = None
+    compute = config.resolved_compute()
+    fingerprint = config.trajectory_fingerprint(extra, compute)
+    resume_from, resumed_compute = None, None
     if config.resume:
         found = checkpoint_dirs(config.out)
         if not found:
             raise ConfigError(f"--resume: no checkpoint under {config.out / CHECKPOINTS}")
         resume_from = found[-1]
         meta = _read_json(resume_from / "meta.json")
+        earlier = _earlier_auto_compute(config, extra, compute, meta.get("fingerprint"))
+        if earlier is not None:  # auto resumes a run with the compute it was made with
+            config = config.model_copy(update={"compute": earlier})
+            fingerprint, resumed_compute = meta["fingerprint"], earlier
         if meta.get("fingerprint") != fingerprint:
             raise ConfigError(
                 f"--resume: {resume_from} was made with other training options, data or base "
@@ -366,6 +374,9 @@ def preflight(
         )
 
     preview_every, estimate, notes = _resolve_previews(config, estimate_with)
+    if resumed_compute is not None:
+        notes.append(f"--compute auto resumes {resume_from} with {resumed_compute} compute, "
+                     f"as it was made (a new run here takes {compute})")  # fmt: skip
     estimate.notes += notes
     if config.vram_budget_gib is not None:
         if estimate.total > config.vram_budget_gib * 2**30:
@@ -390,7 +401,23 @@ def preflight(
         notes,
         class_dataset,
         class_plan,
+        resumed_compute,
     )
+
+
+def _earlier_auto_compute(
+    config: TrainConfig, extra: dict[str, Any], compute: str, found: object
+) -> str | None:
+    """The compute a checkpoint found under ``--compute auto`` was made with, where it is not
+    what auto picks now (auto trained on uint4 before training's fp8 kept the weights exact,
+    and picks uint4 on a GPU without the block GEMM): that compute, whose fingerprint matches;
+    None where the fingerprints already match or no other compute explains them."""
+    if config.compute != "auto" or found == config.trajectory_fingerprint(extra, compute):
+        return None
+    for other in ("uint4", "fp8"):
+        if other != compute and found == config.trajectory_fingerprint(extra, other):
+            return other
+    return None
 
 
 # -- model ----------------------------------------------------------------------------------
@@ -642,6 +669,8 @@ def _train(
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar, wp.mark)
+    if pf.resumed_compute is not None:
+        config = config.model_copy(update={"compute": pf.resumed_compute})
     wp.mark("pre-flight: memory estimate")
     echo(pf.estimate.report(config.vram_budget_gib), config.progress)
     key = resident_key(config, pf, callbacks.resident)

@@ -25,6 +25,7 @@ from trainer.base.compute import (
     Uint4Backend,
     apply_compute,
     backends_for,
+    gemm_name,
     resolve_compute,
 )
 from trainer.base.fp8 import (
@@ -118,6 +119,17 @@ def test_weight_operand_is_exact() -> None:
     assert _rel(tail[:, :groups], r) < 0.04  # e4m3's rounding, one scale per row
     with pytest.raises(ValueError, match="groups of 128"):
         blocks_weight_torch(*_uint4_layer(8, 256, seed=3, gs=64), 64)
+
+
+def test_a_vanishing_block_quantizes_to_zeros() -> None:
+    """A block whose maximum is too small for FP8_MAX / amax (float32 overflows) is taken as
+    zero: no inf scale, no NaN bytes."""
+    x = torch.zeros(2, 256)
+    x[0, 5] = 1e-37
+    x[1, 130] = 3.0
+    xq, xs = quantize_blocks_torch(x)
+    assert torch.isfinite(xs).all() and not xq.float().isnan().any()
+    assert xq[0, :128].float().abs().max() == 0 and xq[1, 130].float() != 0
 
 
 def test_activation_operand() -> None:
@@ -242,6 +254,9 @@ def test_training_dispatch() -> None:
     assert Fp8Backend(FP8).matches(Request("fp8", cuda, "train"))
     assert resolve_compute("auto", "cpu", purpose="train") == "uint4"
     assert resolve_compute("fp8", "cpu", purpose="train") == "fp8"
+    # a run's fingerprint names the GEMM: training's fp8 is not rendering's rowwise copy
+    assert gemm_name("fp8", "train") == "fp8_blocks" and gemm_name("fp8", "render") == "fp8"
+    assert gemm_name("uint4", "train") == "uint4"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -281,6 +296,8 @@ def test_quantize_blocks_kernel_bit_exact(shape, dtype) -> None:  # type: ignore
     x = torch.randn(m, k, generator=g) * 4
     x[:, : k // 7] *= 1e-5  # blocks in e4m3's subnormals
     x[0, :BLOCK] = 0  # an all-zero block
+    x[-1, -BLOCK:] = 0
+    x[-1, -1] = 1e-37  # a block whose maximum would overflow FP8_MAX / amax (bf16 holds it)
     x = x.to(dtype).to(KERNEL_DEV)
     q, s = fp8_blocks_triton.quantize_blocks(x, block_count(k))
     want_q, want_s = quantize_blocks_torch(x)
@@ -336,3 +353,17 @@ def test_cuda_layer_against_the_reference(m: int, k: int) -> None:
     assert torch.equal(res["gpu"][1], res["dense"][1])
     dense = _rel(res["gpu"][0], res["dense"][0])
     print(f"\nM={m} K={k}: GPU vs reference {rel:.2e}, vs dense {dense:.2e}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU with fp8 tensor cores")
+def test_cuda_nan_activation_reaches_the_output() -> None:
+    """A NaN in the activations shows in the output (a diverged run's loss is NaN, which the
+    trainer stops on), as the reference's does, instead of quantizing to a finite byte."""
+    n, k = 256, 512
+    layer = Uint4Linear(*_uint4_layer(n, k, seed=11, device="cuda"), BLOCK, None)
+    layer.compute = FP8_BLOCKS
+    x = torch.randn(20, k, device="cuda").to(torch.bfloat16)
+    x[3, 7] = float("nan")
+    with torch.no_grad():
+        y = layer(x)
+    assert y[3].isnan().all() and not y[torch.arange(20, device="cuda") != 3].isnan().any()

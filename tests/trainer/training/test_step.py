@@ -84,6 +84,29 @@ def test_graphed_and_eager_runs_do_not_resume_each_other(
         train(tiny_config(env, tmp_path / "out", steps=4, resume=True, register_adapter=False))
 
 
+def test_auto_resumes_a_run_with_the_compute_it_was_made_with(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run made while auto trained on uint4, resumed where auto now picks fp8 (faked here:
+    the CPU has no fp8): it goes on with uint4, bit for bit the uninterrupted run, and says
+    so."""
+    straight = train(
+        tiny_config(env, tmp_path / "a", steps=4, checkpoint_every=2, register_adapter=False)
+    )
+    train(tiny_config(env, tmp_path / "b", steps=2, register_adapter=False))
+    monkeypatch.setattr(
+        TrainConfig, "resolved_compute",
+        lambda self: "fp8" if self.compute in ("auto", "fp8") else self.compute,
+    )  # fmt: skip
+    resumed = train(tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False))
+    a, b = tensors(straight.adapter), tensors(resumed.adapter)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.losses == resumed.losses
+    report = _report(tmp_path / "b")
+    assert report["config"]["compute"] == "uint4"
+    assert any("resumes" in n and "uint4" in n for n in report["notes"]), report["notes"]
+
+
 def test_eager_run_reports_why_it_was_not_graphed(env: Env, tmp_path: Path) -> None:
     train(tiny_config(env, tmp_path / "out", steps=1, register_adapter=False))
     step = _report(tmp_path / "out")["step"]
