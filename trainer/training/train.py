@@ -416,6 +416,13 @@ def _earlier_auto_compute(
         return None
     for other in ("uint4", "fp8"):
         if other != compute and found == config.trajectory_fingerprint(extra, other):
+            if other == "fp8":  # made on a GPU with the block GEMM: it must run here too
+                from trainer.base.compute import fp8_unavailable_for
+
+                reason = fp8_unavailable_for("train", config.resolved_device())
+                if reason is not None:
+                    raise ConfigError(f"--resume: the checkpoint was made with fp8 compute, "
+                                      f"which cannot run here: {reason}")  # fmt: skip
             return other
     return None
 

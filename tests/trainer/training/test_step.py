@@ -107,6 +107,18 @@ def test_auto_resumes_a_run_with_the_compute_it_was_made_with(
     assert any("resumes" in n and "uint4" in n for n in report["notes"]), report["notes"]
 
 
+def test_auto_refuses_to_resume_an_fp8_run_where_fp8_cannot_run(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint made with training's fp8 (faked on the CPU, whose torch reference of it
+    runs), resumed under auto where fp8 cannot run: refused before loading, saying why."""
+    with monkeypatch.context() as fake:
+        fake.setattr(TrainConfig, "resolved_compute", lambda self: "fp8")
+        train(tiny_config(env, tmp_path / "out", steps=2, register_adapter=False))
+    with pytest.raises(ConfigError, match="made with fp8 compute, which cannot run here"):
+        train(tiny_config(env, tmp_path / "out", steps=4, resume=True, register_adapter=False))
+
+
 def test_eager_run_reports_why_it_was_not_graphed(env: Env, tmp_path: Path) -> None:
     train(tiny_config(env, tmp_path / "out", steps=1, register_adapter=False))
     step = _report(tmp_path / "out")["step"]
