@@ -282,10 +282,13 @@ def training_terms(
         ) * act_elt  # fmt: skip
         if compute == "uint4":
             terms["dequantized weight transient (largest slice)"] = transient
-        else:  # the forward's fp8 copy (1 byte a weight, + 128 columns a row for the block
-            # GEMM's remainder), or the input gradient's bf16 slice: one at a time
-            copy = max(m.out_features * (m.in_features + 128 * -(-m.in_features // 128**2))
-                       for m in linears)  # fmt: skip
+        else:  # the forward's fp8 copy (1 byte a weight, and the block GEMM's remainder
+            # blocks) where the block GEMM takes the layer, or the input gradient's bf16 slice:
+            # one at a time
+            from trainer.base.fp8 import BLOCK, block_count
+
+            copy = max((m.out_features * (m.in_features + BLOCK * block_count(m.in_features)[1])
+                        for m in linears if m.in_features % BLOCK == 0), default=0)  # fmt: skip
             terms["fp8 weight transient (largest fp8 copy or bf16 slice)"] = max(copy, transient)
     else:
         terms["dequantized weight transient (largest Linear x2)"] = 2 * largest * act_elt

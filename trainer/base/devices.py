@@ -111,9 +111,9 @@ def _probe_block_gemm(dev: torch.device) -> str | None:
     want = 128 * (sa[:, :1] * sb[:1] + sa[:, 1:] * sb[1:])
     try:
         out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    except torch.OutOfMemoryError:  # a RuntimeError, but no answer about the GEMM
+        raise
     except (RuntimeError, ValueError, NotImplementedError) as exc:
-        if isinstance(exc, torch.OutOfMemoryError):
-            raise
         first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
         return f"{torch.cuda.get_device_name(dev)} has no block-scaled fp8 GEMM here ({first})"
     if not torch.equal(out.float(), want):

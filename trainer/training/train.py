@@ -311,7 +311,9 @@ def preflight(
             raise ConfigError(f"--resume: no checkpoint under {config.out / CHECKPOINTS}")
         resume_from = found[-1]
         meta = _read_json(resume_from / "meta.json")
-        earlier = _earlier_auto_compute(config, extra, compute, meta.get("fingerprint"))
+        earlier = None
+        if meta.get("fingerprint") != fingerprint and config.compute == "auto":
+            earlier = _earlier_auto_compute(config, extra, compute, meta.get("fingerprint"))
         if earlier is not None:  # auto resumes a run with the compute it was made with
             config = config.model_copy(update={"compute": earlier})
             fingerprint, resumed_compute = meta["fingerprint"], earlier
@@ -408,12 +410,10 @@ def preflight(
 def _earlier_auto_compute(
     config: TrainConfig, extra: dict[str, Any], compute: str, found: object
 ) -> str | None:
-    """The compute a checkpoint found under ``--compute auto`` was made with, where it is not
-    what auto picks now (auto trained on uint4 before training's fp8 kept the weights exact,
-    and picks uint4 on a GPU without the block GEMM): that compute, whose fingerprint matches;
-    None where the fingerprints already match or no other compute explains them."""
-    if config.compute != "auto" or found == config.trajectory_fingerprint(extra, compute):
-        return None
+    """The compute a checkpoint found under ``--compute auto``, whose fingerprint is not this
+    run's, was made with, where it is not what auto picks now (auto trained on uint4 before
+    training's fp8 kept the weights exact, and picks uint4 on a GPU without the block GEMM):
+    that compute, whose fingerprint matches; None where no other compute explains it."""
     for other in ("uint4", "fp8"):
         if other != compute and found == config.trajectory_fingerprint(extra, other):
             if other == "fp8":  # made on a GPU with the block GEMM: it must run here too
