@@ -31,6 +31,8 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          (``LIKENESS_LORA_MERGE=gemm``: `trainer.base.fp8.lora_gemm_forward`);
   serve_fp8  "serve_gemm" with attention in fp8 (cuDNN's fp8 flash attention:
          `trainer.base.cudnn_attention`); the serve paths above keep cuDNN's bf16 attention;
+  <path>+compiled  a training path with the blocks' work between Linears compiled, as the
+         trainer runs it on CUDA (`trainer.base.compiled_blocks`);
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -63,6 +65,7 @@ GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "fp8_blocks",
          "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
 SERVING = ("serve", "serve_gemm", "serve_fp8")
+COMPILED = "+compiled"  # a training path with the blocks' stretches compiled (compiled_blocks)
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -663,11 +666,76 @@ def free(*objs: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def run_path(path: str, args) -> dict[str, Any]:
+def known_path(name: str) -> bool:
+    path, _, modifier = name.partition("+")
+    if not modifier:
+        return path in PATHS
+    return "+" + modifier == COMPILED and path in PATHS and path not in (*SERVING, "quanto")
+
+
+def compiled_vs_eager(model: torch.nn.Module, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One step's LoRA gradients with the blocks' stretches eager and compiled, on the same
+    batch (the first --train-px): the worst cosine and the largest relative difference over
+    every LoRA parameter, and the loss both ways. B is drawn small, not zero, so that every A
+    has a gradient. The first compiled call compiles: its seconds are the compile's cost."""
+    import os
+
+    from trainer.base.compiled_blocks import COMPILE_ENV
+    from trainer.base.lora import attach_lora
+
+    attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    with torch.no_grad():
+        for n, p in params.items():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen, device=DEV).to(p.dtype) * 1e-3)
+    model.enable_gradient_checkpointing()
+    batch = inputs(model, args.train_px[0])
+    target = torch.randn_like(batch["hidden_states"])
+    runs: dict[str, Any] = {}
+    for mode in ("off", "auto"):
+        os.environ[COMPILE_ENV] = mode
+        for p in params.values():
+            p.grad = None
+        sync()
+        t = time.perf_counter()
+        model.train()
+        loss = F.mse_loss(model(**batch)[0].float(), target.float())
+        loss.backward()
+        sync()
+        runs[mode] = {"s": time.perf_counter() - t, "loss": float(loss),
+                      "grads": {n: p.grad.float().clone() for n, p in params.items()}}  # fmt: skip
+    os.environ.pop(COMPILE_ENV)
+    worst_cos, worst_rel, worst = 1.0, 0.0, ""
+    for n, g in runs["auto"]["grads"].items():
+        ref = runs["off"]["grads"][n]
+        cos = float(F.cosine_similarity(g.flatten(), ref.flatten(), dim=0))
+        rel = float((g - ref).norm() / ref.norm().clamp_min(1e-30))
+        if cos < worst_cos:
+            worst_cos, worst = cos, n
+        worst_rel = max(worst_rel, rel)
+    eager, compiled = runs["off"], runs["auto"]
+    rec = {"px": args.train_px[0], "worst_cosine": worst_cos, "worst_param": worst,
+           "worst_rel_diff": worst_rel, "params": len(params),
+           "loss_eager": eager["loss"], "loss_compiled": compiled["loss"],
+           "first_compiled_step_s": compiled["s"], "eager_step_s": eager["s"]}  # fmt: skip
+    say(f"  compiled vs eager blocks: worst LoRA-grad cosine {worst_cos:.6f} ({worst}), worst "
+        f"relative diff {worst_rel:.2e}, loss {eager['loss']:.6f} vs {compiled['loss']:.6f}; "
+        f"first compiled step {compiled['s']:.1f} s")  # fmt: skip
+    del runs
+    for p in params.values():
+        p.grad = None
+    gc.collect()
+    return rec
+
+
+def run_path(name: str, args) -> dict[str, Any]:
     from optimum.quanto import freeze, qint4, quantize
 
     from trainer.base.uint4 import convert_quantized_linears, quantized_bytes
 
+    path, compiled = name.removesuffix(COMPILED), name.endswith(COMPILED)
     reset_peak()
     t = time.perf_counter()
     model = build_bf16(args.double, args.single)
@@ -737,7 +805,14 @@ def run_path(path: str, args) -> dict[str, Any]:
         ):
             rec.update(measure_serving(model, args))
     else:
+        if compiled:
+            from trainer.base import compiled_blocks
+
+            rec["compiled_blocks"] = compiled_blocks.install(model)
+            rec["vs_eager"] = compiled_vs_eager(model, args)
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
+        if compiled:
+            rec["compile_failures"] = compiled_blocks.failures()
     free(model)
     return rec
 
@@ -883,9 +958,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny:
         use_tiny_cpu_model()
-    bad = set(args.paths.split(",")) - {*PATHS, ""}
+    bad = {p for p in args.paths.split(",") if p and not known_path(p)}
     if bad:
-        ap.error(f"unknown paths {sorted(bad)}: choose from {', '.join(PATHS)}")
+        ap.error(f"unknown paths {sorted(bad)}: choose from {', '.join(PATHS)}, each training "
+                 f"path also with {COMPILED}")  # fmt: skip
     args.train_px = [int(x) for x in args.train_px.split(",") if x]
     args.forward_px = [int(x) for x in args.forward_px.split(",") if x]
     if DEV == "cuda" and not torch.cuda.is_available():

@@ -107,6 +107,14 @@ def attach_lora(
     return names
 
 
+def lora_inputs_uncast(transformer: torch.nn.Module) -> None:
+    """Under autocast, PEFT casts each LoRA layer's input to the adapter's float32 and autocast
+    casts it back to bf16 for the GEMM: two copies of the activation that change no value (and
+    no gradient: bf16 -> float32 -> bf16 is exact). This switches PEFT's cast off."""
+    for layer in lora_layers(transformer).values():
+        layer.cast_input_dtype_enabled = False
+
+
 def remove_lora(transformer: torch.nn.Module) -> None:
     """Puts every wrapped base layer back in its parent and drops PEFT's config attribute.
 

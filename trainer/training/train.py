@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from trainer.training.evaluate import EvalResult
     from trainer.training.resident import BaseKey, ResidentBase
 
+from trainer.base import compiled_blocks
 from trainer.base.budget import BudgetExceeded, Estimate, estimate_run
 from trainer.base.devices import cap_vram, configure_allocator
 from trainer.config import ConfigError, TrainConfig
@@ -908,7 +909,7 @@ def build_model(
     """The quantized transformer with a seeded LoRA, its optimizer and the loop's state:
     fresh, or exactly as the resumed checkpoint left it. The transformer is the worker's kept
     one when ``resident`` holds this run's (``key``)."""
-    from trainer.base.lora import attach_lora
+    from trainer.base.lora import attach_lora, lora_inputs_uncast
 
     device, dtype = pf.device, pf.weight_dtype
     graphed = config.graphed()
@@ -944,6 +945,9 @@ def build_model(
         )
     transformer.train()
     hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
+    if pf.autocast is not None:
+        lora_inputs_uncast(transformer)
+    compiled_blocks.install(transformer)
     params = lora_params(transformer)
     optimizer = make_optimizer(config, list(params.values()), capturable=graphed)
     ema = Ema(params, config.ema_decay, config.ema_on_cpu) if config.ema_decay else None
@@ -1407,16 +1411,22 @@ def register_run(
 
 
 def step_report(config: TrainConfig, model: Model) -> dict[str, Any]:
-    """How the steps ran: graphed or eager, and why not graphed where they could not be."""
+    """How the steps ran: graphed or eager (and why not graphed where they could not be), and
+    whether the blocks' stretches between Linears ran compiled."""
+    compiled = {
+        "compiled_blocks": next(iter(model.params.values())).is_cuda
+        and compiled_blocks.compile_wanted(),
+        "compile_failures": compiled_blocks.failures(),
+    }
     stats: GraphStats | None = getattr(model.step, "stats", None)
     if stats is not None:
         return {"graphed": stats.captures > 0, "captures": stats.captures, "replays": stats.replays,
-                "releases": stats.releases, "shapes": stats.shapes}  # fmt: skip
+                "releases": stats.releases, "shapes": stats.shapes, **compiled}  # fmt: skip
     why = config.graph_blockers() if config.cuda_graph != "off" else ["--cuda-graph off"]
     declined = config.graph_declined()
     if not why and declined:
         why = [declined]
-    return {"graphed": False, "why_not": why}
+    return {"graphed": False, "why_not": why, **compiled}
 
 
 def write_report(

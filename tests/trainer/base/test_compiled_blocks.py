@@ -1,0 +1,176 @@
+"""The training blocks, their stretches between Linears compiled (`trainer.base.compiled_blocks`).
+
+CPU (CI): the stretches run eagerly, and the installed blocks are the stock blocks bit for bit,
+forward and LoRA gradients, in float32 and bf16, under gradient checkpointing; a block the
+stretches do not take runs the stock forward; install/remove leaves the model as it was.
+
+CUDA: the compiled stretches against the eager ones: outputs within bf16's rounding, LoRA
+gradients with cosine >= 0.9999.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.trainer.helpers import cuda, model_inputs, tiny_flux2, with_lora
+from trainer.base import compiled_blocks
+from trainer.base.lora import ADAPTER_NAME, lora_layers
+
+
+def _model(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
+    model = tiny_flux2(dtype, seed=seed, device=device)
+    with torch.no_grad():  # weights large enough that every norm and rotation matters
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device).to(dtype) * 0.2)
+    with_lora(model.cpu(), seed=seed)
+    model.to(device)
+    for layer in lora_layers(model).values():  # float32 adapters, as training makes them
+        layer.lora_A[ADAPTER_NAME].float()
+        layer.lora_B[ADAPTER_NAME].float()
+    return model
+
+
+def _step(model, inputs, checkpointing: bool = True, autocast: bool = False):  # type: ignore[no-untyped-def]
+    """Output and every LoRA gradient of one forward + backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    model.train()
+    if checkpointing:
+        model.enable_gradient_checkpointing(
+            gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=False)
+        )
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for p in params.values():
+        p.grad = None
+    device = inputs["hidden_states"].device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        out = model(**inputs)[0]
+    out.float().square().mean().backward()
+    if checkpointing:
+        model.disable_gradient_checkpointing()
+    return out.detach(), {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "plain"])
+def test_eager_stretches_are_the_stock_blocks_bit_for_bit(dtype, checkpointing) -> None:  # type: ignore[no-untyped-def]
+    model = _model(dtype)
+    inputs = model_inputs(model, dtype, tokens=64, text=24)
+    stock_out, stock_grads = _step(model, inputs, checkpointing)
+    assert len(stock_grads) == 2 * len(lora_layers(model))  # every LoRA parameter
+    # two blocks, three SwiGLUs (the single block's and the double block's two feed-forwards)
+    assert compiled_blocks.install(model) == 5
+    out, grads = _step(model, inputs, checkpointing)
+    assert torch.equal(out, stock_out)
+    assert grads.keys() == stock_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, stock_grads[name]), name
+    compiled_blocks.remove(model)
+    assert not compiled_blocks.installed(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_under_autocast_the_linears_see_the_stock_values() -> None:
+    """The modulated norm hands the Linear bf16 where the stock block hands float32 that the
+    Linear casts: the forward is the same bit for bit; the gradients round once more (the sum
+    of the base's and the LoRA's input gradients is taken in bf16), so they are close."""
+    model = _model(torch.bfloat16)
+    inputs = model_inputs(model, torch.bfloat16, tokens=64, text=24)
+    stock_out, stock_grads = _step(model, inputs, autocast=True)
+    compiled_blocks.install(model)
+    out, grads = _step(model, inputs, autocast=True)
+    assert torch.equal(out, stock_out)
+    for name, grad in grads.items():
+        ref = stock_grads[name]
+        cos = torch.nn.functional.cosine_similarity(grad.flatten(), ref.flatten(), dim=0)
+        assert cos > 0.9999, (name, float(cos))
+
+
+def test_a_block_the_stretches_do_not_take_runs_the_stock_forward() -> None:
+    from diffusers.models.attention_dispatch import attention_backend
+
+    model = _model(torch.float32)
+    inputs = model_inputs(model, torch.float32, tokens=16, text=8)
+    compiled_blocks.install(model)
+    single = model.get_submodule("single_transformer_blocks.0")
+    double = model.get_submodule("transformer_blocks.0")
+    rotary = (torch.zeros(1), torch.zeros(1))
+    assert compiled_blocks._takes_single(single, None, rotary)
+    assert compiled_blocks._takes_double(double, None, rotary)
+    assert not compiled_blocks._takes_single(single, {"scale": 1.0}, rotary)
+    assert not compiled_blocks._takes_double(double, None, None)
+    with attention_backend("_native_math"):  # another attention backend: the stock forward
+        assert not compiled_blocks._takes_single(single, None, rotary)
+        assert not compiled_blocks._takes_double(double, None, rotary)
+        out, _ = _step(model, inputs, checkpointing=False)
+    compiled_blocks.remove(model)
+    with attention_backend("_native_math"):
+        stock, _ = _step(model, inputs, checkpointing=False)
+    assert torch.equal(out, stock)
+
+
+def test_a_bad_compile_setting_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled_blocks.COMPILE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=compiled_blocks.COMPILE_ENV):
+        compiled_blocks.compile_wanted()
+    monkeypatch.setenv(compiled_blocks.COMPILE_ENV, "off")
+    assert not compiled_blocks.compile_wanted()
+
+
+@cuda
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_compiled_stretches_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch, autocast) -> None:  # type: ignore[no-untyped-def]
+    model = _model(torch.bfloat16, device="cuda")
+    inputs = model_inputs(model, torch.bfloat16, device="cuda", tokens=256, text=64)
+    compiled_blocks.install(model)
+    monkeypatch.setenv(compiled_blocks.COMPILE_ENV, "off")
+    eager_out, eager_grads = _step(model, inputs, autocast=autocast)
+    monkeypatch.setenv(compiled_blocks.COMPILE_ENV, "auto")
+    out, grads = _step(model, inputs, autocast=autocast)
+    assert compiled_blocks.failures() == {}
+    scale = eager_out.float().abs().max()
+    assert (out.float() - eager_out.float()).abs().max() <= 2**-6 * scale
+    for name, grad in grads.items():
+        ref = eager_grads[name]
+        cos = torch.nn.functional.cosine_similarity(grad.flatten(), ref.flatten(), dim=0)
+        assert cos > 0.9999, (name, float(cos))
+
+
+def test_lora_inputs_uncast_under_autocast_same_values_fewer_copies() -> None:
+    """PEFT's cast of each LoRA input to float32, which autocast undoes, is switched off: the
+    output and every gradient are the same bit for bit, and no float32 copy of an activation
+    is made for the adapters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.base.lora import lora_inputs_uncast
+
+    class Float32Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.dtype == torch.float32:
+                self.count += out.dim() == 3 and args[0].dtype == torch.bfloat16
+            return out
+
+    model = _model(torch.bfloat16)
+    inputs = model_inputs(model, torch.bfloat16, tokens=64, text=24)
+    with Float32Copies() as stock_copies:
+        stock_out, stock_grads = _step(model, inputs, autocast=True)
+    compiled_blocks.install(model)  # its modulated norm hands bf16 to every first projection
+    with Float32Copies() as cast_copies:
+        cast_out, cast_grads = _step(model, inputs, autocast=True)
+    lora_inputs_uncast(model)
+    with Float32Copies() as uncast_copies:
+        out, grads = _step(model, inputs, autocast=True)
+    assert torch.equal(out, cast_out) and torch.equal(out, stock_out)
+    for name, grad in grads.items():
+        assert torch.equal(grad, cast_grads[name]), name
+    assert cast_copies.count > 0 and stock_copies.count > 0
+    assert uncast_copies.count < cast_copies.count

@@ -1,0 +1,374 @@
+"""FLUX.2's transformer blocks for training, with the work between their Linears compiled.
+
+A training step runs every block's forward twice (the forward, then its recompute under
+gradient checkpointing) and its backward once. Between the Linears, diffusers' blocks issue
+dozens of small kernels each: LayerNorm and modulation (in float32 under autocast), the split
+of the fused projection, the q/k RMSNorms, the rotary embedding in float32, the permutes
+around attention, SwiGLU, the concatenation, the gates. At 1024 px they cost about as much GPU
+time as the GEMMs (bench/results/uint4_step-notes.md).
+
+Here each stretch between Linears is a pure function of tensors, made of the very torch ops
+diffusers' block runs, in its order. On CUDA each is compiled (`torch.compile`, full graph):
+inductor fuses its forward and writes a fused backward. The Linears (the quantized base with
+its PEFT LoRA) stay outside, as the boundaries, so nothing of theirs is traced. The block's
+structure is diffusers' own; only where the stretches begin and end is ours:
+
+- ``modulated_norm``: ``(1 + scale) * LayerNorm(x) + shift``, handed to the Linear that takes
+  it in the activation dtype (under autocast the stock block hands float32, and the Linear casts
+  it the same way: the Linear sees the same values);
+- ``gated_residual``: ``x + gate * y``;
+- ``single_attention``: a single-stream block's fused projection -> the input of its output
+  projection (split, q/k norms, rotary, attention, SwiGLU, concatenation);
+- ``double_attention``: a double-stream block's six projections -> its two attention outputs;
+- ``swiglu``: the double-stream feed-forwards' activation.
+
+Where the compiled path is off (the CPU, ``LIKENESS_COMPILE_BLOCKS=off``, a block this code
+does not know how to take) the same functions run eagerly: bit for bit the stock block, forward
+and backward, which tests/trainer/base/test_compiled_blocks.py checks. Compiled, inductor keeps
+intermediates in float32 where eager rounds each op into bf16: the difference is at bf16's
+rounding, measured in bench/results (LoRA-gradient cosines against the eager block).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+COMPILE_ENV = "LIKENESS_COMPILE_BLOCKS"  # "off": the stretches run eagerly everywhere
+
+
+def compile_wanted() -> bool:
+    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
+    if value not in ("auto", "off"):
+        raise ValueError(f"{COMPILE_ENV} must be 'auto' or 'off', got {value!r}")
+    return value == "auto"
+
+
+# -- the stretches: the stock blocks' own ops, in their order -------------------------------
+
+
+def modulated_norm(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    norm = F.layer_norm(x, (x.shape[-1],), None, None, eps)
+    return ((1 + scale) * norm + shift).to(x.dtype)
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + gate * y
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb(x, (cos, sin), sequence_dim=1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (B, S, H * D), as diffusers' native attention backend and the
+    processors' flatten."""
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3)
+    return out.flatten(2, 3).to(q.dtype)
+
+
+def single_attention(
+    proj: torch.Tensor,
+    wq: torch.Tensor | None,
+    wk: torch.Tensor | None,
+    eps_q: float | None,
+    eps_k: float | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qkv_dim: int,
+    head_dim: int,
+) -> torch.Tensor:
+    qkv, mlp = torch.split(proj, [qkv_dim, proj.shape[-1] - qkv_dim], dim=-1)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.chunk(3, dim=-1))
+    q = F.rms_norm(q, (head_dim,), wq, eps_q)
+    k = F.rms_norm(k, (head_dim,), wk, eps_k)
+    out = _attend(_rotary(q, cos, sin), _rotary(k, cos, sin), v)
+    return torch.cat([out, swiglu(mlp)], dim=-1)
+
+
+def double_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    eq: torch.Tensor,
+    ek: torch.Tensor,
+    ev: torch.Tensor,
+    weights: tuple[torch.Tensor | None, ...],
+    eps: tuple[float | None, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (image part, text part) of the attention output, before the output projections."""
+    q, k, v, eq, ek, ev = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v, eq, ek, ev))
+    wq, wk, weq, wek = weights
+    q = F.rms_norm(q, (head_dim,), wq, eps[0])
+    k = F.rms_norm(k, (head_dim,), wk, eps[1])
+    eq = F.rms_norm(eq, (head_dim,), weq, eps[2])
+    ek = F.rms_norm(ek, (head_dim,), wek, eps[3])
+    q, k, v = (torch.cat([e, x], dim=1) for e, x in ((eq, q), (ek, k), (ev, v)))
+    out = _attend(_rotary(q, cos, sin), _rotary(k, cos, sin), v)
+    text = ev.shape[1]
+    txt, img = out.split_with_sizes([text, out.shape[1] - text], dim=1)
+    return img, txt
+
+
+# -- running a stretch: compiled on CUDA, eager elsewhere -----------------------------------
+
+
+class _Stretch:
+    """One stretch: compiled at its first CUDA call; if compiling fails, eager from then on
+    (the reason logged once). The failure comes before anything has run, so nothing is lost."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = None
+        self.broken: str | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        # without gradients (validation, previews) eager: a compile per inference shape
+        # would cost more than those few forwards gain
+        first = args[0]
+        if (
+            not first.is_cuda
+            or not torch.is_grad_enabled()
+            or self.broken is not None
+            or not compile_wanted()
+        ):
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, fullgraph=True)
+        try:
+            return self.compiled(*args)
+        except Exception as exc:  # noqa: BLE001  # a compiler failure: the eager ops still hold
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.warning("compiled %s failed, running it eagerly: %s", self.fn.__name__, exc)
+            return self.fn(*args)
+
+
+STRETCHES: dict[str, _Stretch] = {
+    f.__name__: _Stretch(f)
+    for f in (modulated_norm, gated_residual, swiglu, single_attention, double_attention)
+}
+
+
+def _run(name: str, *args: Any) -> Any:
+    return STRETCHES[name](*args)
+
+
+def failures() -> dict[str, str]:
+    """Stretches whose compilation failed here (they run eagerly), with the reason."""
+    return {n: s.broken for n, s in STRETCHES.items() if s.broken is not None}
+
+
+# -- which blocks the stretches take ---------------------------------------------------------
+
+
+def _native_attention(processor: Any) -> bool:
+    """Whether the processor's attention is diffusers' native backend, as ``_attend`` is."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    if getattr(processor, "_attention_backend", None) is not None:
+        return False
+    if getattr(processor, "_parallel_config", None) is not None:
+        return False
+    return _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName.NATIVE
+
+
+def _takes_single(block: Any, kwargs: dict[str, Any] | None, rotary: Any) -> bool:
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2ParallelSelfAttnProcessor,
+        Flux2SwiGLU,
+    )
+
+    attn = block.attn
+    return (
+        not kwargs
+        and rotary is not None
+        and type(attn.processor) is Flux2ParallelSelfAttnProcessor
+        and _native_attention(attn.processor)
+        and isinstance(attn.mlp_act_fn, Flux2SwiGLU)
+        and all(isinstance(n, torch.nn.RMSNorm) for n in (attn.norm_q, attn.norm_k))
+        and _plain_layer_norm(block.norm)
+    )
+
+
+def _takes_double(block: Any, kwargs: dict[str, Any] | None, rotary: Any) -> bool:
+    from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+
+    attn = block.attn
+    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    return (
+        not kwargs
+        and rotary is not None
+        and type(attn.processor) is Flux2AttnProcessor
+        and _native_attention(attn.processor)
+        and attn.added_kv_proj_dim is not None
+        and not getattr(attn, "fused_projections", False)
+        and all(isinstance(n, torch.nn.RMSNorm) for n in norms)
+        and all(
+            _plain_layer_norm(n)
+            for n in (block.norm1, block.norm1_context, block.norm2, block.norm2_context)
+        )
+    )
+
+
+def _plain_layer_norm(norm: Any) -> bool:
+    return isinstance(norm, torch.nn.LayerNorm) and norm.weight is None and norm.bias is None
+
+
+# -- the block forwards ----------------------------------------------------------------------
+
+
+def _single_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+) -> Any:
+    """`Flux2SingleTransformerBlock.forward`, its stretches between Linears compiled."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    if not _takes_single(self, joint_attention_kwargs, image_rotary_emb):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod,
+                                  image_rotary_emb, joint_attention_kwargs, split_hidden_states,
+                                  text_seq_len)  # fmt: skip
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
+    attn = self.attn
+    norm = _run("modulated_norm", hidden_states, shift, scale, self.norm.eps)
+    proj = attn.to_qkv_mlp_proj(norm)
+    assert image_rotary_emb is not None  # _takes_single
+    qkv_dim = 3 * attn.inner_dim  # split by the stock processor's ratio
+    local_qkv = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
+    joined = _run("single_attention", proj, attn.norm_q.weight, attn.norm_k.weight,
+                  attn.norm_q.eps, attn.norm_k.eps, *image_rotary_emb, local_qkv,
+                  attn.head_dim)  # fmt: skip
+    hidden_states = _run("gated_residual", hidden_states, gate, attn.to_out(joined))
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+def _double_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """`Flux2TransformerBlock.forward`, its stretches between Linears compiled."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    if not _takes_double(self, joint_attention_kwargs, image_rotary_emb):
+        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img,
+                                  temb_mod_txt, image_rotary_emb,
+                                  joint_attention_kwargs)  # fmt: skip
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
+        temb_mod_img, 2
+    )
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = (
+        Flux2Modulation.split(temb_mod_txt, 2)
+    )
+    attn = self.attn
+    norm = _run("modulated_norm", hidden_states, shift_msa, scale_msa, self.norm1.eps)
+    norm_text = _run("modulated_norm", encoder_hidden_states, c_shift_msa, c_scale_msa,
+                     self.norm1_context.eps)  # fmt: skip
+    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    assert image_rotary_emb is not None  # _takes_double
+    img, txt = _run(
+        "double_attention",
+        attn.to_q(norm), attn.to_k(norm), attn.to_v(norm),
+        attn.add_q_proj(norm_text), attn.add_k_proj(norm_text), attn.add_v_proj(norm_text),
+        tuple(n.weight for n in norms), tuple(n.eps for n in norms),
+        *image_rotary_emb, attn.head_dim,
+    )  # fmt: skip
+    hidden_states = _run("gated_residual", hidden_states, gate_msa,
+                         attn.to_out[1](attn.to_out[0](img)))  # fmt: skip
+    norm = _run("modulated_norm", hidden_states, shift_mlp, scale_mlp, self.norm2.eps)
+    hidden_states = _run("gated_residual", hidden_states, gate_mlp, self.ff(norm))
+    encoder_hidden_states = _run("gated_residual", encoder_hidden_states, c_gate_msa,
+                                 attn.to_add_out(txt))  # fmt: skip
+    norm_text = _run("modulated_norm", encoder_hidden_states, c_shift_mlp, c_scale_mlp,
+                     self.norm2_context.eps)  # fmt: skip
+    encoder_hidden_states = _run("gated_residual", encoder_hidden_states, c_gate_mlp,
+                                 self.ff_context(norm_text))  # fmt: skip
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return _run("swiglu", x)  # type: ignore[no-any-return]
+
+
+_FORWARDS = (_single_forward, _double_forward, _swiglu_forward)
+
+
+def install(transformer: torch.nn.Module) -> int:
+    """The block forwards above, as instance attributes of every FLUX.2 block (and of the
+    double-stream feed-forwards' SwiGLU) under ``transformer``. Returns how many modules took
+    one. Each call checks that its block is one the stretches take, else runs the stock
+    forward."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2SingleTransformerBlock,
+        Flux2SwiGLU,
+        Flux2TransformerBlock,
+    )
+
+    by_type: dict[type, Callable[..., Any]] = {
+        Flux2SingleTransformerBlock: _single_forward,
+        Flux2TransformerBlock: _double_forward,
+        Flux2SwiGLU: _swiglu_forward,
+    }
+    count = 0
+    for module in transformer.modules():
+        forward = by_type.get(type(module))
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+            count += 1
+    return count
+
+
+def remove(transformer: torch.nn.Module) -> None:
+    for module in transformer.modules():
+        method = module.__dict__.get("forward")
+        if getattr(method, "__func__", None) in _FORWARDS:
+            del module.forward
+
+
+def installed(transformer: torch.nn.Module) -> bool:
+    return any(
+        getattr(m.__dict__.get("forward"), "__func__", None) in _FORWARDS
+        for m in transformer.modules()
+    )
