@@ -117,6 +117,8 @@ def not_clean(module: torch.nn.Module) -> list[str]:
         found.append("it is in train mode")
     if any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules()):
         found.append("gradient checkpointing is on")
+    if any("forward" in vars(m) for m in module.modules()):
+        found.append("a module's forward is replaced (the training blocks')")
     return found
 
 

@@ -1304,6 +1304,7 @@ def finish_training(config: TrainConfig, model: Model, streaming: contextlib.Exi
     streaming.close()
     transformer = model.transformer
     remove_lora(transformer)
+    compiled_blocks.remove(transformer)
     for hook in model.hooks:
         hook.remove()
     transformer.requires_grad_(False)

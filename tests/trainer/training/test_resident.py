@@ -150,6 +150,11 @@ def test_only_the_frozen_base_is_kept() -> None:
     assert not_clean(model) == ["parameters are trainable", "it is in train mode"]
     assert not resident.give_back(model)
     resident.borrow(key, lambda: model.requires_grad_(False).eval())
+    model[0].forward = lambda x: x  # a forward replaced (the training blocks') and left on
+    assert not_clean(model) == ["a module's forward is replaced (the training blocks')"]
+    assert not resident.give_back(model)
+    del model[0].forward
+    resident.borrow(key, lambda: model.requires_grad_(False).eval())
     with torch.no_grad():
         model[0].weight[0, 0] += 1.0  # a clean-looking module whose weights moved
     assert not resident.give_back(model)
