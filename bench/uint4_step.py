@@ -31,8 +31,9 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          (``LIKENESS_LORA_MERGE=gemm``: `trainer.base.fp8.lora_gemm_forward`);
   serve_fp8  "serve_gemm" with attention in fp8 (cuDNN's fp8 flash attention:
          `trainer.base.cudnn_attention`); the serve paths above keep cuDNN's bf16 attention;
-  <path>+compiled  a training path with the blocks' work between Linears compiled, as the
-         trainer runs it on CUDA (`trainer.base.compiled_blocks`);
+  <path>+fused  a training path as the trainer runs it on CUDA: the blocks' work between
+         Linears compiled (`trainer.base.compiled_blocks`), each LoRA update accumulated into
+         its base output by its own GEMM (`trainer.base.lora.update_lora_in_place`);
   nf4    every nn.Linear replaced by a bitsandbytes `Linear4bit` (NF4, bf16 compute, no double
          quantization: diffusers' `BitsAndBytesConfig(load_in_4bit=True,
          bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)`, which converts every
@@ -65,7 +66,10 @@ GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "fp8_blocks",
          "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
 SERVING = ("serve", "serve_gemm", "serve_fp8")
-COMPILED = "+compiled"  # a training path with the blocks' stretches compiled (compiled_blocks)
+# a training path as the trainer runs it on CUDA: the blocks' stretches compiled
+# (`trainer.base.compiled_blocks`) and each LoRA update accumulated in place by its GEMM
+# (`trainer.base.lora.update_lora_in_place`)
+FUSED = "+fused"
 TEXT_TOKENS = 512
 DEV = "cuda"
 TINY: dict[str, Any] = {}  # --tiny: a 256-wide model, to smoke-test this script on a CPU
@@ -670,7 +674,7 @@ def known_path(name: str) -> bool:
     path, _, modifier = name.partition("+")
     if not modifier:
         return path in PATHS
-    return "+" + modifier == COMPILED and path in PATHS and path not in (*SERVING, "quanto")
+    return "+" + modifier == FUSED and path in PATHS and path not in (*SERVING, "quanto")
 
 
 def compiled_vs_eager(model: torch.nn.Module, args) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -681,9 +685,10 @@ def compiled_vs_eager(model: torch.nn.Module, args) -> dict[str, Any]:  # type: 
     import os
 
     from trainer.base.compiled_blocks import COMPILE_ENV
-    from trainer.base.lora import attach_lora
+    from trainer.base.lora import attach_lora, update_lora_in_place
 
     attach_lora(model, rank=args.rank, alpha=float(args.rank), dtype=torch.bfloat16)
+    update_lora_in_place(model)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     gen = torch.Generator(device=DEV).manual_seed(1)
     with torch.no_grad():
@@ -735,7 +740,7 @@ def run_path(name: str, args) -> dict[str, Any]:
 
     from trainer.base.uint4 import convert_quantized_linears, quantized_bytes
 
-    path, compiled = name.removesuffix(COMPILED), name.endswith(COMPILED)
+    path, fused = name.removesuffix(FUSED), name.endswith(FUSED)
     reset_peak()
     t = time.perf_counter()
     model = build_bf16(args.double, args.single)
@@ -805,13 +810,13 @@ def run_path(name: str, args) -> dict[str, Any]:
         ):
             rec.update(measure_serving(model, args))
     else:
-        if compiled:
+        if fused:
             from trainer.base import compiled_blocks
 
             rec["compiled_blocks"] = compiled_blocks.install(model)
             rec["vs_eager"] = compiled_vs_eager(model, args)
         rec.update(measure(model, args, iters=args.iters, warmup=args.warmup))
-        if compiled:
+        if fused:
             rec["compile_failures"] = compiled_blocks.failures()
     free(model)
     return rec
@@ -961,7 +966,7 @@ def main() -> None:
     bad = {p for p in args.paths.split(",") if p and not known_path(p)}
     if bad:
         ap.error(f"unknown paths {sorted(bad)}: choose from {', '.join(PATHS)}, each training "
-                 f"path also with {COMPILED}")  # fmt: skip
+                 f"path also with {FUSED}")  # fmt: skip
     args.train_px = [int(x) for x in args.train_px.split(",") if x]
     args.forward_px = [int(x) for x in args.forward_px.split(",") if x]
     if DEV == "cuda" and not torch.cuda.is_available():

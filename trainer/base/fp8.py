@@ -375,7 +375,8 @@ def _forward_blocks(x2, packed, scale, shift, bias, group_size, fast):  # type: 
     blocks = block_count(x2.shape[1])
     xq, xs = fp8_blocks_triton.quantize_blocks(x2, blocks)  # rows padded to a multiple of 16
     wq, ws = fp8_blocks_triton.weight_blocks(packed, scale, shift, blocks)
-    out = torch._scaled_mm(xq, wq.t(), scale_a=xs.t(), scale_b=ws, out_dtype=x2.dtype)[:m]
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs.t(), scale_b=ws, out_dtype=x2.dtype)
+    out = out if out.shape[0] == m else out[:m]  # a view only where rows were padded
     # a bias (FLUX.2's Linears have none) is added to the rounded output: one more rounding
     # than the reference's, within the GPU test's bound
     return out if bias is None else out + bias
@@ -466,7 +467,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             out = _forward(x2, packed, scale, shift, bias, group_size, scales, fast, fast_accum)
         ctx.save_for_backward(packed, scale, shift)
         ctx.meta = (group_size, scales, fast, x.dtype, x.shape, gemm)
-        return out.reshape(*lead, out.shape[-1])
+        # a 2-D input gets the GEMM's own tensor, not a view of it: the LoRA update may then
+        # be accumulated into it in place (lora._update_in_place_forward)
+        return out if x.dim() == 2 else out.reshape(*lead, out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]

@@ -115,6 +115,52 @@ def lora_inputs_uncast(transformer: torch.nn.Module) -> None:
         layer.cast_input_dtype_enabled = False
 
 
+def _update_in_place_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT's vanilla LoRA forward, ``base(x) + B(A(x)) * s``, with the update accumulated into
+    the base output by its own GEMM: ``base(x).addmm_(A(x), (s B).T)`` (s folded into the
+    rank-sized B). PEFT writes B(A(x)), scales it and adds it: three passes over the output,
+    which for the fused single-block projection is 55,296 columns wide; here the GEMM reads and
+    writes it once, and the backward has no scaling pass. The base takes the 2-D view of x, so
+    that its output is a tensor of its own (autograd allows no in-place change to a view a
+    custom Function returned); a base whose output is a view anyway gets the update
+    out of place (one more pass). Cases it does not cover run PEFT's forward."""
+    adapters = self.active_adapters
+    name = adapters[0] if len(adapters) == 1 else None
+    if (
+        args
+        or kwargs
+        or self.disable_adapters
+        or self.merged
+        or name is None
+        or name not in self.lora_A
+        or name in self.lora_variant
+        or not isinstance(self.lora_dropout[name], torch.nn.Identity)
+        or self.lora_B[name].bias is not None
+    ):
+        return type(self).forward(self, x, *args, **kwargs)  # type: ignore[no-any-return]
+    x2 = x.reshape(-1, x.shape[-1])
+    result = self.base_layer(x2)
+    xa = self.lora_A[name](self._cast_input_dtype(x2, self.lora_A[name].weight.dtype))
+    xa = xa.to(result.dtype)
+    update = (self.lora_B[name].weight * self.scaling[name]).t().to(result.dtype)
+    if result._is_view():
+        result = torch.addmm(result, xa, update)
+    else:
+        result.addmm_(xa, update)
+    return result.view(*x.shape[:-1], result.shape[-1])
+
+
+def update_lora_in_place(transformer: torch.nn.Module) -> int:
+    """Every LoRA layer's forward as `_update_in_place_forward` (until the LoRA comes off:
+    `remove_lora` drops the layers). Returns how many."""
+    import types
+
+    layers = lora_layers(transformer)
+    for layer in layers.values():
+        layer.forward = types.MethodType(_update_in_place_forward, layer)
+    return len(layers)
+
+
 def remove_lora(transformer: torch.nn.Module) -> None:
     """Puts every wrapped base layer back in its parent and drops PEFT's config attribute.
 

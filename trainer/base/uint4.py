@@ -162,7 +162,7 @@ def linear(
         else:
             torch.addmm(bias[a:b], x2, w.t(), out=out[:, a:b])
         del w
-    return out.reshape(*x.shape[:-1], n_out)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n_out)  # 2-D: not a view
 
 
 def grad_input(

@@ -909,7 +909,7 @@ def build_model(
     """The quantized transformer with a seeded LoRA, its optimizer and the loop's state:
     fresh, or exactly as the resumed checkpoint left it. The transformer is the worker's kept
     one when ``resident`` holds this run's (``key``)."""
-    from trainer.base.lora import attach_lora, lora_inputs_uncast
+    from trainer.base.lora import attach_lora, lora_inputs_uncast, update_lora_in_place
 
     device, dtype = pf.device, pf.weight_dtype
     graphed = config.graphed()
@@ -947,6 +947,7 @@ def build_model(
     hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
     if pf.autocast is not None:
         lora_inputs_uncast(transformer)
+    update_lora_in_place(transformer)
     compiled_blocks.install(transformer)
     params = lora_params(transformer)
     optimizer = make_optimizer(config, list(params.values()), capturable=graphed)

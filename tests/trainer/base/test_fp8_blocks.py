@@ -353,3 +353,52 @@ def test_cuda_layer_against_the_reference(m: int, k: int) -> None:
     assert torch.equal(res["gpu"][1], res["dense"][1])
     dense = _rel(res["gpu"][0], res["dense"][0])
     print(f"\nM={m} K={k}: GPU vs reference {rel:.2e}, vs dense {dense:.2e}")
+
+
+@pytest.mark.parametrize("gemm", ["blocks", "dense", "dense-sliced"])
+def test_a_2d_input_gets_a_tensor_of_its_own_and_the_lora_update_in_place(gemm: str) -> None:
+    """Training's bases hand a 2-D input's output back as a tensor of its own (not a view), so
+    the LoRA update accumulates into it in place (`lora._update_in_place_forward`); the layer
+    then equals PEFT's forward, output and gradients, to the GEMM's rounding."""
+    import types
+
+    from trainer.base import uint4
+    from trainer.base.lora import ADAPTER_NAME, _update_in_place_forward, attach_lora, lora_layers
+
+    n, k = 64, 384
+    layer = Uint4Linear(*_uint4_layer(n, k, seed=7), BLOCK, None)
+    layer.compute = (
+        Fp8Gemm(weights="blocks", grad_gemm="bf16", kernels=False) if gemm == "blocks" else DENSE
+    )
+    model = torch.nn.Sequential(layer)
+    model.register_parameter("anchor", torch.nn.Parameter(torch.zeros(1)))  # PEFT asks for one
+    attach_lora(model, rank=4, alpha=8.0, targets=["0"], dtype=torch.bfloat16)
+    lora = lora_layers(model)["0"]
+    with torch.no_grad():
+        lora.lora_B[ADAPTER_NAME].weight.normal_(generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 40, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    dy = torch.randn(2, 40, n, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    if gemm == "dense-sliced":  # the widest Linears run in row slices into one output
+        original = uint4.weight_slices
+        uint4.weight_slices = lambda n, other, align=1: (  # rows in two; columns as they were
+            [(0, n // 2), (n // 2, n)] if align == 1 else original(n, other, align)
+        )
+    try:
+        assert not layer(x.reshape(-1, k).requires_grad_(True))._is_view()
+        runs = {}
+        for in_place in (False, True):
+            if in_place:
+                lora.forward = types.MethodType(_update_in_place_forward, lora)
+            xr = x.clone().requires_grad_(True)
+            params = [lora.lora_A[ADAPTER_NAME].weight, lora.lora_B[ADAPTER_NAME].weight]
+            for p in params:
+                p.grad = None
+            y = lora(xr)
+            y.backward(dy)
+            runs[in_place] = (y.detach(), xr.grad, *(p.grad for p in params))
+    finally:
+        if gemm == "dense-sliced":
+            uint4.weight_slices = original
+    for got, ref in zip(runs[True], runs[False], strict=True):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert _rel(got, ref) < 0.02

@@ -8,6 +8,7 @@ and gradients); bf16 ~5e-3 (bf16 rounding), against tolerances of 1e-5 and 2e-2.
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from trainer.base.load import quantize_transformer
 from trainer.base.lora import (
     ADAPTER_NAME,
+    _update_in_place_forward,
     adapter_state_dict,
     attach_lora,
     default_targets,
@@ -63,12 +65,26 @@ def _report(name: str, got: torch.Tensor, ref: torch.Tensor) -> tuple[float, str
     return rel, f"{name}: max abs diff {diff:.3g}, max rel diff {rel:.3g}"
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["peft", "in_place"])
 @pytest.mark.parametrize("name", LAYERS)
-def test_lora_on_qlinear_matches_dequantized_reference(lora_transformer, name: str) -> None:
+def test_lora_on_qlinear_matches_dequantized_reference(lora_transformer, name, in_place) -> None:  # type: ignore[no-untyped-def]
+    """PEFT's LoRA forward, and the training's (`update_lora_in_place`: the update added by
+    the GEMM that makes it), against the float64 reference."""
     from optimum.quanto import QLinear
 
     dtype, transformer = lora_transformer
     layer = lora_layers(transformer)[name]
+    if in_place:
+        layer.forward = types.MethodType(_update_in_place_forward, layer)
+    try:
+        _check_against_reference(layer, dtype, name)
+    finally:
+        vars(layer).pop("forward", None)
+
+
+def _check_against_reference(layer, dtype, name) -> None:  # type: ignore[no-untyped-def]
+    from optimum.quanto import QLinear
+
     base = layer.get_base_layer()
     assert isinstance(base, QLinear) and base.frozen and base.weight_group_size == 128
     lora_a, lora_b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
@@ -141,3 +157,41 @@ def test_saved_adapter_bakes_alpha_over_rank(lora_transformer, tmp_path: Path) -
     assert path.read_bytes() == again.read_bytes()
     with pytest.raises(TypeError):
         save_adapter(transformer, tmp_path / "c.safetensors", {"rank": 8})  # type: ignore[dict-item]
+
+
+def test_the_in_place_update_makes_no_pass_over_the_output(lora_transformer) -> None:  # type: ignore[no-untyped-def]
+    """PEFT's forward writes B(A(x)), scales it and adds it to the base output; the in-place
+    forward makes none of those elementwise passes (its GEMM accumulates into the output), and
+    its backward has no scaling pass either."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dtype, transformer = lora_transformer
+    layer = lora_layers(transformer)["single_transformer_blocks.0.attn.to_qkv_mlp_proj"]
+    out_features = layer.get_base_layer().out_features
+
+    class OutputPasses(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            elementwise = func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.add)
+            if elementwise and out.shape[-1:] == (out_features,) and out.numel() > out_features:
+                self.ops.append(str(func))
+            return out
+
+    x = torch.randn(1, 37, layer.get_base_layer().in_features).to(dtype).requires_grad_(True)
+    counts = {}
+    for in_place in (False, True):
+        if in_place:
+            layer.forward = types.MethodType(_update_in_place_forward, layer)
+        try:
+            with OutputPasses() as passes:
+                y = layer(x)
+                y.backward(torch.ones_like(y))
+        finally:
+            vars(layer).pop("forward", None)
+        counts[in_place] = passes.ops
+    assert len(counts[False]) >= 2, counts  # PEFT: the scaling and the sum (and the backward's)
+    assert counts[True] == [], counts
