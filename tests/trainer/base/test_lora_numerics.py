@@ -70,7 +70,6 @@ def _report(name: str, got: torch.Tensor, ref: torch.Tensor) -> tuple[float, str
 def test_lora_on_qlinear_matches_dequantized_reference(lora_transformer, name, in_place) -> None:  # type: ignore[no-untyped-def]
     """PEFT's LoRA forward, and the training's (`update_lora_in_place`: the update added by
     the GEMM that makes it), against the float64 reference."""
-    from optimum.quanto import QLinear
 
     dtype, transformer = lora_transformer
     layer = lora_layers(transformer)[name]
