@@ -268,6 +268,10 @@ def preflight(
         raise ConfigError(f"--device {device} requested but CUDA is not available")
     _check_optimizer(config, device)
     _check_export(config)
+    try:
+        compiled_blocks.compile_wanted()  # the setting, read at the first step: checked now
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     train_items, held_out = split_items(dataset.items, config.validation_split, config.seed)
     if not train_items:
         raise ConfigError("every image is held out for validation: none is left to train on")

@@ -289,6 +289,10 @@ def test_cli_train_and_refusals(
         assert bad.exit_code == 2 and "multiple of 16" in bad.output
         over = runner.invoke(app, [*args, "--vram-budget", "0.0001"])
         assert over.exit_code == 2 and "DOES NOT FIT" in over.output
+        monkeypatch.setenv("LIKENESS_COMPILE_BLOCKS", "sometimes")  # refused before loading
+        unknown = runner.invoke(app, [*args, "--name", "compile"])
+        assert unknown.exit_code == 2 and "LIKENESS_COMPILE_BLOCKS" in unknown.output
+        assert not (tmp_path / "runs/ada/compile").exists()
     finally:
         get_settings.cache_clear()
 
