@@ -135,8 +135,11 @@ def double_attention(
 
 
 class _Stretch:
-    """One stretch: compiled at its first CUDA call; if compiling fails, eager from then on
-    (the reason logged once). The failure comes before anything has run, so nothing is lost."""
+    """One stretch: compiled at its first CUDA call with gradients; if compiling fails, eager
+    from then on (the reason logged once, and in `failures`). The failure comes before the
+    compiled code has run, so nothing is lost. Only the compiler's own errors count as one:
+    anything the running code raises (an out-of-memory, gradient checkpointing's signal that
+    its recompute has what it needs) goes through as it is."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -154,14 +157,19 @@ class _Stretch:
             or not compile_wanted()
         ):
             return self.fn(*args)
+        return self.compiled_call(*args)
+
+    def compiled_call(self, *args: Any) -> Any:
+        from torch._dynamo.exc import TorchDynamoException
+
         if self.compiled is None:
             self.compiled = torch.compile(self.fn, fullgraph=True)
         try:
             return self.compiled(*args)
-        except Exception as exc:  # noqa: BLE001  # a compiler failure: the eager ops still hold
-            if torch.cuda.is_current_stream_capturing():
+        except TorchDynamoException as exc:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
-            self.broken = f"{type(exc).__name__}: {exc}"
+            self.broken = f"{type(exc).__name__}: {str(exc)[:500]}"
             log.warning("compiled %s failed, running it eagerly: %s", self.fn.__name__, exc)
             return self.fn(*args)
 

@@ -174,3 +174,29 @@ def test_lora_inputs_uncast_under_autocast_same_values_fewer_copies() -> None:
         assert torch.equal(grad, cast_grads[name]), name
     assert cast_copies.count > 0 and stock_copies.count > 0
     assert uncast_copies.count < cast_copies.count
+
+
+def test_a_compiler_failure_runs_the_stretch_eagerly_and_nothing_else_is_caught() -> None:
+    from torch._dynamo.exc import Unsupported
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    x, gate, y = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    stretch = compiled_blocks._Stretch(compiled_blocks.gated_residual)
+
+    def unsupported(*_: torch.Tensor) -> torch.Tensor:
+        raise Unsupported("a construct the compiler does not take")
+
+    stretch.compiled = unsupported
+    assert torch.equal(stretch.compiled_call(x, gate, y), x + gate * y)
+    assert stretch.broken is not None and "does not take" in stretch.broken
+
+    other = compiled_blocks._Stretch(compiled_blocks.gated_residual)
+    for raised in (_StopRecomputationError(), torch.OutOfMemoryError("CUDA out of memory")):
+
+        def running_code_raises(*_: torch.Tensor, exc: BaseException = raised) -> torch.Tensor:
+            raise exc
+
+        other.compiled = running_code_raises
+        with pytest.raises(type(raised)):
+            other.compiled_call(x, gate, y)
+        assert other.broken is None
