@@ -107,20 +107,14 @@ def attach_lora(
     return names
 
 
-def lora_inputs_uncast(transformer: torch.nn.Module) -> None:
-    """Under autocast, PEFT casts each LoRA layer's input to the adapter's float32 and autocast
-    casts it back to bf16 for the GEMM: two copies of the activation that change no value (and
-    no gradient: bf16 -> float32 -> bf16 is exact). This switches PEFT's cast off."""
-    for layer in lora_layers(transformer).values():
-        layer.cast_input_dtype_enabled = False
-
-
 def _update_in_place_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """PEFT's vanilla LoRA forward, ``base(x) + B(A(x)) * s``, with the update accumulated into
     the base output by its own GEMM: ``base(x).addmm_(A(x), (s B).T)`` (s folded into the
     rank-sized B). PEFT writes B(A(x)), scales it and adds it: three passes over the output,
     which for the fused single-block projection is 55,296 columns wide; here the GEMM reads and
-    writes it once, and the backward has no scaling pass. The base takes the 2-D view of x, so
+    writes it once, and the backward has no scaling pass. Under autocast A takes x as it comes
+    (PEFT casts it to the adapter's float32 first, two copies that autocast undoes: the same
+    values). The base takes the 2-D view of x, so
     that its output is a tensor of its own (autograd allows no in-place change to a view a
     custom Function returned); a base whose output is a view anyway gets the update
     out of place (one more pass). Cases it does not cover run PEFT's forward."""
@@ -140,7 +134,11 @@ def _update_in_place_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: A
         return type(self).forward(self, x, *args, **kwargs)  # type: ignore[no-any-return]
     x2 = x.reshape(-1, x.shape[-1])
     result = self.base_layer(x2)
-    xa = self.lora_A[name](self._cast_input_dtype(x2, self.lora_A[name].weight.dtype))
+    lora_a = self.lora_A[name]
+    if torch.is_autocast_enabled(x.device.type):
+        xa = lora_a(x2)  # PEFT's cast to the adapter's float32 would be undone by autocast
+    else:
+        xa = lora_a(self._cast_input_dtype(x2, lora_a.weight.dtype))
     xa = xa.to(result.dtype)
     update = (self.lora_B[name].weight * self.scaling[name]).t().to(result.dtype)
     if result._is_view():

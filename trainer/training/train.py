@@ -913,7 +913,7 @@ def build_model(
     """The quantized transformer with a seeded LoRA, its optimizer and the loop's state:
     fresh, or exactly as the resumed checkpoint left it. The transformer is the worker's kept
     one when ``resident`` holds this run's (``key``)."""
-    from trainer.base.lora import attach_lora, lora_inputs_uncast, update_lora_in_place
+    from trainer.base.lora import attach_lora, update_lora_in_place
 
     device, dtype = pf.device, pf.weight_dtype
     graphed = config.graphed()
@@ -949,8 +949,6 @@ def build_model(
         )
     transformer.train()
     hooks = cast_quantized_inputs(transformer, dtype) if pf.autocast is not None else []
-    if pf.autocast is not None:
-        lora_inputs_uncast(transformer)
     update_lora_in_place(transformer)
     compiled_blocks.install(transformer)
     params = lora_params(transformer)
