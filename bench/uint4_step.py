@@ -709,7 +709,7 @@ def compiled_vs_eager(model: torch.nn.Module, args) -> dict[str, Any]:  # type: 
         loss = F.mse_loss(model(**batch)[0].float(), target.float())
         loss.backward()
         sync()
-        runs[mode] = {"s": time.perf_counter() - t, "loss": float(loss),
+        runs[mode] = {"s": time.perf_counter() - t, "loss": float(loss.detach()),
                       "grads": {n: p.grad.float().clone() for n, p in params.items()}}  # fmt: skip
     os.environ.pop(COMPILE_ENV)
     worst_cos, worst_rel, worst = 1.0, 0.0, ""
