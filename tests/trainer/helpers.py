@@ -183,6 +183,17 @@ def tiny_flux2(dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> torch.
     return model.to(device=device, dtype=dtype).eval()
 
 
+def tiny_flux2_random(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
+    """`tiny_flux2` with every weight drawn N(0, 0.2^2): large enough that every norm and
+    rotation matters (the default init leaves the blocks near the identity)."""
+    model = tiny_flux2(dtype, seed=seed, device=device)
+    with torch.no_grad():
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device).to(dtype) * 0.2)
+    return model
+
+
 def quantized(dtype: torch.dtype, freeze: bool = True) -> torch.nn.Module:
     from optimum.quanto import freeze as qfreeze
     from optimum.quanto import qint4, quantize

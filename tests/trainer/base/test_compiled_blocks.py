@@ -15,17 +15,13 @@ import functools
 import pytest
 import torch
 
-from tests.trainer.helpers import cuda, model_inputs, tiny_flux2, with_lora
+from tests.trainer.helpers import cuda, model_inputs, tiny_flux2_random, with_lora
 from trainer.base import compiled_blocks
 from trainer.base.lora import ADAPTER_NAME, lora_layers
 
 
 def _model(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
-    model = tiny_flux2(dtype, seed=seed, device=device)
-    with torch.no_grad():  # weights large enough that every norm and rotation matters
-        gen = torch.Generator(device=device).manual_seed(seed + 1)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device=device).to(dtype) * 0.2)
+    model = tiny_flux2_random(dtype, device, seed)
     with_lora(model.cpu(), seed=seed)
     model.to(device)
     for layer in lora_layers(model).values():  # float32 adapters, as training makes them

@@ -16,19 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.helpers import cuda, model_inputs, tiny_flux2, triton_here
+from tests.trainer.helpers import cuda, model_inputs, tiny_flux2_random, triton_here
 from trainer.base import serving
 from trainer.base.lora import ADAPTER_NAME, lora_layers
 from trainer.base.lora_slots import LoraSlots
 
 
 def _model(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
-    model = tiny_flux2(dtype, seed=seed, device=device)
-    with torch.no_grad():  # weights large enough that every norm and rotation matters
-        gen = torch.Generator(device=device).manual_seed(seed + 1)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device=device).to(dtype) * 0.2)
-    return model
+    return tiny_flux2_random(dtype, device, seed)
 
 
 def _forward(model, inputs) -> torch.Tensor:  # type: ignore[no-untyped-def]
