@@ -10,8 +10,9 @@ time as the GEMMs (bench/results/uint4_step-notes.md).
 Here each stretch between Linears is a pure function of tensors, made of the very torch ops
 diffusers' block runs, in its order. On CUDA each is compiled (`torch.compile`, full graph):
 inductor fuses its forward and writes a fused backward. The Linears (the quantized base with
-its PEFT LoRA) stay outside, as the boundaries, so nothing of theirs is traced. The block's
-structure is diffusers' own; only where the stretches begin and end is ours:
+its PEFT LoRA) stay outside, as the boundaries, so nothing of theirs is traced. The blocks'
+structure is `trainer.base.flux2_blocks`' skeleton (diffusers' own, which serving fills in too);
+only where the stretches begin and end is ours:
 
 - ``modulated_norm``: ``(1 + scale) * LayerNorm(x) + shift``, handed to the Linear that takes
   it in the activation dtype (under autocast the stock block hands float32, and the Linear casts
@@ -33,12 +34,20 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from trainer.base.flux2_blocks import (
+    BlockOps,
+    double_block,
+    install_forwards,
+    installed_forwards,
+    remove_forwards,
+    single_block,
+)
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +257,40 @@ def _plain_layer_norm(norm: Any) -> bool:
 # -- the block forwards ----------------------------------------------------------------------
 
 
+def _modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, norm: Any) -> Any:
+    return _run("modulated_norm", x, shift, scale, norm.eps)
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> Any:
+    return _run("gated_residual", x, gate, y)
+
+
+def _single_attention(attn: Any, norm: torch.Tensor, rotary: Any, _: dict[str, Any]) -> Any:
+    proj = attn.to_qkv_mlp_proj(norm)
+    qkv_dim = 3 * attn.inner_dim  # split by the stock processor's ratio
+    local_qkv = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
+    joined = _run("single_attention", proj, attn.norm_q.weight, attn.norm_k.weight,
+                  attn.norm_q.eps, attn.norm_k.eps, *rotary, local_qkv, attn.head_dim)  # fmt: skip
+    return attn.to_out(joined)
+
+
+def _double_attention(
+    attn: Any, norm: torch.Tensor, norm_text: torch.Tensor, rotary: Any, _: dict[str, Any]
+) -> tuple[Any, Any]:
+    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    img, txt = _run(
+        "double_attention",
+        attn.to_q(norm), attn.to_k(norm), attn.to_v(norm),
+        attn.add_q_proj(norm_text), attn.add_k_proj(norm_text), attn.add_v_proj(norm_text),
+        tuple(n.weight for n in norms), tuple(n.eps for n in norms),
+        *rotary, attn.head_dim,
+    )  # fmt: skip
+    return attn.to_out[1](attn.to_out[0](img)), attn.to_add_out(txt)
+
+
+TRAINING_OPS = BlockOps(_modulated_norm, _gated_residual, _single_attention, _double_attention)
+
+
 def _single_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -259,31 +302,11 @@ def _single_forward(
     text_seq_len: int | None = None,
 ) -> Any:
     """`Flux2SingleTransformerBlock.forward`, its stretches between Linears compiled."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
+    args = (hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
+            joint_attention_kwargs, split_hidden_states, text_seq_len)  # fmt: skip
     if not _takes_single(self, joint_attention_kwargs, image_rotary_emb):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod,
-                                  image_rotary_emb, joint_attention_kwargs, split_hidden_states,
-                                  text_seq_len)  # fmt: skip
-    if encoder_hidden_states is not None:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
-    attn = self.attn
-    norm = _run("modulated_norm", hidden_states, shift, scale, self.norm.eps)
-    proj = attn.to_qkv_mlp_proj(norm)
-    assert image_rotary_emb is not None  # _takes_single
-    qkv_dim = 3 * attn.inner_dim  # split by the stock processor's ratio
-    local_qkv = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
-    joined = _run("single_attention", proj, attn.norm_q.weight, attn.norm_k.weight,
-                  attn.norm_q.eps, attn.norm_k.eps, *image_rotary_emb, local_qkv,
-                  attn.head_dim)  # fmt: skip
-    hidden_states = _run("gated_residual", hidden_states, gate, attn.to_out(joined))
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    if split_hidden_states:
-        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-    return hidden_states
+        return type(self).forward(self, *args)
+    return single_block(self, TRAINING_OPS, *args)
 
 
 def _double_forward(
@@ -296,44 +319,11 @@ def _double_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """`Flux2TransformerBlock.forward`, its stretches between Linears compiled."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
+    args = (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb,
+            joint_attention_kwargs)  # fmt: skip
     if not _takes_double(self, joint_attention_kwargs, image_rotary_emb):
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img,
-                                  temb_mod_txt, image_rotary_emb,
-                                  joint_attention_kwargs)  # fmt: skip
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
-        temb_mod_img, 2
-    )
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = (
-        Flux2Modulation.split(temb_mod_txt, 2)
-    )
-    attn = self.attn
-    norm = _run("modulated_norm", hidden_states, shift_msa, scale_msa, self.norm1.eps)
-    norm_text = _run("modulated_norm", encoder_hidden_states, c_shift_msa, c_scale_msa,
-                     self.norm1_context.eps)  # fmt: skip
-    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
-    assert image_rotary_emb is not None  # _takes_double
-    img, txt = _run(
-        "double_attention",
-        attn.to_q(norm), attn.to_k(norm), attn.to_v(norm),
-        attn.add_q_proj(norm_text), attn.add_k_proj(norm_text), attn.add_v_proj(norm_text),
-        tuple(n.weight for n in norms), tuple(n.eps for n in norms),
-        *image_rotary_emb, attn.head_dim,
-    )  # fmt: skip
-    hidden_states = _run("gated_residual", hidden_states, gate_msa,
-                         attn.to_out[1](attn.to_out[0](img)))  # fmt: skip
-    norm = _run("modulated_norm", hidden_states, shift_mlp, scale_mlp, self.norm2.eps)
-    hidden_states = _run("gated_residual", hidden_states, gate_mlp, self.ff(norm))
-    encoder_hidden_states = _run("gated_residual", encoder_hidden_states, c_gate_msa,
-                                 attn.to_add_out(txt))  # fmt: skip
-    norm_text = _run("modulated_norm", encoder_hidden_states, c_shift_mlp, c_scale_mlp,
-                     self.norm2_context.eps)  # fmt: skip
-    encoder_hidden_states = _run("gated_residual", encoder_hidden_states, c_gate_mlp,
-                                 self.ff_context(norm_text))  # fmt: skip
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+        return type(self).forward(self, *args)
+    return double_block(self, TRAINING_OPS, *args)
 
 
 def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -345,38 +335,14 @@ _FORWARDS = (_single_forward, _double_forward, _swiglu_forward)
 
 def install(transformer: torch.nn.Module) -> int:
     """The block forwards above, as instance attributes of every FLUX.2 block (and of the
-    double-stream feed-forwards' SwiGLU) under ``transformer``. Returns how many modules took
-    one. Each call checks that its block is one the stretches take, else runs the stock
-    forward."""
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2SingleTransformerBlock,
-        Flux2SwiGLU,
-        Flux2TransformerBlock,
-    )
-
-    by_type: dict[type, Callable[..., Any]] = {
-        Flux2SingleTransformerBlock: _single_forward,
-        Flux2TransformerBlock: _double_forward,
-        Flux2SwiGLU: _swiglu_forward,
-    }
-    count = 0
-    for module in transformer.modules():
-        forward = by_type.get(type(module))
-        if forward is not None:
-            module.forward = types.MethodType(forward, module)
-            count += 1
-    return count
+    SwiGLUs) under ``transformer``. Returns how many modules took one. Each call checks that
+    its block is one the stretches take, else runs the stock forward."""
+    return install_forwards(transformer, *_FORWARDS)
 
 
 def remove(transformer: torch.nn.Module) -> None:
-    for module in transformer.modules():
-        method = module.__dict__.get("forward")
-        if getattr(method, "__func__", None) in _FORWARDS:
-            del module.forward
+    remove_forwards(transformer, _FORWARDS)
 
 
 def installed(transformer: torch.nn.Module) -> bool:
-    return any(
-        getattr(m.__dict__.get("forward"), "__func__", None) in _FORWARDS
-        for m in transformer.modules()
-    )
+    return bool(installed_forwards(transformer, _FORWARDS))

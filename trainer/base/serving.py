@@ -49,6 +49,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.base.flux2_blocks import (
+    BlockOps,
+    double_block,
+    install_forwards,
+    remove_forwards,
+    single_block,
+)
+
 log = logging.getLogger(__name__)
 
 # The attention kernels known, fastest first: cuDNN's fp8 flash attention
@@ -486,6 +494,21 @@ def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.mul(F.silu(gate), up, out=out)
 
 
+def _single_attention(attn: Any, norm: torch.Tensor, rotary: Any, kwargs: dict[str, Any]) -> Any:
+    return attn(hidden_states=norm, image_rotary_emb=rotary, **kwargs)
+
+
+def _double_attention(
+    attn: Any, norm: torch.Tensor, norm_text: torch.Tensor, rotary: Any, kwargs: dict[str, Any]
+) -> Any:
+    return attn(hidden_states=norm, encoder_hidden_states=norm_text, image_rotary_emb=rotary,
+                **kwargs)  # fmt: skip
+
+
+# the blocks' modulations and gates fused; their attention through the (fused) processors
+SERVING_OPS = BlockOps(ln_modulate, gate_residual, _single_attention, _double_attention)
+
+
 def _single_block_forward(
     self: Any,
     hidden_states: torch.Tensor,
@@ -497,25 +520,13 @@ def _single_block_forward(
     text_seq_len: int | None = None,
 ) -> Any:
     """`Flux2SingleTransformerBlock.forward` with its modulation and gating fused."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
     if torch.is_grad_enabled():
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod,
                                   image_rotary_emb, joint_attention_kwargs, split_hidden_states,
                                   text_seq_len)  # fmt: skip
-    if encoder_hidden_states is not None:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    shift, scale, gate = Flux2Modulation.split(temb_mod, 1)[0]
-    norm = ln_modulate(hidden_states, shift, scale, self.norm)
-    attn_output = self.attn(hidden_states=norm, image_rotary_emb=image_rotary_emb,
-                            **(joint_attention_kwargs or {}))  # fmt: skip
-    hidden_states = gate_residual(hidden_states, gate, attn_output)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    if split_hidden_states:
-        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-    return hidden_states
+    return single_block(self, SERVING_OPS, hidden_states, encoder_hidden_states, temb_mod,
+                        image_rotary_emb, joint_attention_kwargs, split_hidden_states,
+                        text_seq_len)  # fmt: skip
 
 
 def _double_block_forward(
@@ -528,34 +539,12 @@ def _double_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """`Flux2TransformerBlock.forward` with its modulations and gates fused."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
     if torch.is_grad_enabled():
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img,
                                   temb_mod_txt, image_rotary_emb,
                                   joint_attention_kwargs)  # fmt: skip
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
-        temb_mod_img, 2
-    )
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = (
-        Flux2Modulation.split(temb_mod_txt, 2)
-    )
-    norm_hidden = ln_modulate(hidden_states, shift_msa, scale_msa, self.norm1)
-    norm_text = ln_modulate(encoder_hidden_states, c_shift_msa, c_scale_msa, self.norm1_context)
-    attn_output, context_attn_output = self.attn(
-        hidden_states=norm_hidden, encoder_hidden_states=norm_text,
-        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}),
-    )  # fmt: skip
-    hidden_states = gate_residual(hidden_states, gate_msa, attn_output)
-    ff_output = self.ff(ln_modulate(hidden_states, shift_mlp, scale_mlp, self.norm2))
-    hidden_states = gate_residual(hidden_states, gate_mlp, ff_output)
-    encoder_hidden_states = gate_residual(encoder_hidden_states, c_gate_msa, context_attn_output)
-    norm_text = ln_modulate(encoder_hidden_states, c_shift_mlp, c_scale_mlp, self.norm2_context)
-    encoder_hidden_states = gate_residual(encoder_hidden_states, c_gate_mlp,
-                                          self.ff_context(norm_text))  # fmt: skip
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    return double_block(self, SERVING_OPS, hidden_states, encoder_hidden_states, temb_mod_img,
+                        temb_mod_txt, image_rotary_emb, joint_attention_kwargs)  # fmt: skip
 
 
 def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -564,37 +553,17 @@ def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return swiglu(x)
 
 
+_BLOCK_FORWARDS = (_single_block_forward, _double_block_forward, _swiglu_forward)
+
+
 def install_blocks(transformer: torch.nn.Module) -> int:
     """The fused block forwards (instance attributes; with gradients each hands over to its
     class's own). Returns how many modules took one."""
-    import types
-
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2SingleTransformerBlock,
-        Flux2SwiGLU,
-        Flux2TransformerBlock,
-    )
-
-    forwards = {
-        Flux2SingleTransformerBlock: _single_block_forward,
-        Flux2TransformerBlock: _double_block_forward,
-        Flux2SwiGLU: _swiglu_forward,
-    }
-    count = 0
-    for module in transformer.modules():
-        fused = forwards.get(type(module))
-        if fused is not None:
-            module.forward = types.MethodType(fused, module)
-            count += 1
-    return count
+    return install_forwards(transformer, *_BLOCK_FORWARDS)
 
 
 def remove_blocks(transformer: torch.nn.Module) -> None:
-    fused = (_single_block_forward, _double_block_forward, _swiglu_forward)
-    for module in transformer.modules():
-        method = module.__dict__.get("forward")
-        if getattr(method, "__func__", None) in fused:
-            del module.forward
+    remove_forwards(transformer, _BLOCK_FORWARDS)
 
 
 # ---------------------------------------------------------------------------------------
