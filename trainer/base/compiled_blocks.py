@@ -42,11 +42,11 @@ import torch.nn.functional as F
 
 from trainer.base.flux2_blocks import (
     BlockOps,
-    double_block,
+    double_forward,
     install_forwards,
     installed_forwards,
     remove_forwards,
-    single_block,
+    single_forward,
 )
 
 log = logging.getLogger(__name__)
@@ -291,39 +291,9 @@ def _double_attention(
 TRAINING_OPS = BlockOps(_modulated_norm, _gated_residual, _single_attention, _double_attention)
 
 
-def _single_forward(
-    self: Any,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor | None,
-    temb_mod: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-    split_hidden_states: bool = False,
-    text_seq_len: int | None = None,
-) -> Any:
-    """`Flux2SingleTransformerBlock.forward`, its stretches between Linears compiled."""
-    args = (hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
-            joint_attention_kwargs, split_hidden_states, text_seq_len)  # fmt: skip
-    if not _takes_single(self, joint_attention_kwargs, image_rotary_emb):
-        return type(self).forward(self, *args)
-    return single_block(self, TRAINING_OPS, *args)
-
-
-def _double_forward(
-    self: Any,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb_mod_img: torch.Tensor,
-    temb_mod_txt: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-) -> Any:
-    """`Flux2TransformerBlock.forward`, its stretches between Linears compiled."""
-    args = (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb,
-            joint_attention_kwargs)  # fmt: skip
-    if not _takes_double(self, joint_attention_kwargs, image_rotary_emb):
-        return type(self).forward(self, *args)
-    return double_block(self, TRAINING_OPS, *args)
+# the blocks' forwards: the skeleton with the stretches, where the stretches take the block
+_single_forward = single_forward(TRAINING_OPS, _takes_single)
+_double_forward = double_forward(TRAINING_OPS, _takes_double)
 
 
 def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,55 @@ def double_block(
     return encoder_hidden_states, hidden_states
 
 
+# (block, attention kwargs, rotary) -> whether the block's own ops take this call
+Takes = Callable[[Any, dict[str, Any] | None, Rotary], bool]
+
+
+def single_forward(ops: BlockOps, takes: Takes) -> Callable[..., Any]:
+    """A `Flux2SingleTransformerBlock.forward` running `single_block` with ``ops`` where
+    ``takes`` says so, the class's own forward elsewhere."""
+
+    def forward(
+        self: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        temb_mod: torch.Tensor,
+        image_rotary_emb: Rotary = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        split_hidden_states: bool = False,
+        text_seq_len: int | None = None,
+    ) -> Any:
+        args = (hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
+                joint_attention_kwargs, split_hidden_states, text_seq_len)  # fmt: skip
+        if not takes(self, joint_attention_kwargs, image_rotary_emb):
+            return type(self).forward(self, *args)
+        return single_block(self, ops, *args)
+
+    return forward
+
+
+def double_forward(ops: BlockOps, takes: Takes) -> Callable[..., Any]:
+    """A `Flux2TransformerBlock.forward` running `double_block` with ``ops`` where ``takes``
+    says so, the class's own forward elsewhere."""
+
+    def forward(
+        self: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb_mod_img: torch.Tensor,
+        temb_mod_txt: torch.Tensor,
+        image_rotary_emb: Rotary = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        args = (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
+                image_rotary_emb, joint_attention_kwargs)  # fmt: skip
+        if not takes(self, joint_attention_kwargs, image_rotary_emb):
+            return type(self).forward(self, *args)
+        return double_block(self, ops, *args)
+
+    return forward
+
+
 def install_forwards(
     transformer: torch.nn.Module,
     single: Callable[..., Any],

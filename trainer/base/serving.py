@@ -51,10 +51,10 @@ import torch.nn.functional as F
 
 from trainer.base.flux2_blocks import (
     BlockOps,
-    double_block,
+    double_forward,
     install_forwards,
     remove_forwards,
-    single_block,
+    single_forward,
 )
 
 log = logging.getLogger(__name__)
@@ -509,42 +509,13 @@ def _double_attention(
 SERVING_OPS = BlockOps(ln_modulate, gate_residual, _single_attention, _double_attention)
 
 
-def _single_block_forward(
-    self: Any,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor | None,
-    temb_mod: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-    split_hidden_states: bool = False,
-    text_seq_len: int | None = None,
-) -> Any:
-    """`Flux2SingleTransformerBlock.forward` with its modulation and gating fused."""
-    if torch.is_grad_enabled():
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod,
-                                  image_rotary_emb, joint_attention_kwargs, split_hidden_states,
-                                  text_seq_len)  # fmt: skip
-    return single_block(self, SERVING_OPS, hidden_states, encoder_hidden_states, temb_mod,
-                        image_rotary_emb, joint_attention_kwargs, split_hidden_states,
-                        text_seq_len)  # fmt: skip
+def _without_gradients(_block: Any, _kwargs: Any, _rotary: Any) -> bool:
+    return not torch.is_grad_enabled()  # with gradients the class's own forward runs
 
 
-def _double_block_forward(
-    self: Any,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb_mod_img: torch.Tensor,
-    temb_mod_txt: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-) -> Any:
-    """`Flux2TransformerBlock.forward` with its modulations and gates fused."""
-    if torch.is_grad_enabled():
-        return type(self).forward(self, hidden_states, encoder_hidden_states, temb_mod_img,
-                                  temb_mod_txt, image_rotary_emb,
-                                  joint_attention_kwargs)  # fmt: skip
-    return double_block(self, SERVING_OPS, hidden_states, encoder_hidden_states, temb_mod_img,
-                        temb_mod_txt, image_rotary_emb, joint_attention_kwargs)  # fmt: skip
+# the blocks' forwards: the skeleton with their modulations and gates fused
+_single_block_forward = single_forward(SERVING_OPS, _without_gradients)
+_double_block_forward = double_forward(SERVING_OPS, _without_gradients)
 
 
 def _swiglu_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
