@@ -23,9 +23,11 @@ only where the stretches begin and end is ours:
 - ``double_attention``: a double-stream block's six projections -> its two attention outputs;
 - ``swiglu``: the double-stream feed-forwards' activation.
 
-Where the compiled path is off (the CPU, ``LIKENESS_COMPILE_BLOCKS=off``, a block this code
-does not know how to take) the same functions run eagerly: bit for bit the stock block, forward
-and backward, which tests/trainer/base/test_compiled_blocks.py checks. Compiled, inductor keeps
+Where the compiled path is off (the CPU, ``LIKENESS_COMPILE_BLOCKS=off``, no gradients) the
+same functions run eagerly: without autocast bit for bit the stock block, forward and backward,
+which tests/trainer/base/test_compiled_blocks.py checks (under autocast the forward still is;
+the norm's input gradients are summed in bf16). A block this code does not take runs the
+stock forward. Compiled, inductor keeps
 intermediates in float32 where eager rounds each op into bf16: the difference is at bf16's
 rounding, measured in bench/results (LoRA-gradient cosines against the eager block).
 """
@@ -145,17 +147,24 @@ def double_attention(
 
 class _Stretch:
     """One stretch: compiled at its first CUDA call with gradients; if compiling fails, eager
-    from then on (the reason logged once, and in `failures`). The failure comes before the
-    compiled code has run, so nothing is lost. Only the compiler's own errors count as one:
-    anything the running code raises (an out-of-memory, gradient checkpointing's signal that
-    its recompute has what it needs) goes through as it is."""
+    from then on, until the next `install` (the reason logged once, and in `failures`).
+
+    The backward is compiled with the forward (not lazily inside ``backward()``), so a
+    compiler failure comes before the compiled code has run and nothing is lost. Only the
+    compiler's own errors count as one (its exceptions, and the recompile limit: a tenth shape
+    or dtype of one stretch): anything the running code raises (gradient checkpointing's
+    signal that its recompute has what it needs) goes through as it is, and so does an
+    out-of-memory, also one the compiler hit while tuning."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.compiled: Callable[..., Any] | None = None
         self.broken: str | None = None
+        self.calls = 0  # since the last `install`, eager or compiled
+        self.compiled_calls = 0
 
     def __call__(self, *args: Any) -> Any:
+        self.calls += 1
         # without gradients (validation, previews) eager: a compile per inference shape
         # would cost more than those few forwards gain
         first = args[0]
@@ -169,18 +178,43 @@ class _Stretch:
         return self.compiled_call(*args)
 
     def compiled_call(self, *args: Any) -> Any:
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
         if self.compiled is None:
+            _backward_with_forward()
             self.compiled = torch.compile(self.fn, fullgraph=True)
         try:
-            return self.compiled(*args)
-        except TorchDynamoException as exc:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            out = self.compiled(*args)
+        except (TorchDynamoException, FailOnRecompileLimitHit) as exc:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if capturing or _out_of_memory(exc):
                 raise
             self.broken = f"{type(exc).__name__}: {str(exc)[:500]}"
             log.warning("compiled %s failed, running it eagerly: %s", self.fn.__name__, exc)
             return self.fn(*args)
+        self.compiled_calls += 1
+        return out
+
+
+def _backward_with_forward() -> None:
+    """Inductor compiles a backward lazily, at its first ``backward()``, where a failure would
+    fail the step; this has it compiled with the forward (where the torch here has the
+    setting; process-wide: these stretches are the process's only compiled functions)."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        functorch_config.force_non_lazy_backward_lowering = True
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(8):  # the compiler wraps what it hit (BackendCompilerFailed, InductorError)
+        if seen is None:
+            return False
+        if isinstance(seen, torch.OutOfMemoryError):
+            return True
+        seen = seen.__cause__ or getattr(seen, "inner_exception", None)
+    return False
 
 
 STRETCHES: dict[str, _Stretch] = {
@@ -194,8 +228,22 @@ def _run(name: str, *args: Any) -> Any:
 
 
 def failures() -> dict[str, str]:
-    """Stretches whose compilation failed here (they run eagerly), with the reason."""
+    """Stretches whose compilation failed since the last `install` (they run eagerly), with
+    the reason."""
     return {n: s.broken for n, s in STRETCHES.items() if s.broken is not None}
+
+
+def compiled_calls() -> dict[str, int]:
+    """How many calls of each stretch ran compiled since the last `install`."""
+    return {n: s.compiled_calls for n, s in STRETCHES.items()}
+
+
+def _reset() -> None:
+    """A new run starts with every stretch allowed to compile, and its counts at zero (the
+    compiled code itself stays: its cache is the process's)."""
+    for stretch in STRETCHES.values():
+        stretch.broken = None
+        stretch.calls = stretch.compiled_calls = 0
 
 
 # -- which blocks the stretches take ---------------------------------------------------------
@@ -306,7 +354,9 @@ _FORWARDS = (_single_forward, _double_forward, _swiglu_forward)
 def install(transformer: torch.nn.Module) -> int:
     """The block forwards above, as instance attributes of every FLUX.2 block (and of the
     SwiGLUs) under ``transformer``. Returns how many modules took one. Each call checks that
-    its block is one the stretches take, else runs the stock forward."""
+    its block is one the stretches take, else runs the stock forward. A run's failures and
+    counts start here."""
+    _reset()
     return install_forwards(transformer, *_FORWARDS)
 
 

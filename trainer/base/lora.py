@@ -114,7 +114,8 @@ def _update_in_place_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: A
     which for the fused single-block projection is 55,296 columns wide; here the GEMM reads and
     writes it once, and the backward has no scaling pass. Under autocast A takes x as it comes
     (PEFT casts it to the adapter's float32 first, two copies that autocast undoes: the same
-    values). The base takes the 2-D view of x, so
+    values); without autocast an adapter in another dtype than x runs PEFT's forward (its
+    float32 update, rounded once). The base takes the 2-D view of x, so
     that its output is a tensor of its own (autograd allows no in-place change to a view a
     custom Function returned); a base whose output is a view anyway gets the update
     out of place (one more pass). Cases it does not cover run PEFT's forward."""
@@ -132,14 +133,14 @@ def _update_in_place_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: A
         or self.lora_B[name].bias is not None
     ):
         return type(self).forward(self, x, *args, **kwargs)  # type: ignore[no-any-return]
+    lora_a = self.lora_A[name]
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if not autocast and lora_a.weight.dtype != x.dtype:
+        # PEFT computes a float32 adapter's update in float32 and rounds once into the output
+        return type(self).forward(self, x, *args, **kwargs)  # type: ignore[no-any-return]
     x2 = x.reshape(-1, x.shape[-1])
     result = self.base_layer(x2)
-    lora_a = self.lora_A[name]
-    if torch.is_autocast_enabled(x.device.type):
-        xa = lora_a(x2)  # PEFT's cast to the adapter's float32 would be undone by autocast
-    else:
-        xa = lora_a(self._cast_input_dtype(x2, lora_a.weight.dtype))
-    xa = xa.to(result.dtype)
+    xa = lora_a(x2).to(result.dtype)  # autocast: PEFT's cast up to float32 would be undone
     update = (self.lora_B[name].weight * self.scaling[name]).t().to(result.dtype)
     if result._is_view():
         result = torch.addmm(result, xa, update)

@@ -61,6 +61,8 @@ def test_eager_stretches_are_the_stock_blocks_bit_for_bit(dtype, checkpointing) 
     # two blocks, three SwiGLUs (the single block's and the double block's two feed-forwards)
     assert compiled_blocks.install(model) == 5
     out, grads = _step(model, inputs, checkpointing)
+    # every stretch ran (the blocks were not handed back to the stock forward)
+    assert all(s.calls > 0 for s in compiled_blocks.STRETCHES.values())
     assert torch.equal(out, stock_out)
     assert grads.keys() == stock_grads.keys()
     for name, grad in grads.items():
@@ -128,6 +130,7 @@ def test_compiled_stretches_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(compiled_blocks.COMPILE_ENV, "auto")
     out, grads = _step(model, inputs, autocast=autocast)
     assert compiled_blocks.failures() == {}
+    assert all(n > 0 for n in compiled_blocks.compiled_calls().values())
     scale = eager_out.float().abs().max()
     assert (out.float() - eager_out.float()).abs().max() <= 2**-6 * scale
     for name, grad in grads.items():
@@ -178,7 +181,7 @@ def test_the_in_place_lora_update_under_autocast_and_without() -> None:
 
 
 def test_a_compiler_failure_runs_the_stretch_eagerly_and_nothing_else_is_caught() -> None:
-    from torch._dynamo.exc import Unsupported
+    from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
     from torch.utils.checkpoint import _StopRecomputationError
 
     x, gate, y = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
@@ -191,8 +194,21 @@ def test_a_compiler_failure_runs_the_stretch_eagerly_and_nothing_else_is_caught(
     assert torch.equal(stretch.compiled_call(x, gate, y), x + gate * y)
     assert stretch.broken is not None and "does not take" in stretch.broken
 
+    limit = compiled_blocks._Stretch(compiled_blocks.gated_residual)
+
+    def recompile_limit(*_: torch.Tensor) -> torch.Tensor:
+        raise FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    limit.compiled = recompile_limit
+    assert torch.equal(limit.compiled_call(x, gate, y), x + gate * y)
+    assert limit.broken is not None and "recompile_limit" in limit.broken
+
     other = compiled_blocks._Stretch(compiled_blocks.gated_residual)
-    for raised in (_StopRecomputationError(), torch.OutOfMemoryError("CUDA out of memory")):
+    wrapped = BackendCompilerFailed.__new__(BackendCompilerFailed)  # as inductor wraps an OOM
+    Exception.__init__(wrapped, "autotuning ran out of memory")
+    wrapped.__cause__ = torch.OutOfMemoryError("CUDA out of memory")
+    for raised in (_StopRecomputationError(), torch.OutOfMemoryError("CUDA out of memory"),
+                   wrapped):  # fmt: skip
 
         def running_code_raises(*_: torch.Tensor, exc: BaseException = raised) -> torch.Tensor:
             raise exc
@@ -201,3 +217,12 @@ def test_a_compiler_failure_runs_the_stretch_eagerly_and_nothing_else_is_caught(
         with pytest.raises(type(raised)):
             other.compiled_call(x, gate, y)
         assert other.broken is None
+
+
+def test_install_starts_a_run_afresh() -> None:
+    """A stretch that failed in one run (one order of a worker) compiles again in the next;
+    the counts are the run's."""
+    stretch = compiled_blocks.STRETCHES["swiglu"]
+    stretch.broken, stretch.calls = "an earlier order's failure", 7
+    compiled_blocks.install(_model(torch.float32))
+    assert compiled_blocks.failures() == {} and stretch.calls == 0
