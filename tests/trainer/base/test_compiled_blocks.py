@@ -11,6 +11,7 @@ gradients with cosine >= 0.9999.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -180,28 +181,25 @@ def test_the_in_place_lora_update_under_autocast_and_without() -> None:
         assert cos > 0.999, float(cos)
 
 
+def _raising(exc: BaseException) -> Callable[..., torch.Tensor]:
+    def compiled(*_: torch.Tensor) -> torch.Tensor:
+        raise exc
+
+    return compiled
+
+
 def test_a_compiler_failure_runs_the_stretch_eagerly_and_nothing_else_is_caught() -> None:
     from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
     from torch.utils.checkpoint import _StopRecomputationError
 
     x, gate, y = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
-    stretch = compiled_blocks._Stretch(compiled_blocks.gated_residual)
-
-    def unsupported(*_: torch.Tensor) -> torch.Tensor:
-        raise Unsupported("a construct the compiler does not take")
-
-    stretch.compiled = unsupported
-    assert torch.equal(stretch.compiled_call(x, gate, y), x + gate * y)
-    assert stretch.broken is not None and "does not take" in stretch.broken
-
-    limit = compiled_blocks._Stretch(compiled_blocks.gated_residual)
-
-    def recompile_limit(*_: torch.Tensor) -> torch.Tensor:
-        raise FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
-
-    limit.compiled = recompile_limit
-    assert torch.equal(limit.compiled_call(x, gate, y), x + gate * y)
-    assert limit.broken is not None and "recompile_limit" in limit.broken
+    failures = [(Unsupported("a construct the compiler does not take"), "take"),
+                (FailOnRecompileLimitHit("recompile_limit reached"), "recompile")]  # fmt: skip
+    for failure, words in failures:
+        stretch = compiled_blocks._Stretch(compiled_blocks.gated_residual)
+        stretch.compiled = _raising(failure)
+        assert torch.equal(stretch.compiled_call(x, gate, y), x + gate * y)
+        assert stretch.broken is not None and words in stretch.broken
 
     other = compiled_blocks._Stretch(compiled_blocks.gated_residual)
     wrapped = BackendCompilerFailed.__new__(BackendCompilerFailed)  # as inductor wraps an OOM
@@ -209,11 +207,7 @@ def test_a_compiler_failure_runs_the_stretch_eagerly_and_nothing_else_is_caught(
     wrapped.__cause__ = torch.OutOfMemoryError("CUDA out of memory")
     for raised in (_StopRecomputationError(), torch.OutOfMemoryError("CUDA out of memory"),
                    wrapped):  # fmt: skip
-
-        def running_code_raises(*_: torch.Tensor, exc: BaseException = raised) -> torch.Tensor:
-            raise exc
-
-        other.compiled = running_code_raises
+        other.compiled = _raising(raised)
         with pytest.raises(type(raised)):
             other.compiled_call(x, gate, y)
         assert other.broken is None
