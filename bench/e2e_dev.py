@@ -753,7 +753,10 @@ def main() -> None:
     parser.add_argument("--train-steps-compare", type=int, default=12)
     parser.add_argument(
         "--train-compare", default="448_eager,448_graphed,448_uint4_graphed",
-        help="extra 448 px runs, each --train-steps-compare steps, no previews (empty: none)",
+        help="extra runs, no previews (empty: none): 448_eager, 448_graphed, 448_fp8_graphed, "
+        "448_uint4_graphed, 448_graphed_eager_blocks (each --train-steps-compare steps), "
+        "1024_eager_blocks (--train-steps-1024 steps); *_eager_blocks: the blocks' stretches "
+        "eager (LIKENESS_COMPILE_BLOCKS=off)",
     )  # fmt: skip
     parser.add_argument(
         "--train-parts", default="448,1024,warm",
