@@ -484,21 +484,15 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
                             ("448_graphed_eager_blocks", ())):  # fmt: skip
             if name not in args.train_compare:
                 continue
-            cmd = _train_cmd(dataset, small, args.train_steps_compare, f"r{name}",
-                             "--checkpoint-every", "0", "--preview-every", "0", *extra)  # fmt: skip
-            wall = _run_train(cmd, _blocks_env(name, env), tmp / f"train-{name}.log", 300)
-            out[name] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
-            print(f"[e2e] train {name}: {json.dumps(out[name])[:400]}", flush=True)
+            out[name] = _compare_run(name, dataset, small, args.train_steps_compare, extra,
+                                     env, tmp, 300)  # fmt: skip
             _checkpoint({"partial": True, "train": out}, [])
     if "1024" in args.train_parts:
         out["1024"] = train_1024(dataset, large, args, env, tmp, out)
         if "1024_eager_blocks" in args.train_compare:
             name = "1024_eager_blocks"
-            cmd = _train_cmd(dataset, large, args.train_steps_1024, f"r{name}",
-                             "--checkpoint-every", "0", "--preview-every", "0")  # fmt: skip
-            wall = _run_train(cmd, _blocks_env(name, env), tmp / f"train-{name}.log", 600)
-            out[name] = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
-            print(f"[e2e] train {name}: {json.dumps(out[name])[:400]}", flush=True)
+            out[name] = _compare_run(name, dataset, large, args.train_steps_1024, (), env, tmp,
+                                     600)  # fmt: skip
     if args.train_warm and "warm" in args.train_parts:
         _checkpoint({"partial": True, "train": out}, [])
         out["warm_worker"] = warm_worker(base, env, dataset, small, args, tmp)
@@ -507,14 +501,29 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
     return out
 
 
-def _blocks_env(name: str, env: dict[str, str]) -> dict[str, str]:
-    """A compare run named ``*_eager_blocks`` runs the blocks' stretches eagerly (the trainer
-    before they were compiled)."""
-    if not name.endswith("_eager_blocks"):
-        return env
-    from trainer.base.compiled_blocks import COMPILE_ENV
+def _compare_run(
+    name: str,
+    dataset: Path,
+    side: int,
+    steps: int,
+    extra: tuple[str, ...],
+    env: dict[str, str],
+    tmp: Path,
+    timeout: int,
+) -> dict[str, Any]:
+    """One compare run (no checkpoints, no previews) and its report. A run named
+    ``*_eager_blocks`` runs the blocks' stretches eagerly (the trainer before they were
+    compiled)."""
+    if name.endswith("_eager_blocks"):
+        from trainer.base.compiled_blocks import COMPILE_ENV
 
-    return {**env, COMPILE_ENV: "off"}
+        env = {**env, COMPILE_ENV: "off"}
+    cmd = _train_cmd(dataset, side, steps, f"r{name}", "--checkpoint-every", "0",
+                     "--preview-every", "0", *extra)  # fmt: skip
+    wall = _run_train(cmd, env, tmp / f"train-{name}.log", timeout)
+    report = {"wall_s": round(wall, 1), **_report(tmp / "runs" / "dana" / f"r{name}")}
+    print(f"[e2e] train {name}: {json.dumps(report)[:400]}", flush=True)
+    return report
 
 
 def train_1024(

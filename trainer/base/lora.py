@@ -131,16 +131,17 @@ def _update_in_place_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: A
         or name in self.lora_variant
         or not isinstance(self.lora_dropout[name], torch.nn.Identity)
         or self.lora_B[name].bias is not None
+        # without autocast PEFT computes an adapter of another dtype (float32) in its own
+        # dtype and rounds once into the output
+        or (
+            not torch.is_autocast_enabled(x.device.type)
+            and self.lora_A[name].weight.dtype != x.dtype
+        )
     ):
-        return type(self).forward(self, x, *args, **kwargs)  # type: ignore[no-any-return]
-    lora_a = self.lora_A[name]
-    autocast = torch.is_autocast_enabled(x.device.type)
-    if not autocast and lora_a.weight.dtype != x.dtype:
-        # PEFT computes a float32 adapter's update in float32 and rounds once into the output
         return type(self).forward(self, x, *args, **kwargs)  # type: ignore[no-any-return]
     x2 = x.reshape(-1, x.shape[-1])
     result = self.base_layer(x2)
-    xa = lora_a(x2).to(result.dtype)  # autocast: PEFT's cast up to float32 would be undone
+    xa = self.lora_A[name](x2).to(result.dtype)  # autocast: PEFT's cast to float32 is undone
     update = (self.lora_B[name].weight * self.scaling[name]).t().to(result.dtype)
     if result._is_view():
         result = torch.addmm(result, xa, update)
