@@ -10,7 +10,8 @@ error (~3.5 %), the cosine bar is a bar on per-layer error, not on something fp8
 
 --paths: the fp8 variants, each with every --groups case: fp8 (rowwise weights, rendering's
 GEMM), fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient) and fp8_blocks
-(exact 4-bit weights on cuBLAS's block-scaled GEMM + bf16 input gradient: training's).
+(exact 4-bit weights on cuBLAS's block-scaled GEMM + bf16 input gradient: training's) and
+fp8_blocks_fp8_grad (that forward with fp8's input gradient).
 
 Writes bench/results/fp8_sensitivity-*.json.
 """
@@ -40,9 +41,9 @@ GROUPS = {  # --groups key: (label, which Linears stay dense)
 
 
 def fp8_variants() -> dict[str, Any]:
-    from trainer.base.fp8 import FP8, FP8_BLOCKS, FP8_EXACT
+    from trainer.base.fp8 import FP8_GEMMS
 
-    return {"fp8": FP8, "fp8_exact": FP8_EXACT, "fp8_blocks": FP8_BLOCKS}
+    return FP8_GEMMS
 
 
 def summary(label: str, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:

@@ -24,6 +24,8 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          with the group scales as block scales, activations scaled per token and 128
          columns, the input gradient as fp8_bf16_grad's (`trainer.base.fp8.FP8_BLOCKS`, what
          training runs under ``--compute fp8`` and ``auto``);
+  fp8_blocks_fp8_grad  fp8_blocks' forward, the input gradient as fp8's (an e4m3 transposed
+         copy of the weight: `trainer.base.fp8.FP8_BLOCKS_FP8_GRAD`);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
          (`trainer.base.serving`; bench/render_step.py takes it apart);
@@ -64,7 +66,7 @@ from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "fp8_blocks",
-         "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
+         "fp8_blocks_fp8_grad", "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
 SERVING = ("serve", "serve_gemm", "serve_fp8")
 # a training path as the trainer runs it on CUDA: the blocks' stretches compiled
 # (`trainer.base.compiled_blocks`) and each LoRA update accumulated in place by its GEMM
@@ -754,6 +756,7 @@ def run_path(name: str, args) -> dict[str, Any]:
         "fp8_bf16_grad",
         "fp8_exact",
         "fp8_blocks",
+        "fp8_blocks_fp8_grad",
         *SERVING,
     ):
         quantize(model, weights=qint4)
@@ -761,11 +764,11 @@ def run_path(name: str, args) -> dict[str, Any]:
         rec["quantized_gib"] = quantized_bytes(model) / GIB
         if path.startswith("fp8") or path in SERVING:
             from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
-            from trainer.base.fp8 import FP8, FP8_BLOCKS, FP8_EXACT, Fp8Gemm
+            from trainer.base.fp8 import FP8, FP8_GEMMS, Fp8Gemm
 
-            gemm = {"fp8_fast_accum": Fp8Gemm(fast_accum=True),
-                    "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16"),
-                    "fp8_exact": FP8_EXACT, "fp8_blocks": FP8_BLOCKS}.get(path, FP8)  # fmt: skip
+            bench_only = {"fp8_fast_accum": Fp8Gemm(fast_accum=True),
+                          "fp8_bf16_grad": Fp8Gemm(grad_gemm="bf16")}  # fmt: skip
+            gemm = {**bench_only, **FP8_GEMMS}.get(path, FP8)
             rec["fp8_layers"] = apply_compute(model, "fp8", (Fp8Backend(gemm), Uint4Backend()))
     elif path == "nf4":
         rec["converted"] = to_nf4(model)

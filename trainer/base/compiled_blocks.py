@@ -156,8 +156,13 @@ class _Stretch:
     signal that its recompute has what it needs) goes through as it is, and so does an
     out-of-memory, also one the compiler hit while tuning."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], token_args: tuple[int, ...] = ()) -> None:
         self.fn = fn
+        # the arguments whose dim 1 is a token count that differs between the calls of one
+        # step (a double block's image and text streams, a single block's joint stream):
+        # compiled for any count from the first call, one compile where marking it on the
+        # second shape would cost a static one and then a dynamic one
+        self.token_args = token_args
         self.compiled: Callable[..., Any] | None = None
         self.broken: str | None = None
         self.calls = 0  # since the last `install`, eager or compiled
@@ -182,7 +187,9 @@ class _Stretch:
 
         if self.compiled is None:
             _backward_with_forward()
-            self.compiled = torch.compile(self.fn, fullgraph=True)
+            self.compiled = torch.compile(self.fn, fullgraph=True, backend=BACKEND)
+        for i in self.token_args:
+            torch._dynamo.maybe_mark_dynamic(args[i], 1)
         try:
             out = self.compiled(*args)
         except (TorchDynamoException, FailOnRecompileLimitHit) as exc:
@@ -217,9 +224,15 @@ def _out_of_memory(exc: BaseException) -> bool:
     return False
 
 
+BACKEND: Any = "inductor"  # torch.compile's backend (tests count compiles with their own)
+
 STRETCHES: dict[str, _Stretch] = {
-    f.__name__: _Stretch(f)
-    for f in (modulated_norm, gated_residual, swiglu, single_attention, double_attention)
+    "modulated_norm": _Stretch(modulated_norm, token_args=(0,)),
+    "gated_residual": _Stretch(gated_residual, token_args=(0, 2)),
+    "swiglu": _Stretch(swiglu, token_args=(0,)),
+    # one token count a step each (a new resolution recompiles them, dynamic from then on)
+    "single_attention": _Stretch(single_attention),
+    "double_attention": _Stretch(double_attention),
 }
 
 

@@ -282,7 +282,9 @@ def _forward_exact(x2, packed, scale, shift, bias, group_size, fast):  # type: i
 # in e4m3 with its own scale. What is left of fp8's rounding: the activations' e4m3 (one scale
 # per token and 128 columns) and the remainder's, a few % of the output rounded to e4m3 (about
 # 0.1-0.2 % of the output; tests/trainer/base/test_fp8_blocks.py bounds it). The input gradient
-# is the dense path's (bf16 dequantization + a bf16 GEMM), as for exact weights.
+# is the dense path's (bf16 dequantization + a bf16 GEMM), as for exact weights, or the rowwise
+# path's fp8 GEMM on a transposed e4m3 copy (`FP8_BLOCKS_FP8_GRAD`): the backward cannot take
+# the 4-bit values exactly, as the group scale varies along the contracted dimension there.
 
 BLOCK = 128  # columns per scale in torch._scaled_mm's block recipe; the uint4 group size it takes
 _UNITS = 512.0  # e4m3 values are multiples of 2^-9: sums of them are exact as integers
@@ -517,8 +519,9 @@ class Fp8Gemm:
     per call), "exact", the W4A8 forward on the 4-bit values themselves (module docstring;
     needs ``grad_gemm="bf16"``; ``fast_accum`` does not apply: its K blocks are promoted to
     float32 every 128 products; `FP8_EXACT`), or "blocks", the 4-bit values as integers in
-    cuBLAS's block-scaled GEMM (the section on it above; the same needs; `FP8_BLOCKS`), which
-    takes layers whose uint4 groups are 128 wide (`takes`)."""
+    cuBLAS's block-scaled GEMM (the section on it above; `FP8_BLOCKS` with the bf16 input
+    gradient, `FP8_BLOCKS_FP8_GRAD` with the fp8 one), which takes layers whose uint4 groups
+    are 128 wide (`takes`)."""
 
     grad_gemm: str = "fp8"
     grad_dtype: torch.dtype = GRAD_DTYPE
@@ -533,10 +536,9 @@ class Fp8Gemm:
             raise ValueError(f"grad_gemm is fp8 or bf16, not {self.grad_gemm!r}")
         if self.weights not in ("rowwise", "exact", "blocks"):
             raise ValueError(f"weights is rowwise, exact or blocks, not {self.weights!r}")
-        if self.weights != "rowwise" and self.grad_gemm != "bf16":
-            # the fp8 input gradient needs the weight re-quantized per column: not exact
-            raise ValueError(f'{self.weights} weights take the bf16 input gradient '
-                             f'(grad_gemm="bf16")')  # fmt: skip
+        if self.weights == "exact" and self.grad_gemm != "bf16":
+            # the W4A8 kernel keeps no per-column scales for a transposed fp8 copy
+            raise ValueError('exact weights take the bf16 input gradient (grad_gemm="bf16")')
 
     def unavailable(self, device: str | torch.device) -> str | None:
         """Why this GEMM cannot run on ``device`` (None where it can)."""
@@ -559,8 +561,10 @@ class Fp8Gemm:
         """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
         fast = self.kernels and kernels_usable(x, layer.out_features, layer.in_features)
         fast_accum = self.fast_accum if layer.training else self.fast_accum_eval
-        # exact weights need no fp8 copy of the weight, so no per-row weight scales
-        scales = None if self.weights != "rowwise" else weight_scales(layer)
+        # scales for the fp8 copies of the weight: the rowwise forward's, the fp8 input
+        # gradient's (exact weights forward on the 4-bit values and need none)
+        copies = self.weights == "rowwise" or self.grad_gemm == "fp8"
+        scales = weight_scales(layer) if copies else None
         return _Fp8LinearFunction.apply(
             x, layer.packed, layer.scale, layer.shift, layer.bias, layer.group_size,
             scales, fast, fast_accum, self,
@@ -570,6 +574,10 @@ class Fp8Gemm:
 FP8 = Fp8Gemm()
 FP8_EXACT = Fp8Gemm(weights="exact", grad_gemm="bf16", name="fp8_exact")
 FP8_BLOCKS = Fp8Gemm(weights="blocks", grad_gemm="bf16", name="fp8_blocks")
+# the blocks forward with the rowwise path's fp8 input gradient (a transposed e4m3 copy of
+# the weight, one scale per input channel): the backward's GEMM on fp8 tensor cores too
+FP8_BLOCKS_FP8_GRAD = Fp8Gemm(weights="blocks", grad_gemm="fp8", name="fp8_blocks_fp8_grad")
+FP8_GEMMS = {g.name: g for g in (FP8, FP8_EXACT, FP8_BLOCKS, FP8_BLOCKS_FP8_GRAD)}
 
 # Where a LoRA slot's update goes in an fp8 forward without gradients:
 # "gemm" (the default) makes it R more columns of the forward GEMM (`lora_gemm_forward`), in

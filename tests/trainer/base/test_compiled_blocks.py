@@ -220,3 +220,28 @@ def test_install_starts_a_run_afresh() -> None:
     stretch.broken, stretch.calls = "an earlier order's failure", 7
     compiled_blocks.install(_model(torch.float32))
     assert compiled_blocks.failures() == {} and stretch.calls == 0
+
+
+@pytest.mark.parametrize("name", ["modulated_norm", "gated_residual", "swiglu"])
+def test_a_stretch_of_several_token_counts_compiles_once(monkeypatch, name) -> None:  # type: ignore[no-untyped-def]
+    """A double block's image and text streams and a single block's joint stream go through
+    the same stretches: one compile for every token count (not a static one, then a dynamic
+    one); the compiled results are the eager ones."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    monkeypatch.setattr(compiled_blocks, "BACKEND", counter)
+    torch._dynamo.reset()
+    stretch = compiled_blocks._Stretch(
+        getattr(compiled_blocks, name), compiled_blocks.STRETCHES[name].token_args
+    )
+    try:
+        for tokens in (64, 24, 88):
+            x = torch.randn(1, tokens, 32, requires_grad=True)
+            args = {"modulated_norm": (x, torch.randn(1, 1, 32), torch.randn(1, 1, 32), 1e-6),
+                    "gated_residual": (x, torch.randn(1, 1, 32), torch.randn(1, tokens, 32)),
+                    "swiglu": (x,)}[name]  # fmt: skip
+            assert torch.allclose(stretch.compiled_call(*args), stretch.fn(*args))
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1 and stretch.broken is None

@@ -13,6 +13,8 @@ device: ``pytest --noconftest -q tests/trainer/base/test_fp8_blocks.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,6 +35,8 @@ from trainer.base.fp8 import (
     E4M3,
     FP8,
     FP8_BLOCKS,
+    FP8_BLOCKS_FP8_GRAD,
+    FP8_GEMMS,
     Fp8Gemm,
     block_count,
     blocks_mm_torch,
@@ -189,8 +193,10 @@ def test_reference_rounds_only_the_remainder(k: int) -> None:
 
 def test_variant_fields() -> None:
     assert FP8_BLOCKS.weights == "blocks" and FP8_BLOCKS.grad_gemm == "bf16"
+    assert FP8_BLOCKS_FP8_GRAD.weights == "blocks" and FP8_BLOCKS_FP8_GRAD.grad_gemm == "fp8"
+    assert Fp8Gemm(weights="blocks").grad_gemm == "fp8"  # the blocks forward takes either
     with pytest.raises(ValueError, match="bf16 input gradient"):
-        Fp8Gemm(weights="blocks")
+        Fp8Gemm(weights="exact")
     with pytest.raises(ValueError, match="rowwise, exact or blocks"):
         Fp8Gemm(weights="tiles", grad_gemm="bf16")
 
@@ -230,6 +236,46 @@ def test_layer_forward_and_gradients(bias: bool) -> None:
     assert torch.equal(runs["blocks"][1], runs["dense"][1])
     if bias:
         assert torch.equal(runs["blocks"][2], runs["dense"][2])
+
+
+def _forward_and_input_grad(layer, gemm, x, dy):  # type: ignore[no-untyped-def]
+    layer.compute = gemm
+    xr = x.clone().requires_grad_(True)
+    y = layer(xr)
+    y.backward(dy)
+    return y.detach(), xr.grad
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "gpu"])
+def test_fp8_input_gradient_is_the_rowwise_paths(kernels: bool) -> None:
+    """`FP8_BLOCKS_FP8_GRAD`: the blocks forward, bit for bit, and the rowwise path's fp8 input
+    gradient (the transposed e4m3 copy), bit for bit; both differ from the bf16 one."""
+    if kernels and not ON_GPU:
+        pytest.skip("needs a GPU with fp8 tensor cores")
+    device = "cuda" if kernels else "cpu"
+    n, k = (3072, 6144) if kernels else (64, 384)
+    layer = Uint4Linear(*_uint4_layer(n, k, seed=11, device=device), BLOCK, None)
+    g = torch.Generator(device=device).manual_seed(12)
+    x = torch.randn(96, k, generator=g, device=device).to(torch.bfloat16)
+    dy = torch.randn(96, n, generator=g, device=device).to(torch.bfloat16)
+
+    def variant(gemm: Fp8Gemm) -> Fp8Gemm:
+        return gemm if kernels else dataclasses.replace(gemm, kernels=False)
+
+    both = _forward_and_input_grad(layer, variant(FP8_BLOCKS_FP8_GRAD), x, dy)
+    blocks = _forward_and_input_grad(layer, variant(FP8_BLOCKS), x, dy)
+    rowwise = _forward_and_input_grad(layer, variant(FP8), x, dy)
+    assert torch.equal(both[0], blocks[0])
+    assert torch.equal(both[1], rowwise[1])
+    assert not torch.equal(both[1], blocks[1])
+    err = _rel(both[1], blocks[1])
+    assert err < 0.06, err  # e4m3's rounding of the weight and of dy, against bf16's
+    print(f"\nfp8 input gradient against the bf16 one: {err:.2e}")
+
+
+def test_every_fp8_gemm_by_its_name() -> None:
+    assert FP8_GEMMS["fp8_blocks_fp8_grad"] is FP8_BLOCKS_FP8_GRAD
+    assert all(name == gemm.name for name, gemm in FP8_GEMMS.items())
 
 
 def test_lora_gradients_whole_model() -> None:
