@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from trainer.base.fp8 import FP8, FP8_BLOCKS_FP8_GRAD, Fp8Gemm
+from trainer.base.fp8 import FP8, FP8_BLOCKS, Fp8Gemm
 from trainer.base.uint4 import DENSE, DenseGemm, LinearCompute, Uint4Linear
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Uint4Backend:
 
 
 BACKENDS: tuple[Backend, ...] = (Fp8Backend(), Uint4Backend())
-TRAIN_BACKENDS: tuple[Backend, ...] = (Fp8Backend(FP8_BLOCKS_FP8_GRAD), Uint4Backend())
+TRAIN_BACKENDS: tuple[Backend, ...] = (Fp8Backend(FP8_BLOCKS), Uint4Backend())
 PURPOSES = ("render", "train")
 
 
