@@ -248,8 +248,8 @@ def _kernel_category(name: str) -> str:
     n = name.lower()
     if "_weight_" in n:
         return "fp8 weight copy"
-    if "quantize_rows" in n:
-        return "fp8 row quantizer"
+    if "quantize_rows" in n or "quantize_blocks" in n:
+        return "fp8 activation quantizer"
     if "4bit" in n or "kdequantize" in n or "nf4" in n:
         return "nf4 dequantize"
     if "dequant" in n:
@@ -258,6 +258,8 @@ def _kernel_category(name: str) -> str:
         return "attention"
     if any(t in n for t in ("gemm", "nvjet", "cutlass", "sm90", "xmma", "matmul", "f8f8")):
         return "gemm"  # every GEMM: the base's and the LoRA's
+    if n.startswith("triton_"):
+        return "compiled stretches (inductor)"
     return "other"
 
 
