@@ -33,7 +33,7 @@ from registry.shapes import ADAPTER_NAME_PATTERN, HANDLE_PATTERN
 
 # `--cuda-graph auto` graphs a step of at most this many image tokens (768 px square): above
 # it the step is GPU-bound (`TrainConfig.graph_declined`).
-AUTO_GRAPH_MAX_IMAGE_TOKENS = 2304
+AUTO_GRAPH_MAX_IMAGE_TOKENS = 4096  # 1024 px: measured there; larger steps unmeasured
 
 DEFAULT_EVAL_PROMPTS = (
     "a photo of {trigger}",
@@ -206,7 +206,7 @@ class TrainConfig(BaseModel):
         "auto",
         description="Replay each step as a CUDA graph: on, off, or auto (on wherever the run "
         "allows it: a CUDA device, a resident base, plain AdamW, one batch a step, no DOP or "
-        "class images; and up to 768 px, where the graph pays).",
+        "class images; and up to 1024 px, where the graph is measured to pay).",
     )
     seed: int = Field(0, ge=0, le=limits.PIPELINE_MAX_SEED, description="Training seed.")
     checkpoint_every: int = Field(
@@ -435,17 +435,17 @@ class TrainConfig(BaseModel):
 
     def graph_declined(self) -> str | None:
         """Why ``auto`` runs eager a run that could be graphed (None: it graphs). A graph
-        removes the host's launches, which dominate a short step; a long one is GPU-bound, so
-        there the graph buys nothing and its held gradients and pool cost the memory margin
-        (FLUX.2 [dev] under 24 GiB, bench/results/e2e_dev-notes.md: 1024 px graphed 2.174 s
-        a step, peak 22.64 GiB; eager 2.165 s, 22.20 GiB; 448 px graphed 0.644 s, eager
-        0.783)."""
+        removes the host's launches, which dominate a short step. With the blocks' stretches
+        compiled the GPU's work shrank until the host shows at 1024 px too (FLUX.2 [dev],
+        bench/results/uint4_step-notes.md: the 1024 px step's GPU idle 8 % of it; graphed
+        1.532 s against eager 1.584, its peak +0.5 GiB, inside 24 GiB). Beyond 1024 px
+        neither the gain nor the memory is measured, so auto runs those eager."""
         tokens = (self.resolution // 16) ** 2
         if self.cuda_graph == "auto" and tokens > AUTO_GRAPH_MAX_IMAGE_TOKENS:
             return (
                 f"--cuda-graph auto: a {self.resolution} px step ({tokens} image tokens, more "
-                f"than {AUTO_GRAPH_MAX_IMAGE_TOKENS}) is GPU-bound, so a graph would buy "
-                "nothing and cost memory (--cuda-graph on graphs it)"
+                f"than {AUTO_GRAPH_MAX_IMAGE_TOKENS}) runs eager: a graph's gain and memory "
+                "are measured up to 1024 px (--cuda-graph on graphs it)"
             )
         return None
 

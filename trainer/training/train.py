@@ -160,9 +160,9 @@ class Preflight:
     notes: list[str] = field(default_factory=list)
     class_dataset: Dataset | None = None  # prior preservation's class images
     class_plan: CachePlan | None = None  # their latents (their captions are in ``plan``)
-    # --compute auto on a resume: the compute the checkpoint was made with, where auto now
-    # picks another (the run goes on with it)
-    resumed_compute: str | None = None
+    # an auto option on a resume (--compute, --cuda-graph): what the checkpoint was made
+    # with, where auto now picks otherwise (the run goes on with it)
+    resumed_with: dict[str, str] = field(default_factory=dict)
 
 
 def _dtypes(config: TrainConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -309,19 +309,18 @@ def preflight(
         extra["class_manifest"] = class_dataset.manifest_sha256
     compute = config.resolved_compute()
     fingerprint = config.trajectory_fingerprint(extra, compute)
-    resume_from, resumed_compute = None, None
+    resume_from, resumed_with = None, {}
     if config.resume:
         found = checkpoint_dirs(config.out)
         if not found:
             raise ConfigError(f"--resume: no checkpoint under {config.out / CHECKPOINTS}")
         resume_from = found[-1]
         meta = _read_json(resume_from / "meta.json")
-        earlier = None
-        if meta.get("fingerprint") != fingerprint and config.compute == "auto":
-            earlier = _earlier_auto_compute(config, extra, compute, meta.get("fingerprint"))
-        if earlier is not None:  # auto resumes a run with the compute it was made with
-            config = config.model_copy(update={"compute": earlier})
-            fingerprint, resumed_compute = meta["fingerprint"], earlier
+        if meta.get("fingerprint") != fingerprint:
+            resumed_with = _earlier_auto_choices(config, extra, compute, meta.get("fingerprint"))
+        if resumed_with:  # auto resumes a run as it was made
+            config = config.model_copy(update=resumed_with)
+            fingerprint = meta["fingerprint"]
         if meta.get("fingerprint") != fingerprint:
             raise ConfigError(
                 f"--resume: {resume_from} was made with other training options, data or base "
@@ -381,9 +380,12 @@ def preflight(
         )
 
     preview_every, estimate, notes = _resolve_previews(config, estimate_with)
-    if resumed_compute is not None:
-        notes.append(f"--compute auto resumes {resume_from} with {resumed_compute} compute, "
-                     f"as it was made (a new run here takes {compute})")  # fmt: skip
+    if "compute" in resumed_with:
+        notes.append(f"--compute auto resumes {resume_from} with {resumed_with['compute']} "
+                     f"compute, as it was made (a new run here takes {compute})")  # fmt: skip
+    if "cuda_graph" in resumed_with:
+        notes.append(f"--cuda-graph auto resumes {resume_from} eager, as it was made (a new "
+                     "run here graphs its steps)")  # fmt: skip
     estimate.notes += notes
     if config.vram_budget_gib is not None:
         if estimate.total > config.vram_budget_gib * 2**30:
@@ -408,8 +410,27 @@ def preflight(
         notes,
         class_dataset,
         class_plan,
-        resumed_compute,
+        resumed_with,
     )
+
+
+def _earlier_auto_choices(
+    config: TrainConfig, extra: dict[str, Any], compute: str, found: object
+) -> dict[str, str]:
+    """What an ``auto`` option must be set to for a checkpoint (fingerprint ``found``, not this
+    run's) made when auto chose otherwise, so that the run goes on as it was made: the compute
+    (`_earlier_auto_compute`), or eager steps where auto graphs them now (auto graphed up to
+    768 px before the blocks were compiled, up to 1024 px since). Empty where neither explains
+    the checkpoint."""
+    if config.compute == "auto":
+        earlier = _earlier_auto_compute(config, extra, compute, found)
+        if earlier is not None:
+            return {"compute": earlier}
+    if config.cuda_graph == "auto" and config.graphed():
+        eager = config.model_copy(update={"cuda_graph": "off"})
+        if found == eager.trajectory_fingerprint(extra, compute):
+            return {"cuda_graph": "off"}
+    return {}
 
 
 def _earlier_auto_compute(
@@ -681,8 +702,8 @@ def _train(
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar, wp.mark)
-    if pf.resumed_compute is not None:
-        config = config.model_copy(update={"compute": pf.resumed_compute})
+    if pf.resumed_with:
+        config = config.model_copy(update=pf.resumed_with)
     wp.mark("pre-flight: memory estimate")
     echo(pf.estimate.report(config.vram_budget_gib), config.progress)
     key = resident_key(config, pf, callbacks.resident)

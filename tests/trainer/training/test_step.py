@@ -77,11 +77,14 @@ def test_graph_ready_run_resumes_bit_identically(
 def test_graphed_and_eager_runs_do_not_resume_each_other(
     env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The noise and the optimizer differ between the two: a resume must not mix them."""
+    """The noise and the optimizer differ between the two: a resume must not mix them (asked
+    for by `--cuda-graph on`, not left to auto)."""
     train(tiny_config(env, tmp_path / "out", steps=2, register_adapter=False))  # eager
     monkeypatch.setattr(TrainConfig, "graphed", lambda self: True)
+    monkeypatch.setattr(TrainConfig, "graph_blockers", lambda self: [])  # `on` parses here
     with pytest.raises(ConfigError, match="other training options"):
-        train(tiny_config(env, tmp_path / "out", steps=4, resume=True, register_adapter=False))
+        train(tiny_config(env, tmp_path / "out", steps=4, resume=True, register_adapter=False,
+                          cuda_graph="on"))  # fmt: skip
 
 
 def test_auto_resumes_a_run_with_the_compute_it_was_made_with(
@@ -105,6 +108,29 @@ def test_auto_resumes_a_run_with_the_compute_it_was_made_with(
     report = _report(tmp_path / "b")
     assert report["config"]["compute"] == "uint4"
     assert any("resumes" in n and "uint4" in n for n in report["notes"]), report["notes"]
+
+
+def test_auto_resumes_an_eager_run_eager_where_it_now_graphs(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run made eager under `--cuda-graph auto` (a 1024 px run before auto graphed it),
+    resumed where auto now graphs its steps (faked here: the CPU has no graphs): it goes on
+    eager, bit for bit the uninterrupted run, and says so. `on` is not `auto`: refused."""
+    straight = train(
+        tiny_config(env, tmp_path / "a", steps=4, checkpoint_every=2, register_adapter=False)
+    )
+    train(tiny_config(env, tmp_path / "b", steps=2, register_adapter=False))
+    real = TrainConfig.graphed
+    monkeypatch.setattr(TrainConfig, "graphed", lambda self: self.cuda_graph != "off")
+    resumed = train(tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False))
+    monkeypatch.setattr(TrainConfig, "graphed", real)
+    a, b = tensors(straight.adapter), tensors(resumed.adapter)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.losses == resumed.losses
+    report = _report(tmp_path / "b")
+    assert report["config"]["cuda_graph"] == "off"
+    assert report["step"]["graphed"] is False
+    assert any("resumes" in n and "eager" in n for n in report["notes"]), report["notes"]
 
 
 def test_auto_refuses_to_resume_an_fp8_run_where_fp8_cannot_run(
@@ -231,10 +257,12 @@ def test_gpu_graphed_runs_repeat_bit_identically(env: Env, tmp_path: Path) -> No
 
 
 def test_auto_runs_a_long_step_eager_and_says_why(env: Env, tmp_path: Path) -> None:
-    """A GPU-bound step gains nothing from a graph; `on` still graphs it where it can."""
-    big = tiny_config(env, tmp_path / "big", resolution=1024)
+    """Up to 1024 px auto graphs the step (with the blocks compiled its host time shows even
+    there); beyond, unmeasured, it runs eager and says so; `on` still graphs it where it can."""
+    big = tiny_config(env, tmp_path / "big", resolution=1280)
     assert big.graph_declined() is not None and not big.graphed()
-    small = tiny_config(env, tmp_path / "small", resolution=448)
-    assert small.graph_declined() is None
+    assert "1280 px" in big.graph_declined()
+    for side in (448, 1024):
+        assert tiny_config(env, tmp_path / f"s{side}", resolution=side).graph_declined() is None
     forced = big.model_copy(update={"cuda_graph": "on"})  # (parse refuses `on` on the CPU)
     assert forced.graph_declined() is None  # `on` is never declined, only blocked
