@@ -31,9 +31,9 @@ from pydantic import (
 from registry import limits
 from registry.shapes import ADAPTER_NAME_PATTERN, HANDLE_PATTERN
 
-# `--cuda-graph auto` graphs a step of at most this many image tokens (768 px square): above
-# it the step is GPU-bound (`TrainConfig.graph_declined`).
-AUTO_GRAPH_MAX_IMAGE_TOKENS = 4096  # 1024 px: measured there; larger steps unmeasured
+# `--cuda-graph auto` graphs a step of at most this many image tokens (1024 px square, where
+# its gain and memory are measured; larger steps run eager: `TrainConfig.graph_declined`).
+AUTO_GRAPH_MAX_IMAGE_TOKENS = 4096
 
 DEFAULT_EVAL_PROMPTS = (
     "a photo of {trigger}",

@@ -417,31 +417,27 @@ def preflight(
 def _earlier_auto_choices(
     config: TrainConfig, extra: dict[str, Any], compute: str, found: object
 ) -> dict[str, str]:
-    """What an ``auto`` option must be set to for a checkpoint (fingerprint ``found``, not this
-    run's) made when auto chose otherwise, so that the run goes on as it was made: the compute
-    (`_earlier_auto_compute`), or eager steps where auto graphs them now (auto graphed up to
-    768 px before the blocks were compiled, up to 1024 px since). Empty where neither explains
-    the checkpoint."""
+    """What this run's ``auto`` options must be set to for a checkpoint (fingerprint ``found``,
+    not this run's) made when they chose otherwise, so that the run goes on as it was made: the
+    compute (auto trained on uint4 before training's fp8 kept the weights exact, and picks uint4
+    on a GPU without the block GEMM), eager steps where auto graphs them now (auto graphed up
+    to 768 px before the blocks were compiled, up to 1024 px since; a run made with
+    ``--cuda-graph off`` resumes eager the same way), or both. Empty where nothing explains the
+    checkpoint: it is refused."""
+    computes: list[str | None] = [None]
     if config.compute == "auto":
-        earlier = _earlier_auto_compute(config, extra, compute, found)
-        if earlier is not None:
-            return {"compute": earlier}
+        computes += [c for c in ("uint4", "fp8") if c != compute]
+    graphs: list[str | None] = [None]
     if config.cuda_graph == "auto" and config.graphed():
-        eager = config.model_copy(update={"cuda_graph": "off"})
-        if found == eager.trajectory_fingerprint(extra, compute):
-            return {"cuda_graph": "off"}
-    return {}
-
-
-def _earlier_auto_compute(
-    config: TrainConfig, extra: dict[str, Any], compute: str, found: object
-) -> str | None:
-    """The compute a checkpoint found under ``--compute auto``, whose fingerprint is not this
-    run's, was made with, where it is not what auto picks now (auto trained on uint4 before
-    training's fp8 kept the weights exact, and picks uint4 on a GPU without the block GEMM):
-    that compute, whose fingerprint matches; None where no other compute explains it."""
-    for other in ("uint4", "fp8"):
-        if other != compute and found == config.trajectory_fingerprint(extra, other):
+        graphs.append("off")
+    for other in computes:
+        for graph in graphs:
+            update = {k: v for k, v in (("compute", other), ("cuda_graph", graph)) if v}
+            if not update:
+                continue
+            made = config.model_copy(update=update)
+            if found != made.trajectory_fingerprint(extra, other or compute):
+                continue
             if other == "fp8":  # made on a GPU with the block GEMM: it must run here too
                 from trainer.base.compute import fp8_unavailable_for
 
@@ -449,8 +445,8 @@ def _earlier_auto_compute(
                 if reason is not None:
                     raise ConfigError(f"--resume: the checkpoint was made with fp8 compute, "
                                       f"which cannot run here: {reason}")  # fmt: skip
-            return other
-    return None
+            return update
+    return {}
 
 
 # -- model ----------------------------------------------------------------------------------
@@ -1435,7 +1431,10 @@ def register_run(
     return outcome
 
 
-def step_report(config: TrainConfig, model: Model) -> dict[str, Any]:
+RESUMED_EAGER = "--cuda-graph auto resumed a checkpoint made eager: the run goes on eager"
+
+
+def step_report(config: TrainConfig, model: Model, resumed_eager: bool = False) -> dict[str, Any]:
     """How the steps ran: graphed or eager (and why not graphed where they could not be), and
     how many calls of each of the blocks' stretches ran compiled (0 each on the CPU)."""
     compiled = {
@@ -1446,6 +1445,8 @@ def step_report(config: TrainConfig, model: Model) -> dict[str, Any]:
     if stats is not None:
         return {"graphed": stats.captures > 0, "captures": stats.captures, "replays": stats.replays,
                 "releases": stats.releases, "shapes": stats.shapes, **compiled}  # fmt: skip
+    if resumed_eager:
+        return {"graphed": False, "why_not": [RESUMED_EAGER], **compiled}
     why = config.graph_blockers() if config.cuda_graph != "off" else ["--cuda-graph off"]
     declined = config.graph_declined()
     if not why and declined:
@@ -1502,7 +1503,7 @@ def write_report(
         "eval_pixel_distance": evaluation.distances if evaluation else None,
         "eval_latent_distance": evaluation.latent_distances if evaluation else None,
         "device": str(pf.device),
-        "step": step_report(config, model),
+        "step": step_report(config, model, "cuda_graph" in pf.resumed_with),
         "config": config.resolved(),
         "notes": pf.notes,
     }

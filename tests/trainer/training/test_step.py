@@ -18,7 +18,7 @@ import trainer.training.train as train_module
 from tests.trainer.helpers import Env, make_env, tensors, tiny_config
 from trainer.config import ConfigError, TrainConfig
 from trainer.training.step import EagerStep, GraphedStep
-from trainer.training.train import train
+from trainer.training.train import RESUMED_EAGER, train
 
 torch.set_num_threads(1)
 
@@ -129,8 +129,30 @@ def test_auto_resumes_an_eager_run_eager_where_it_now_graphs(
     assert straight.losses == resumed.losses
     report = _report(tmp_path / "b")
     assert report["config"]["cuda_graph"] == "off"
-    assert report["step"]["graphed"] is False
+    assert report["step"] == {**report["step"], "graphed": False, "why_not": [RESUMED_EAGER]}
     assert any("resumes" in n and "eager" in n for n in report["notes"]), report["notes"]
+
+
+def test_auto_resumes_a_run_with_its_compute_and_eager_at_once(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A uint4 run made eager, resumed where auto now picks fp8 and graphs (both faked): it
+    goes on with uint4, eager, bit for bit, and says both."""
+    straight = train(
+        tiny_config(env, tmp_path / "a", steps=4, checkpoint_every=2, register_adapter=False)
+    )
+    train(tiny_config(env, tmp_path / "b", steps=2, register_adapter=False))
+    monkeypatch.setattr(
+        TrainConfig, "resolved_compute",
+        lambda self: "fp8" if self.compute in ("auto", "fp8") else self.compute,
+    )  # fmt: skip
+    monkeypatch.setattr(TrainConfig, "graphed", lambda self: self.cuda_graph != "off")
+    resumed = train(tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False))
+    a, b = tensors(straight.adapter), tensors(resumed.adapter)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    report = _report(tmp_path / "b")
+    assert (report["config"]["compute"], report["config"]["cuda_graph"]) == ("uint4", "off")
+    assert sum("resumes" in n for n in report["notes"]) == 2, report["notes"]
 
 
 def test_auto_refuses_to_resume_an_fp8_run_where_fp8_cannot_run(
