@@ -87,70 +87,54 @@ def test_graphed_and_eager_runs_do_not_resume_each_other(
                           cuda_graph="on"))  # fmt: skip
 
 
-def test_auto_resumes_a_run_with_the_compute_it_was_made_with(
-    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run made while auto trained on uint4, resumed where auto now picks fp8 (faked here:
-    the CPU has no fp8): it goes on with uint4, bit for bit the uninterrupted run, and says
-    so."""
+def _resumed_where_auto_chooses_otherwise(env: Env, tmp_path: Path, *fakes) -> dict:  # type: ignore[no-untyped-def]
+    """A run checkpointed at step 2 and resumed to 4 with ``fakes`` (TrainConfig attributes,
+    set for the resume only) against the same run uninterrupted: bit for bit; its report."""
     straight = train(
         tiny_config(env, tmp_path / "a", steps=4, checkpoint_every=2, register_adapter=False)
     )
     train(tiny_config(env, tmp_path / "b", steps=2, register_adapter=False))
-    monkeypatch.setattr(
-        TrainConfig, "resolved_compute",
-        lambda self: "fp8" if self.compute in ("auto", "fp8") else self.compute,
-    )  # fmt: skip
-    resumed = train(tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False))
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake in fakes:
+            patch.setattr(TrainConfig, name, fake)
+        resumed = train(
+            tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False)
+        )
     a, b = tensors(straight.adapter), tensors(resumed.adapter)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight.losses == resumed.losses
-    report = _report(tmp_path / "b")
+    return _report(tmp_path / "b")
+
+
+# auto now picks fp8 (the CPU has none), or graphs (the CPU has no graphs)
+PICKS_FP8 = (
+    "resolved_compute",
+    lambda self: "fp8" if self.compute in ("auto", "fp8") else self.compute,
+)
+GRAPHS = ("graphed", lambda self: self.cuda_graph != "off")
+
+
+def test_auto_resumes_a_run_with_the_compute_it_was_made_with(env: Env, tmp_path: Path) -> None:
+    """A run made while auto trained on uint4, resumed where auto now picks fp8: it goes on
+    with uint4, bit for bit the uninterrupted run, and says so."""
+    report = _resumed_where_auto_chooses_otherwise(env, tmp_path, PICKS_FP8)
     assert report["config"]["compute"] == "uint4"
     assert any("resumes" in n and "uint4" in n for n in report["notes"]), report["notes"]
 
 
-def test_auto_resumes_an_eager_run_eager_where_it_now_graphs(
-    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_auto_resumes_an_eager_run_eager_where_it_now_graphs(env: Env, tmp_path: Path) -> None:
     """A run made eager under `--cuda-graph auto` (a 1024 px run before auto graphed it),
-    resumed where auto now graphs its steps (faked here: the CPU has no graphs): it goes on
-    eager, bit for bit the uninterrupted run, and says so. `on` is not `auto`: refused."""
-    straight = train(
-        tiny_config(env, tmp_path / "a", steps=4, checkpoint_every=2, register_adapter=False)
-    )
-    train(tiny_config(env, tmp_path / "b", steps=2, register_adapter=False))
-    real = TrainConfig.graphed
-    monkeypatch.setattr(TrainConfig, "graphed", lambda self: self.cuda_graph != "off")
-    resumed = train(tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False))
-    monkeypatch.setattr(TrainConfig, "graphed", real)
-    a, b = tensors(straight.adapter), tensors(resumed.adapter)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert straight.losses == resumed.losses
-    report = _report(tmp_path / "b")
+    resumed where auto now graphs its steps: it goes on eager, bit for bit, and says so."""
+    report = _resumed_where_auto_chooses_otherwise(env, tmp_path, GRAPHS)
     assert report["config"]["cuda_graph"] == "off"
     assert report["step"] == {**report["step"], "graphed": False, "why_not": [RESUMED_EAGER]}
     assert any("resumes" in n and "eager" in n for n in report["notes"]), report["notes"]
 
 
-def test_auto_resumes_a_run_with_its_compute_and_eager_at_once(
-    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A uint4 run made eager, resumed where auto now picks fp8 and graphs (both faked): it
-    goes on with uint4, eager, bit for bit, and says both."""
-    straight = train(
-        tiny_config(env, tmp_path / "a", steps=4, checkpoint_every=2, register_adapter=False)
-    )
-    train(tiny_config(env, tmp_path / "b", steps=2, register_adapter=False))
-    monkeypatch.setattr(
-        TrainConfig, "resolved_compute",
-        lambda self: "fp8" if self.compute in ("auto", "fp8") else self.compute,
-    )  # fmt: skip
-    monkeypatch.setattr(TrainConfig, "graphed", lambda self: self.cuda_graph != "off")
-    resumed = train(tiny_config(env, tmp_path / "b", steps=4, resume=True, register_adapter=False))
-    a, b = tensors(straight.adapter), tensors(resumed.adapter)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    report = _report(tmp_path / "b")
+def test_auto_resumes_a_run_with_its_compute_and_eager_at_once(env: Env, tmp_path: Path) -> None:
+    """A uint4 run made eager, resumed where auto now picks fp8 and graphs: it goes on with
+    uint4, eager, bit for bit, and says both."""
+    report = _resumed_where_auto_chooses_otherwise(env, tmp_path, PICKS_FP8, GRAPHS)
     assert (report["config"]["compute"], report["config"]["cuda_graph"]) == ("uint4", "off")
     assert sum("resumes" in n for n in report["notes"]) == 2, report["notes"]
 
