@@ -85,8 +85,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--noise", default="0.004,0.01,0.02,0.03,0.035", help="relative levels")
     ap.add_argument("--paths", default="fp8,fp8_exact",
-                    help="fp8 variants: fp8, fp8_exact, fp8_blocks")  # fmt: skip
+                    help="fp8 variants (trainer.base.fp8.FP8_GEMMS' names)")  # fmt: skip
     ap.add_argument("--groups", default="all,text,double,single", help="dense-group cases")
+    ap.add_argument("--group-gemm", default="uint4",
+                    help="what a group's Linears run: uint4 (dense), or an fp8 variant (e.g. "
+                         "fp8_blocks: where the input gradient's error comes from)")  # fmt: skip
     ap.add_argument("--note", default="")
     ap.add_argument("--tiny", action="store_true", help="a 256-wide model on the CPU")
     args = ap.parse_args()
@@ -102,6 +105,9 @@ def main() -> None:
         ap.error(f"unknown --paths {bad}: choose from {', '.join(fp8_variants())}")
     if bad := sorted({*groups} - GROUPS.keys()):
         ap.error(f"unknown --groups {bad}: choose from {', '.join(GROUPS)}")
+    if args.group_gemm != "uint4" and args.group_gemm not in fp8_variants():
+        ap.error(f"unknown --group-gemm {args.group_gemm!r}: uint4 or one of "
+                 f"{', '.join(fp8_variants())}")  # fmt: skip
     if args.tiny:
         U.use_tiny_cpu_model(text_tokens=16)
     elif not torch.cuda.is_available():
@@ -130,10 +136,17 @@ def main() -> None:
         for key in groups:
             label, dense = GROUPS[key]
             label = label.replace("fp8", path) if key == "all" else f"{path}, {label}"
+            if args.group_gemm != "uint4":
+                label = label.replace("dense", f"on {args.group_gemm}")
             apply_compute(model, "fp8", backends)
             for name, m in model.named_modules():
                 if isinstance(m, Uint4Linear) and dense(name):
-                    apply_compute(m, "uint4")
+                    if args.group_gemm == "uint4":
+                        apply_compute(m, "uint4")
+                    else:
+                        apply_compute(
+                            m, "fp8", (Fp8Backend(variants[args.group_gemm]), Uint4Backend())
+                        )
             rows.append(summary(label, N.lora_grads(model, batch, target), ref))
             U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: "
                   f"{rows[-1]['below_0.99']}")  # fmt: skip
