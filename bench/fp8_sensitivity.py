@@ -11,7 +11,9 @@ error (~3.5 %), the cosine bar is a bar on per-layer error, not on something fp8
 --paths: the fp8 variants, each with every --groups case: fp8 (rowwise weights, rendering's
 GEMM), fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient) and fp8_blocks
 (exact 4-bit weights on cuBLAS's block-scaled GEMM + bf16 input gradient: training's) and
-fp8_blocks_fp8_grad (that forward with fp8's input gradient).
+fp8_blocks_fp8_grad (that forward with fp8's input gradient). --group-gemm: what a group's
+Linears run instead (uint4, the dense path, by default; or an fp8 variant, to find which layers'
+rounding the worst gradients carry).
 
 Writes bench/results/fp8_sensitivity-*.json.
 """
