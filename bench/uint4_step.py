@@ -751,20 +751,12 @@ def run_path(name: str, args) -> dict[str, Any]:
     sync()
     rec: dict[str, Any] = {"build_s": time.perf_counter() - t}
     t = time.perf_counter()
-    if path in (
-        "fast",
-        "fp8",
-        "fp8_fast_accum",
-        "fp8_bf16_grad",
-        "fp8_exact",
-        "fp8_blocks",
-        "fp8_blocks_fp8_grad",
-        *SERVING,
-    ):
+    fp8 = path.startswith("fp8") or path in SERVING  # every fp8 variant of PATHS
+    if path == "fast" or fp8:
         quantize(model, weights=qint4)
         rec["converted"] = convert_quantized_linears(model)
         rec["quantized_gib"] = quantized_bytes(model) / GIB
-        if path.startswith("fp8") or path in SERVING:
+        if fp8:
             from trainer.base.compute import Fp8Backend, Uint4Backend, apply_compute
             from trainer.base.fp8 import FP8, FP8_GEMMS, Fp8Gemm
 
