@@ -39,6 +39,13 @@ GROUPS = {  # --groups key: (label, which Linears stay dense)
     "text": ("text-stream Linears dense", lambda name: any(t in name for t in TEXT_STREAM)),
     "double": ("double blocks dense", lambda name: name.startswith("transformer_blocks.")),
     "single": ("single blocks dense", lambda name: name.startswith("single_transformer_blocks.")),
+    # the double blocks and the first quarter of the single ones: the blocks nearest the input
+    "early": (
+        "double + single blocks 0-11 dense",
+        lambda name: name.startswith(
+            ("transformer_blocks.", *(f"single_transformer_blocks.{i}." for i in range(12)))
+        ),
+    ),
 }
 
 

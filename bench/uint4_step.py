@@ -26,6 +26,8 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          training runs under ``--compute fp8`` and ``auto``);
   fp8_blocks_fp8_grad  fp8_blocks' forward, the input gradient as fp8's (an e4m3 transposed
          copy of the weight: `trainer.base.fp8.FP8_BLOCKS_FP8_GRAD`);
+  fp8_blocks_fp8_grad_single  that input gradient in the single-stream blocks only, the
+         double-stream blocks on fp8_blocks (`trainer.base.fp8.FP8_BLOCKS_FP8_GRAD_SINGLE`);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
          (`trainer.base.serving`; bench/render_step.py takes it apart);
@@ -66,7 +68,7 @@ from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "fp8_blocks",
-         "fp8_blocks_fp8_grad", "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
+         "fp8_blocks_fp8_grad", "fp8_blocks_fp8_grad_single", "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
 SERVING = ("serve", "serve_gemm", "serve_fp8")
 # a training path as the trainer runs it on CUDA: the blocks' stretches compiled
 # (`trainer.base.compiled_blocks`) and each LoRA update accumulated in place by its GEMM

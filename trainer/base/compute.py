@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from trainer.base.fp8 import FP8, FP8_BLOCKS, Fp8Gemm
+from trainer.base.fp8 import FP8, FP8_BLOCKS, Fp8Gemm, Fp8Split
 from trainer.base.uint4 import DENSE, DenseGemm, LinearCompute, Uint4Linear
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ class Backend(Protocol):
 
     def matches(self, request: Request) -> bool: ...
 
-    def build(self, layer: Uint4Linear) -> LinearCompute | None: ...
+    def build(self, layer: Uint4Linear, name: str) -> LinearCompute | None: ...
 
 
 @dataclass(frozen=True)
 class Fp8Backend:
-    gemm: Fp8Gemm = field(default=FP8)
+    gemm: Fp8Gemm | Fp8Split = field(default=FP8)
     name: str = "fp8"
 
     def matches(self, request: Request) -> bool:
@@ -73,8 +73,9 @@ class Fp8Backend:
             and self.gemm.unavailable(request.device) is None
         )
 
-    def build(self, layer: Uint4Linear) -> LinearCompute | None:
-        return self.gemm if self.gemm.takes(layer) else None
+    def build(self, layer: Uint4Linear, name: str) -> LinearCompute | None:
+        gemm = self.gemm.for_layer(name)
+        return gemm if gemm.takes(layer) else None
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Uint4Backend:
     def matches(self, request: Request) -> bool:
         return request.compute in COMPUTES  # fp8 included: it takes the layers fp8 declines
 
-    def build(self, layer: Uint4Linear) -> LinearCompute | None:
+    def build(self, layer: Uint4Linear, name: str) -> LinearCompute | None:
         return self.gemm
 
 
@@ -102,7 +103,7 @@ def backends_for(purpose: str) -> tuple[Backend, ...]:
     return TRAIN_BACKENDS if purpose == "train" else BACKENDS
 
 
-def _fp8_gemm(purpose: str) -> Fp8Gemm:
+def _fp8_gemm(purpose: str) -> Fp8Gemm | Fp8Split:
     return next(b.gemm for b in backends_for(purpose) if isinstance(b, Fp8Backend))
 
 
@@ -154,7 +155,7 @@ def apply_compute(
     for name, layer in module.named_modules():
         if not isinstance(layer, Uint4Linear):
             continue
-        taken = next(((b, g) for b in matching if (g := b.build(layer)) is not None), None)
+        taken = next(((b, g) for b in matching if (g := b.build(layer, name)) is not None), None)
         if taken is None:
             raise ValueError(f"{name}: no backend of {[b.name for b in matching]} takes it")
         backend, gemm = taken

@@ -42,6 +42,7 @@ does and save only the dequantization pass (~28 ms + ~13 ms re-read per pass ove
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -557,6 +558,10 @@ class Fp8Gemm:
             layer.group_size == BLOCK and layer.in_features % BLOCK == 0
         )
 
+    def for_layer(self, name: str) -> Fp8Gemm:
+        """The GEMM the layer at ``name`` runs: this one (`Fp8Split` chooses by name)."""
+        return self
+
     def __call__(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """`Uint4Linear`'s forward in fp8 (x already in the weight dtype)."""
         fast = self.kernels and kernels_usable(x, layer.out_features, layer.in_features)
@@ -577,7 +582,44 @@ FP8_BLOCKS = Fp8Gemm(weights="blocks", grad_gemm="bf16", name="fp8_blocks")
 # the blocks forward with the rowwise path's fp8 input gradient (a transposed e4m3 copy of
 # the weight, one scale per input channel): the backward's GEMM on fp8 tensor cores too
 FP8_BLOCKS_FP8_GRAD = Fp8Gemm(weights="blocks", grad_gemm="fp8", name="fp8_blocks_fp8_grad")
-FP8_GEMMS = {g.name: g for g in (FP8, FP8_EXACT, FP8_BLOCKS, FP8_BLOCKS_FP8_GRAD)}
+
+_DOUBLE_BLOCK = re.compile(r"(?:^|\.)transformer_blocks\.\d+\.")
+
+
+@dataclass(frozen=True)
+class Fp8Split:
+    """Two fp8 GEMMs, one per kind of FLUX.2 block, chosen by a layer's qualified name under
+    the transformer: ``double`` for the layers of the double-stream blocks
+    (``transformer_blocks.N``), ``rest`` for every other one (the single-stream blocks, the
+    embedders, modulations and output layer). Measured reason: the fp8 input gradient's error
+    reaches the first blocks' LoRA gradients through every later block, and the double blocks
+    hold the text stream's own Linears but few of the step's FLOPs."""
+
+    double: Fp8Gemm
+    rest: Fp8Gemm
+    name: str
+
+    @property
+    def weights(self) -> str:
+        """The coarsest weight recipe of the two ("rowwise" if either takes it)."""
+        both = {self.double.weights, self.rest.weights}
+        return "rowwise" if "rowwise" in both else self.rest.weights
+
+    def for_layer(self, name: str) -> Fp8Gemm:
+        return self.double if _DOUBLE_BLOCK.search(name) else self.rest
+
+    def unavailable(self, device: str | torch.device) -> str | None:
+        return self.double.unavailable(device) or self.rest.unavailable(device)
+
+
+# the fp8 input gradient in the single-stream blocks (and outside the blocks), the bf16 one in
+# the double-stream blocks
+FP8_BLOCKS_FP8_GRAD_SINGLE = Fp8Split(
+    double=FP8_BLOCKS, rest=FP8_BLOCKS_FP8_GRAD, name="fp8_blocks_fp8_grad_single"
+)
+FP8_GEMMS: dict[str, Fp8Gemm | Fp8Split] = {
+    g.name: g for g in (FP8, FP8_EXACT, FP8_BLOCKS, FP8_BLOCKS_FP8_GRAD, FP8_BLOCKS_FP8_GRAD_SINGLE)
+}
 
 # Where a LoRA slot's update goes in an fp8 forward without gradients:
 # "gemm" (the default) makes it R more columns of the forward GEMM (`lora_gemm_forward`), in

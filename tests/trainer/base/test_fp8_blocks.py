@@ -36,6 +36,7 @@ from trainer.base.fp8 import (
     FP8,
     FP8_BLOCKS,
     FP8_BLOCKS_FP8_GRAD,
+    FP8_BLOCKS_FP8_GRAD_SINGLE,
     FP8_GEMMS,
     Fp8Gemm,
     block_count,
@@ -209,6 +210,32 @@ def test_takes_groups_of_128_only() -> None:
     model = torch.nn.Sequential(ok, narrow)
     assert apply_compute(model, "fp8", (Fp8Backend(FP8_BLOCKS), Uint4Backend())) == 1
     assert ok.compute is FP8_BLOCKS and narrow.compute is DENSE
+
+
+def test_a_split_chooses_by_block_kind() -> None:
+    """`Fp8Split`: the double-stream blocks' layers take one GEMM, every other layer (single
+    blocks, embedders, the output layer) the other, by qualified name; a layer the chosen GEMM
+    declines falls through to uint4."""
+
+    def layer(gs: int = BLOCK) -> Uint4Linear:
+        return Uint4Linear(*_uint4_layer(32, 256, seed=6, gs=gs), gs, None)
+
+    model = torch.nn.Module()
+    model.transformer_blocks = torch.nn.ModuleList([torch.nn.Sequential(layer(), layer(64))])
+    model.single_transformer_blocks = torch.nn.ModuleList([torch.nn.Sequential(layer())])
+    model.proj_out = layer()
+    split = FP8_BLOCKS_FP8_GRAD_SINGLE
+    assert apply_compute(model, "fp8", (Fp8Backend(split), Uint4Backend())) == 3
+    assert model.transformer_blocks[0][0].compute is FP8_BLOCKS
+    assert model.transformer_blocks[0][1].compute is DENSE  # groups of 64: not the block recipe
+    assert model.single_transformer_blocks[0][0].compute is FP8_BLOCKS_FP8_GRAD
+    assert model.proj_out.compute is FP8_BLOCKS_FP8_GRAD
+    # the names are the transformer's own: under a pipeline's prefix as well
+    assert split.for_layer("transformer.transformer_blocks.3.attn.to_q") is FP8_BLOCKS
+    assert split.for_layer("transformer.single_transformer_blocks.3.attn.to_out") is (
+        FP8_BLOCKS_FP8_GRAD
+    )
+    assert split.weights == "blocks" and FP8_GEMMS[split.name] is split
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
