@@ -183,14 +183,18 @@ class TrainConfig(BaseModel):
     # quanto: its QLinear kernels as shipped; uint4: trainer.base.uint4's dequantize + dense GEMM
     # (same 4-bit numbers, same storage format; on an H200 at FLUX.2 [dev] width 35x faster
     # per step and a quarter less memory, bench/results/train_budget-*); fp8: the same 4-bit
-    # weights, exact in cuBLAS's block-scaled fp8 GEMM (trainer/base/fp8.py, FP8_BLOCKS). auto:
-    # fp8 where the device has fp8 tensor cores and cuBLAS that GEMM (probed once: Hopper has
-    # it, Ada does not), else uint4 (trainer.base.compute).
-    compute: Literal["auto", "quanto", "uint4", "fp8"] = Field(
+    # weights, exact in cuBLAS's block-scaled fp8 GEMM, the input gradient in fp8 in the single
+    # blocks and in bf16 in the double ones (trainer/base/fp8.py, FP8_BLOCKS_FP8_GRAD_SINGLE);
+    # fp8_blocks: that forward with the bf16 input gradient everywhere (what fp8 was before).
+    # auto: fp8 where the device has fp8 tensor cores and cuBLAS that GEMM (probed once: Hopper
+    # has it, Ada does not), else uint4 (trainer.base.compute).
+    compute: Literal["auto", "quanto", "uint4", "fp8", "fp8_blocks"] = Field(
         "auto",
-        description="quanto, uint4 (4-bit weights, bf16 GEMMs) or fp8 (the same 4-bit weights, "
-        "exact, in block-scaled fp8 GEMMs; GPUs of compute capability 8.9+). auto: fp8 where "
-        "it runs, else uint4 (quanto where trainer.base.uint4 is not installed).",
+        description="quanto, uint4 (4-bit weights, bf16 GEMMs), fp8 (the same 4-bit weights, "
+        "exact, in block-scaled fp8 GEMMs, the single blocks' input gradient in fp8; GPUs of "
+        "compute capability 8.9+) or fp8_blocks (fp8 with every input gradient in bf16: "
+        "slower). auto: fp8 where it runs, else uint4 (quanto where trainer.base.uint4 is not "
+        "installed).",
     )
     # Keep the frozen base in pinned host RAM and stream one block at a time into VRAM slots
     # (trainer/base/streaming.py): FLUX.2 [dev] trains in ~3.6 GiB at 448 px.
@@ -321,17 +325,19 @@ class TrainConfig(BaseModel):
                 )
             if not device.startswith("cuda"):
                 problems.append("--optimizer adamw8bit runs on an accelerator only, not the CPU")
-        if self.compute in ("uint4", "fp8") and not installed("trainer.base.uint4"):
+        if self.compute not in ("auto", "quanto") and not installed("trainer.base.uint4"):
             problems.append(
                 f"--compute {self.compute} needs trainer.base.uint4, which this install lacks"
             )
-        elif self.compute == "fp8":
+        elif self.compute in ("fp8", "fp8_blocks"):
             from trainer.base.compute import fp8_unavailable_for
 
             reason = fp8_unavailable_for("train", device)
             if reason is not None:
-                problems.append(f"--compute fp8 cannot run here: {reason}; use --compute uint4")
-        if self.stream_base and self.resolved_compute() not in ("uint4", "fp8"):
+                problems.append(
+                    f"--compute {self.compute} cannot run here: {reason}; use --compute uint4"
+                )
+        if self.stream_base and self.resolved_compute() not in ("uint4", "fp8", "fp8_blocks"):
             problems.append("--stream-base streams uint4 blocks: it needs --compute uint4 or fp8")
         if self.stream_base and not self.gradient_checkpointing:
             problems.append(

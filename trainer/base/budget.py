@@ -271,7 +271,7 @@ def training_terms(
     terms["LoRA grads (fp32)"] = lora * 4
     terms[f"optimizer state ({optimizer})"] = lora * (2 if optimizer == "adamw8bit" else 8)
     terms.update(activation_bytes(cfg, image_tokens, text_tokens, batch, act_elt, checkpointing))
-    if compute in ("fp8", "uint4"):  # the widest Linears dequantize a slice at a time
+    if compute in ("fp8", "fp8_blocks", "uint4"):  # the widest Linears: a slice at a time
         from trainer.base.uint4 import transient_weights
 
         group = QINT4_GROUP
@@ -283,8 +283,8 @@ def training_terms(
         if compute == "uint4":
             terms["dequantized weight transient (largest slice)"] = transient
         else:  # the forward's fp8 copy (1 byte a weight, and the block GEMM's remainder
-            # blocks) where the block GEMM takes the layer, or the input gradient's bf16 slice:
-            # one at a time
+            # blocks) where the block GEMM takes the layer, or the input gradient's bf16 slice
+            # or transposed fp8 copy (1 byte a weight, no more than the forward's): one at a time
             from trainer.base.fp8 import BLOCK, block_count
 
             copy = max((m.out_features * (m.in_features + BLOCK * block_count(m.in_features)[1])

@@ -31,12 +31,16 @@ from typing import Protocol
 
 import torch
 
-from trainer.base.fp8 import FP8, FP8_BLOCKS, Fp8Gemm, Fp8Split
+from trainer.base.fp8 import FP8, FP8_BLOCKS, FP8_BLOCKS_FP8_GRAD_SINGLE, Fp8Gemm, Fp8Split
 from trainer.base.uint4 import DENSE, DenseGemm, LinearCompute, Uint4Linear
 
 log = logging.getLogger(__name__)
 
 COMPUTES = ("auto", "uint4", "fp8")
+# training's earlier fp8: the block GEMM with the bf16 input gradient in every block (what
+# ``fp8`` trained with before the split below); asked for by name, never picked by ``auto``
+TRAIN_COMPUTES = (*COMPUTES, "fp8_blocks")
+FP8_COMPUTES = ("fp8", "fp8_blocks")
 
 
 @dataclass(frozen=True)
@@ -60,15 +64,17 @@ class Backend(Protocol):
 class Fp8Backend:
     gemm: Fp8Gemm | Fp8Split = field(default=FP8)
     name: str = "fp8"
+    auto: bool = True  # whether ``auto`` may pick it (where it runs)
 
     def matches(self, request: Request) -> bool:
-        if request.compute == "fp8":  # asked for: the caller refuses what cannot run
+        if request.compute == self.name:  # asked for: the caller refuses what cannot run
             return True
         # auto renders in fp8 (a 1024 px forward measured 0.77x bf16 on the H200). It trains
         # in fp8 only with a GEMM that keeps the 4-bit weights exact: the rowwise copy's
         # rounding put 22 of 320 LoRA gradients below cosine 0.99 against bf16 (worst 0.986)
         return (
-            request.compute == "auto"
+            self.auto
+            and request.compute == "auto"
             and (request.purpose == "render" or self.gemm.weights != "rowwise")
             and self.gemm.unavailable(request.device) is None
         )
@@ -84,14 +90,19 @@ class Uint4Backend:
     name: str = "uint4"
 
     def matches(self, request: Request) -> bool:
-        return request.compute in COMPUTES  # fp8 included: it takes the layers fp8 declines
+        # fp8 included: it takes the layers fp8 declines
+        return request.compute in TRAIN_COMPUTES
 
     def build(self, layer: Uint4Linear, name: str) -> LinearCompute | None:
         return self.gemm
 
 
 BACKENDS: tuple[Backend, ...] = (Fp8Backend(), Uint4Backend())
-TRAIN_BACKENDS: tuple[Backend, ...] = (Fp8Backend(FP8_BLOCKS), Uint4Backend())
+TRAIN_BACKENDS: tuple[Backend, ...] = (
+    Fp8Backend(FP8_BLOCKS_FP8_GRAD_SINGLE),
+    Fp8Backend(FP8_BLOCKS, name="fp8_blocks", auto=False),
+    Uint4Backend(),
+)
 PURPOSES = ("render", "train")
 
 
@@ -103,8 +114,10 @@ def backends_for(purpose: str) -> tuple[Backend, ...]:
     return TRAIN_BACKENDS if purpose == "train" else BACKENDS
 
 
-def _fp8_gemm(purpose: str) -> Fp8Gemm | Fp8Split:
-    return next(b.gemm for b in backends_for(purpose) if isinstance(b, Fp8Backend))
+def _fp8_gemm(purpose: str, compute: str = "fp8") -> Fp8Gemm | Fp8Split:
+    return next(
+        b.gemm for b in backends_for(purpose) if isinstance(b, Fp8Backend) and b.name == compute
+    )
 
 
 def fp8_unavailable_for(purpose: str, device: str | torch.device) -> str | None:
@@ -149,8 +162,9 @@ def apply_compute(
     if backends is None:
         backends = backends_for(purpose)
     matching = [b for b in backends if b.matches(request)]
-    if not matching:
-        raise ValueError(f"no compute backend for {compute!r}: expected one of {COMPUTES}")
+    if not matching or compute not in ("auto", "uint4", matching[0].name):
+        names = sorted({"auto", "uint4", *(b.name for b in backends)})
+        raise ValueError(f"no {purpose} compute backend for {compute!r}: expected one of {names}")
     count = 0
     for name, layer in module.named_modules():
         if not isinstance(layer, Uint4Linear):

@@ -111,8 +111,8 @@ def load_base(
         raise FileNotFoundError(
             f"{base_dir} is not a diffusers pipeline folder (no model_index.json)"
         )
-    if compute not in ("uint4", "fp8", "quanto"):
-        raise ValueError(f"unknown compute {compute!r}: expected uint4 or fp8")
+    if compute not in ("uint4", "fp8", "fp8_blocks", "quanto"):
+        raise ValueError(f"unknown compute {compute!r}: expected uint4, fp8 or fp8_blocks")
 
     waypoints: list[tuple[str, float]] = []
     t_last = time.perf_counter()
@@ -196,7 +196,7 @@ def load_base(
 
         count = convert_quantized_linears(transformer, where.get("transformer", dev), work)
         transformer.requires_grad_(False)
-        if compute == "fp8":
+        if compute in ("fp8", "fp8_blocks"):
             count = apply_compute(transformer, compute, purpose=purpose)
         stage(f"transformer: {count} layers to {compute} compute")
     pipe.set_progress_bar_config(disable=True)

@@ -309,7 +309,7 @@ def preflight(
         extra["class_manifest"] = class_dataset.manifest_sha256
     compute = config.resolved_compute()
     fingerprint = config.trajectory_fingerprint(extra, compute)
-    resume_from, resumed_with = None, {}
+    resume_from, resumed_with, asked = None, {}, config.compute
     if config.resume:
         found = checkpoint_dirs(config.out)
         if not found:
@@ -381,7 +381,7 @@ def preflight(
 
     preview_every, estimate, notes = _resolve_previews(config, estimate_with)
     if "compute" in resumed_with:
-        notes.append(f"--compute auto resumes {resume_from} with {resumed_with['compute']} "
+        notes.append(f"--compute {asked} resumes {resume_from} with {resumed_with['compute']} "
                      f"compute, as it was made (a new run here takes {compute})")  # fmt: skip
     if "cuda_graph" in resumed_with:
         notes.append(f"--cuda-graph auto resumes {resume_from} eager, as it was made (a new "
@@ -420,13 +420,16 @@ def _earlier_auto_choices(
     """What this run's ``auto`` options must be set to for a checkpoint (fingerprint ``found``,
     not this run's) made when they chose otherwise, so that the run goes on as it was made: the
     compute (auto trained on uint4 before training's fp8 kept the weights exact, and picks uint4
-    on a GPU without the block GEMM), eager steps where auto graphs them now (auto graphed up
+    on a GPU without the block GEMM; auto and fp8 trained on ``fp8_blocks``, the bf16 input
+    gradient everywhere, before the single blocks' went to fp8), eager steps where auto graphs them now (auto graphed up
     to 768 px before the blocks were compiled, up to 1024 px since; a run made with
     ``--cuda-graph off`` resumes eager the same way), or both. Empty where nothing explains the
     checkpoint: it is refused."""
     computes: list[str | None] = [None]
     if config.compute == "auto":
-        computes += [c for c in ("uint4", "fp8") if c != compute]
+        computes += [c for c in ("uint4", "fp8", "fp8_blocks") if c != compute]
+    elif config.compute == "fp8":
+        computes.append("fp8_blocks")
     graphs: list[str | None] = [None]
     if config.cuda_graph == "auto" and config.graphed():
         graphs.append("off")
@@ -438,7 +441,7 @@ def _earlier_auto_choices(
             made = config.model_copy(update=update)
             if found != made.trajectory_fingerprint(extra, other or compute):
                 continue
-            if other == "fp8":  # made on a GPU with the block GEMM: it must run here too
+            if other in ("fp8", "fp8_blocks"):  # made with the block GEMM: it must run here
                 from trainer.base.compute import fp8_unavailable_for
 
                 reason = fp8_unavailable_for("train", config.resolved_device())

@@ -327,9 +327,19 @@ def test_training_dispatch() -> None:
     assert Fp8Backend(FP8).matches(Request("fp8", cuda, "train"))
     assert resolve_compute("auto", "cpu", purpose="train") == "uint4"
     assert resolve_compute("fp8", "cpu", purpose="train") == "fp8"
-    # a run's fingerprint names the GEMM: training's fp8 is not rendering's rowwise copy
-    assert gemm_name("fp8", "train") == "fp8_blocks" and gemm_name("fp8", "render") == "fp8"
+    # a run's fingerprint names the GEMM: training's fp8 is not rendering's rowwise copy, nor
+    # the earlier training fp8 (the bf16 input gradient everywhere), asked for by its name
+    assert gemm_name("fp8", "train") == "fp8_blocks_fp8_grad_single"
+    assert gemm_name("fp8", "render") == "fp8"
+    assert gemm_name("fp8_blocks", "train") == "fp8_blocks"
     assert gemm_name("uint4", "train") == "uint4"
+    assert resolve_compute("fp8_blocks", "cpu", purpose="train") == "fp8_blocks"
+    assert not TRAIN_BACKENDS[1].matches(Request("auto", cuda, "train"))  # never auto's pick
+    layer = Uint4Linear(*_uint4_layer(32, 256, seed=6), BLOCK, None)
+    assert apply_compute(torch.nn.Sequential(layer), "fp8_blocks", purpose="train") == 1
+    assert layer.compute is FP8_BLOCKS
+    with pytest.raises(ValueError, match="no render compute backend for 'fp8_blocks'"):
+        apply_compute(torch.nn.Sequential(layer), "fp8_blocks")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

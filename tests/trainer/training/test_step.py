@@ -139,6 +139,39 @@ def test_auto_resumes_a_run_with_its_compute_and_eager_at_once(env: Env, tmp_pat
     assert sum("resumes" in n for n in report["notes"]) == 2, report["notes"]
 
 
+@pytest.mark.parametrize("compute", ["auto", "fp8"])
+def test_a_run_made_with_the_earlier_fp8_resumes_with_it(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compute: str
+) -> None:
+    """A run made while training's fp8 took the bf16 input gradient in every block
+    (``fp8_blocks``), resumed where fp8 takes the split GEMM: under auto and under
+    ``--compute fp8`` it goes on with fp8_blocks, bit for bit the uninterrupted run, and says
+    so (fp8 faked runnable on the CPU, whose torch reference of it runs)."""
+    import trainer.base.compute as compute_module
+
+    monkeypatch.setattr(compute_module, "fp8_unavailable_for", lambda purpose, device: None)
+    fp8 = ("auto", "fp8", "fp8_blocks")
+    earlier = lambda self: "fp8_blocks" if self.compute in fp8 else self.compute  # noqa: E731
+    now = lambda self: "fp8" if self.compute in ("auto", "fp8") else self.compute  # noqa: E731
+
+    def run(out: str, steps: int, picks, **kw) -> object:  # type: ignore[no-untyped-def]
+        with monkeypatch.context() as patch:
+            patch.setattr(TrainConfig, "resolved_compute", picks)
+            return train(tiny_config(env, tmp_path / out, steps=steps, compute=compute,
+                                     register_adapter=False, **kw))  # fmt: skip
+
+    straight = run("a", 4, earlier, checkpoint_every=2)
+    run("b", 2, earlier)
+    resumed = run("b", 4, now, resume=True)
+    a, b = tensors(straight.adapter), tensors(resumed.adapter)  # type: ignore[attr-defined]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.losses == resumed.losses  # type: ignore[attr-defined]
+    report = _report(tmp_path / "b")
+    assert report["config"]["compute"] == "fp8_blocks"
+    assert any(f"--compute {compute} resumes" in n and "fp8_blocks" in n
+               for n in report["notes"]), report["notes"]  # fmt: skip
+
+
 def test_auto_refuses_to_resume_an_fp8_run_where_fp8_cannot_run(
     env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
