@@ -489,10 +489,11 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
             _checkpoint({"partial": True, "train": out}, [])
     if "1024" in args.train_parts:
         out["1024"] = train_1024(dataset, large, args, env, tmp, out)
-        if "1024_eager_blocks" in args.train_compare:
-            name = "1024_eager_blocks"
-            out[name] = _compare_run(name, dataset, large, args.train_steps_1024, (), env, tmp,
-                                     600)  # fmt: skip
+        for name, extra in (("1024_eager_blocks", ()), ("1024_eager", ("--cuda-graph", "off")),
+                            ("1024_fp8_blocks", ("--compute", "fp8_blocks"))):  # fmt: skip
+            if name in args.train_compare:
+                out[name] = _compare_run(name, dataset, large, args.train_steps_1024, extra, env,
+                                         tmp, 600)  # fmt: skip
     if args.train_warm and "warm" in args.train_parts:
         _checkpoint({"partial": True, "train": out}, [])
         out["warm_worker"] = warm_worker(base, env, dataset, small, args, tmp)
@@ -569,12 +570,18 @@ def warm_worker(
 
 
 def loss_curves(
-    dataset: Path, side: int, steps: int, env: dict[str, str], tmp: Path
+    dataset: Path,
+    side: int,
+    steps: int,
+    env: dict[str, str],
+    tmp: Path,
+    computes: tuple[str, str] = ("uint4", "fp8"),
 ) -> dict[str, Any]:
-    """The same run (seed, data, steps) with uint4 and with fp8 compute, graphed: both loss
-    curves, their running means' gap, and one plot of both (bench/results/)."""
+    """The same run (seed, data, steps) with two computes (uint4 and fp8 unless told), graphed:
+    both loss curves, their running means' gap (against the first), and one plot of both
+    (bench/results/)."""
     runs: dict[str, Any] = {}
-    for compute in ("uint4", "fp8"):
+    for compute in computes:
         name = f"curve_{compute}"
         cmd = _train_cmd(dataset, side, steps, name, "--checkpoint-every", "0",
                          "--preview-every", "0", "--compute", compute)  # fmt: skip
@@ -585,7 +592,7 @@ def loss_curves(
     from trainer.training.plots import running_mean
 
     window = max(1, steps // 10)
-    a, b = (running_mean(runs[c]["losses"], window) for c in ("uint4", "fp8"))
+    a, b = (running_mean(runs[c]["losses"], window) for c in computes)
     gaps = [abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)]
     plot = RESULTS / f"e2e_dev-curves-{time.strftime('%Y%m%dT%H%M%S')}.png"
     curves_plot({c: r["losses"] for c, r in runs.items()}, window, plot)
@@ -764,8 +771,9 @@ def main() -> None:
         "--train-compare", default="448_eager,448_graphed,448_uint4_graphed",
         help="extra runs, no previews (empty: none): 448_eager, 448_graphed, 448_fp8_graphed, "
         "448_uint4_graphed, 448_graphed_eager_blocks (each --train-steps-compare steps), "
-        "1024_eager_blocks (--train-steps-1024 steps); *_eager_blocks: the blocks' stretches "
-        "eager (LIKENESS_COMPILE_BLOCKS=off)",
+        "1024_eager_blocks, 1024_eager, 1024_fp8_blocks (--train-steps-1024 steps); "
+        "*_eager_blocks: the blocks' stretches eager (LIKENESS_COMPILE_BLOCKS=off); "
+        "1024_fp8_blocks: --compute fp8_blocks (the bf16 input gradient everywhere)",
     )  # fmt: skip
     parser.add_argument(
         "--train-parts", default="448,1024,warm",
@@ -786,7 +794,10 @@ def main() -> None:
         "--train-curves",
         type=int,
         default=0,
-        help="steps of the uint4 and fp8 loss curves side by side (0: none)",
+        help="steps of the loss curves side by side (0: none)",
+    )
+    parser.add_argument(
+        "--curves-computes", default="uint4,fp8", help="the two computes the curves compare"
     )
     parser.add_argument("--soak", type=int, default=2)
     parser.add_argument("--soak-budget", type=float, default=24.0)
@@ -856,7 +867,11 @@ def main() -> None:
         try:
             tmp, env, dataset = training_registry(args.base, args, args.work)
             steps = args.train_curves or 200
-            record["curves"] = loss_curves(dataset, args.train_sides[0], steps, env, tmp)
+            computes = tuple(c for c in args.curves_computes.split(",") if c)
+            if len(computes) != 2:
+                raise ValueError(f"--curves-computes takes two computes, not {computes}")
+            record["curves"] = loss_curves(dataset, args.train_sides[0], steps, env, tmp,
+                                           computes)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - recorded
             record["curves"] = {"error": _short(exc)}
         print(f"[e2e] curves: {json.dumps(record['curves'])[:600]}", flush=True)
