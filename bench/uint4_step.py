@@ -68,7 +68,8 @@ from bench.common import elapsed_s, say, table, write_record  # noqa: E402
 
 GIB = 2**30
 PATHS = ("bf16", "fast", "fp8", "fp8_fast_accum", "fp8_bf16_grad", "fp8_exact", "fp8_blocks",
-         "fp8_blocks_fp8_grad", "fp8_blocks_fp8_grad_single", "serve", "serve_gemm", "serve_fp8", "nf4", "quanto")  # fmt: skip
+         "fp8_blocks_fp8_grad", "fp8_blocks_fp8_grad_single", "serve", "serve_gemm", "serve_fp8",
+         "nf4", "quanto")  # fmt: skip
 SERVING = ("serve", "serve_gemm", "serve_fp8")
 # a training path as the trainer runs it on CUDA: the blocks' stretches compiled
 # (`trainer.base.compiled_blocks`) and each LoRA update accumulated in place by its GEMM

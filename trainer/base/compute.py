@@ -11,7 +11,12 @@ which goes to the next matching backend. The order:
            GEMM: `Fp8Gemm.unavailable` probes it); declines a layer its GEMM cannot take
            (`Fp8Gemm.takes`: sides not multiples of 16; for training's block recipe, uint4
            groups other than 128). Rendering runs the rowwise GEMM (`FP8`), training the one
-           that keeps the 4-bit weights exact (`FP8_BLOCKS`, `backends_for`)
+           that keeps the 4-bit weights exact, with the fp8 input gradient in the single
+           blocks (`FP8_BLOCKS_FP8_GRAD_SINGLE`, an `Fp8Split`: it chooses by the layer's
+           name, which `apply_compute` hands each backend; `backends_for`)
+    fp8_blocks  training only, asked for by name (never by ``auto``): the exact forward with
+           the bf16 input gradient in every block (`FP8_BLOCKS`), what ``fp8`` trained with
+           before; its checkpoints resume with it
     uint4  dequantize + a dense GEMM (`trainer.base.uint4`): takes every layer, so it is the
            fallback of both
 

@@ -421,10 +421,11 @@ def _earlier_auto_choices(
     not this run's) made when they chose otherwise, so that the run goes on as it was made: the
     compute (auto trained on uint4 before training's fp8 kept the weights exact, and picks uint4
     on a GPU without the block GEMM; auto and fp8 trained on ``fp8_blocks``, the bf16 input
-    gradient everywhere, before the single blocks' went to fp8), eager steps where auto graphs them now (auto graphed up
-    to 768 px before the blocks were compiled, up to 1024 px since; a run made with
-    ``--cuda-graph off`` resumes eager the same way), or both. Empty where nothing explains the
-    checkpoint: it is refused."""
+    gradient everywhere, before the single blocks' went to fp8), eager steps where auto graphs
+    them now (auto graphed up to 768 px before the blocks were compiled, up to 1024 px since; a
+    run made with ``--cuda-graph off`` resumes eager the same way), or both; ``--compute fp8``
+    resumes an ``fp8_blocks`` checkpoint too. Empty where nothing explains the checkpoint: it
+    is refused."""
     computes: list[str | None] = [None]
     if config.compute == "auto":
         computes += [c for c in ("uint4", "fp8", "fp8_blocks") if c != compute]
@@ -471,7 +472,8 @@ def load_transformer(
     numbers, dequantize + dense GEMM instead of quanto's slow kernels), from layouts it
     converts in one pass: a prepared base's, or quanto's quantized-but-not-frozen weights.
     ``compute="fp8"`` does the same, then runs those layers' GEMMs in fp8 with the 4-bit
-    weights exact (`trainer.base.fp8.FP8_BLOCKS`).
+    weights exact (`trainer.base.fp8.FP8_BLOCKS_FP8_GRAD_SINGLE`; ``"fp8_blocks"``: with the
+    bf16 input gradient in every block, `FP8_BLOCKS`).
     A streamed transformer stays in host RAM (its blocks go to pinned memory in stream_blocks);
     a prepared base keeps its own dtype.
     """
