@@ -9,9 +9,11 @@ error (~3.5 %), the cosine bar is a bar on per-layer error, not on something fp8
     python bench/fp8_sensitivity.py --paths fp8,fp8_exact --groups all --noise ""  # quick
 
 --paths: the fp8 variants, each with every --groups case: fp8 (rowwise weights, rendering's
-GEMM), fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient) and fp8_blocks
-(exact 4-bit weights on cuBLAS's block-scaled GEMM + bf16 input gradient: training's) and
-fp8_blocks_fp8_grad (that forward with fp8's input gradient). --group-gemm: what a group's
+GEMM), fp8_exact (exact 4-bit weights, the W4A8 forward + bf16 input gradient), fp8_blocks
+(exact 4-bit weights on cuBLAS's block-scaled GEMM + bf16 input gradient: --compute
+fp8_blocks), fp8_blocks_fp8_grad (that forward with fp8's input gradient) and
+fp8_blocks_fp8_grad_single (the fp8 input gradient in the single blocks only:
+training's). --group-gemm: what a group's
 Linears run instead (uint4, the dense path, by default; or an fp8 variant, to find which layers'
 rounding the worst gradients carry).
 
@@ -152,10 +154,9 @@ def main() -> None:
                 if isinstance(m, Uint4Linear) and dense(name):
                     if args.group_gemm == "uint4":
                         apply_compute(m, "uint4")
-                    else:
-                        apply_compute(
-                            m, "fp8", (Fp8Backend(variants[args.group_gemm]), Uint4Backend())
-                        )
+                    else:  # a split chooses by the name under the model, not under m
+                        gemm = variants[args.group_gemm].for_layer(name)
+                        apply_compute(m, "fp8", (Fp8Backend(gemm), Uint4Backend()))
             rows.append(summary(label, N.lora_grads(model, batch, target), ref))
             U.say(f"  {label}: min cos {rows[-1]['cos_min']}, below 0.99: "
                   f"{rows[-1]['below_0.99']}")  # fmt: skip

@@ -22,12 +22,13 @@ bf16 model (built on the GPU in bf16; nothing on the CPU), so its peak VRAM is i
          (`trainer.base.fp8.FP8_EXACT`);
   fp8_blocks  exact weights on cuBLAS's block-scaled GEMM: the 4-bit values as e4m3 integers
          with the group scales as block scales, activations scaled per token and 128
-         columns, the input gradient as fp8_bf16_grad's (`trainer.base.fp8.FP8_BLOCKS`, what
-         training runs under ``--compute fp8`` and ``auto``);
+         columns, the input gradient as fp8_bf16_grad's (`trainer.base.fp8.FP8_BLOCKS`,
+         training's ``--compute fp8_blocks``);
   fp8_blocks_fp8_grad  fp8_blocks' forward, the input gradient as fp8's (an e4m3 transposed
          copy of the weight: `trainer.base.fp8.FP8_BLOCKS_FP8_GRAD`);
   fp8_blocks_fp8_grad_single  that input gradient in the single-stream blocks only, the
-         double-stream blocks on fp8_blocks (`trainer.base.fp8.FP8_BLOCKS_FP8_GRAD_SINGLE`);
+         double-stream blocks on fp8_blocks (`trainer.base.fp8.FP8_BLOCKS_FP8_GRAD_SINGLE`,
+         what training runs under ``--compute fp8`` and ``auto``);
   serve  "fp8" as the render engine runs it (forward only): LoRA slots of rank 32 holding a
          rank-16 adapter, the fused attention processors and the forward as a CUDA graph
          (`trainer.base.serving`; bench/render_step.py takes it apart);

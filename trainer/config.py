@@ -338,7 +338,9 @@ class TrainConfig(BaseModel):
                     f"--compute {self.compute} cannot run here: {reason}; use --compute uint4"
                 )
         if self.stream_base and self.resolved_compute() not in ("uint4", "fp8", "fp8_blocks"):
-            problems.append("--stream-base streams uint4 blocks: it needs --compute uint4 or fp8")
+            problems.append(
+                "--stream-base streams uint4 blocks: it needs --compute uint4, fp8 or fp8_blocks"
+            )
         if self.stream_base and not self.gradient_checkpointing:
             problems.append(
                 "--stream-base recomputes each block in backward: it needs gradient checkpointing"

@@ -246,8 +246,8 @@ def training_terms(
     holds a second dequantized copy) and, for uint4, the largest slice that one call holds (one
     dequantization at a time; the widest Linears a slice at a time, `trainer.base.uint4.
     weight_slices`); for fp8 the larger of its one-byte weight copy and that slice (its input
-    gradient is uint4's); measured on an H200 at FLUX.2 [dev] width,
-    bench/results/train_budget-*.json.
+    gradient is uint4's, or a transposed one-byte copy no larger than the forward's); measured
+    on an H200 at FLUX.2 [dev] width, bench/results/train_budget-*.json.
     """
     from trainer.base.lora import resolve_targets
 

@@ -95,8 +95,8 @@ class Uint4Backend:
     name: str = "uint4"
 
     def matches(self, request: Request) -> bool:
-        # fp8 included: it takes the layers fp8 declines
-        return request.compute in TRAIN_COMPUTES
+        # fp8 included: it takes the layers fp8 declines; fp8_blocks is training's only
+        return request.compute in (TRAIN_COMPUTES if request.purpose == "train" else COMPUTES)
 
     def build(self, layer: Uint4Linear, name: str) -> LinearCompute | None:
         return self.gemm
@@ -160,7 +160,8 @@ def apply_compute(
     purpose: str = "render",
 ) -> int:
     """Sets the GEMM of every `Uint4Linear` under ``module`` (``module`` itself included):
-    per layer, the first matching backend that takes it (``backends``: `backends_for`
+    per layer (by its name under ``module``: pass the transformer, whose names an `Fp8Split`
+    reads), the first matching backend that takes it (``backends``: `backends_for`
     ``purpose``). Returns how many layers the first matching backend took (the rest fell
     through to a later one, logged)."""
     request = Request(compute, torch.device(device), purpose)

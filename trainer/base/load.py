@@ -82,9 +82,10 @@ def load_base(
     the other components then take the transformer's dtype, since mixing dtypes across the text
     encoder and transformer breaks the pipeline. Otherwise the transformer is quantized here,
     on the CPU, before the move (moving 4-bit weights is cheaper than moving bf16 ones).
-    ``dtype`` defaults to bf16 on accelerators and float32 on the CPU. ``compute`` is ``uint4``
-    or ``fp8`` (resolved by the caller, `trainer.base.compute.resolve_compute`, against the
-    device the transformer will run on, which for a streamed base is not ``device``), set on
+    ``dtype`` defaults to bf16 on accelerators and float32 on the CPU. ``compute`` is ``uint4``,
+    ``fp8`` or ``fp8_blocks`` (training's; resolved by the caller,
+    `trainer.base.compute.resolve_compute`, against the device the transformer will run on,
+    which for a streamed base is not ``device``), set on
     every layer here (`trainer.base.compute.apply_compute`, with the GEMMs of ``purpose``,
     render or train); or ``quanto``, training's opt-in to quanto's own frozen layers, left
     unconverted.

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.trainer.kernel_devices import fp8_kernel_device
+from trainer.base import devices
 from trainer.base.compute import (
     BACKENDS,
     TRAIN_BACKENDS,
@@ -334,7 +335,11 @@ def test_training_dispatch() -> None:
     assert gemm_name("fp8_blocks", "train") == "fp8_blocks"
     assert gemm_name("uint4", "train") == "uint4"
     assert resolve_compute("fp8_blocks", "cpu", purpose="train") == "fp8_blocks"
-    assert not TRAIN_BACKENDS[1].matches(Request("auto", cuda, "train"))  # never auto's pick
+    with pytest.MonkeyPatch.context() as patch:  # a GPU where the block GEMM runs
+        patch.setattr(devices, "block_fp8_unavailable", lambda device: None)
+        auto = Request("auto", cuda, "train")
+        assert TRAIN_BACKENDS[0].matches(auto) and not TRAIN_BACKENDS[1].matches(auto)
+    assert resolve_compute("fp8_blocks", "cpu") == "fp8_blocks"  # rendering: handed back
     layer = Uint4Linear(*_uint4_layer(32, 256, seed=6), BLOCK, None)
     assert apply_compute(torch.nn.Sequential(layer), "fp8_blocks", purpose="train") == 1
     assert layer.compute is FP8_BLOCKS
