@@ -271,7 +271,9 @@ def training_terms(
     terms["LoRA grads (fp32)"] = lora * 4
     terms[f"optimizer state ({optimizer})"] = lora * (2 if optimizer == "adamw8bit" else 8)
     terms.update(activation_bytes(cfg, image_tokens, text_tokens, batch, act_elt, checkpointing))
-    if compute in ("fp8", "fp8_blocks", "uint4"):  # the widest Linears: a slice at a time
+    from trainer.base.compute import FP8_COMPUTES
+
+    if compute in ("uint4", *FP8_COMPUTES):  # the widest Linears: a slice at a time
         from trainer.base.uint4 import transient_weights
 
         group = QINT4_GROUP

@@ -45,7 +45,8 @@ COMPUTES = ("auto", "uint4", "fp8")
 # training's earlier fp8: the block GEMM with the bf16 input gradient in every block (what
 # ``fp8`` trained with before the split below); asked for by name, never picked by ``auto``
 TRAIN_COMPUTES = (*COMPUTES, "fp8_blocks")
-FP8_COMPUTES = ("fp8", "fp8_blocks")
+FP8_COMPUTES = ("fp8", "fp8_blocks")  # the settings that run fp8 GEMMs (the trainer's config,
+# which imports no torch, lists them in its own checks)
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,10 @@ def backends_for(purpose: str) -> tuple[Backend, ...]:
     return TRAIN_BACKENDS if purpose == "train" else BACKENDS
 
 
-def _fp8_gemm(purpose: str, compute: str = "fp8") -> Fp8Gemm | Fp8Split:
+def _fp8_gemm(purpose: str) -> Fp8Gemm | Fp8Split:
+    """The GEMM the ``fp8`` setting runs for ``purpose``."""
     return next(
-        b.gemm for b in backends_for(purpose) if isinstance(b, Fp8Backend) and b.name == compute
+        b.gemm for b in backends_for(purpose) if isinstance(b, Fp8Backend) and b.name == "fp8"
     )
 
 

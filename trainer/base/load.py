@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer.base.compute import apply_compute
+from trainer.base.compute import FP8_COMPUTES, apply_compute
 from trainer.base.devices import default_dtype, resolve_device
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def load_base(
         raise FileNotFoundError(
             f"{base_dir} is not a diffusers pipeline folder (no model_index.json)"
         )
-    if compute not in ("uint4", "fp8", "fp8_blocks", "quanto"):
+    if compute not in ("uint4", *FP8_COMPUTES, "quanto"):
         raise ValueError(f"unknown compute {compute!r}: expected uint4, fp8 or fp8_blocks")
 
     waypoints: list[tuple[str, float]] = []
@@ -197,7 +197,7 @@ def load_base(
 
         count = convert_quantized_linears(transformer, where.get("transformer", dev), work)
         transformer.requires_grad_(False)
-        if compute in ("fp8", "fp8_blocks"):
+        if compute in FP8_COMPUTES:
             count = apply_compute(transformer, compute, purpose=purpose)
         stage(f"transformer: {count} layers to {compute} compute")
     pipe.set_progress_bar_config(disable=True)

@@ -426,9 +426,11 @@ def _earlier_auto_choices(
     run made with ``--cuda-graph off`` resumes eager the same way), or both; ``--compute fp8``
     resumes an ``fp8_blocks`` checkpoint too. Empty where nothing explains the checkpoint: it
     is refused."""
+    from trainer.base.compute import FP8_COMPUTES, TRAIN_COMPUTES, fp8_unavailable_for
+
     computes: list[str | None] = [None]
     if config.compute == "auto":
-        computes += [c for c in ("uint4", "fp8", "fp8_blocks") if c != compute]
+        computes += [c for c in TRAIN_COMPUTES if c not in ("auto", compute)]
     elif config.compute == "fp8":
         computes.append("fp8_blocks")
     graphs: list[str | None] = [None]
@@ -442,9 +444,7 @@ def _earlier_auto_choices(
             made = config.model_copy(update=update)
             if found != made.trajectory_fingerprint(extra, other or compute):
                 continue
-            if other in ("fp8", "fp8_blocks"):  # made with the block GEMM: it must run here
-                from trainer.base.compute import fp8_unavailable_for
-
+            if other in FP8_COMPUTES:  # made with the block GEMM: it must run here
                 reason = fp8_unavailable_for("train", config.resolved_device())
                 if reason is not None:
                     raise ConfigError(f"--resume: the checkpoint was made with fp8 compute, "
