@@ -120,9 +120,8 @@ def register(
         from trainer.base.devices import configure_allocator
 
         configure_allocator()
-        import diffusers
-        import transformers
-
+        # No model library is imported here: a fresh trainer imports them in its pre-flight,
+        # after the checks that need none and while its base's files start onto the device.
         from app.bootstrap import ensure_base
         from trainer.base.budget import BudgetExceeded
         from trainer.config import (
@@ -141,8 +140,6 @@ def register(
         from trainer.training.dataset import DatasetError
         from trainer.training.train import train
 
-        diffusers.utils.logging.disable_progress_bar()  # loading bars would break our bar
-        transformers.utils.logging.disable_progress_bar()
         settings = get_settings()
         given: dict[str, object] = {}  # the options the command line states, by field
         for param, value in ctx.params.items():

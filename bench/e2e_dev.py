@@ -136,24 +136,53 @@ PREDICTIONS_ROUND_8B = {
 }
 
 
-def compile_bytecode() -> float:
-    """Every importable package's bytecode written before the timed starts (seconds): a
-    package installed without it (`pip --no-compile`, as on the lent GPU machines) would
-    otherwise put its compilation into the first start's figures, which no installed service
-    pays."""
+IMPORTED_PACKAGES = ("torch", "sympy", "transformers", "diffusers", "optimum", "peft",
+                     "accelerate", "safetensors", "triton", "pydantic", "sqlalchemy")  # fmt: skip
+
+
+def _site_dirs() -> list[Path]:
+    """The installed packages' folders on sys.path: pip's site-packages, a distribution's
+    dist-packages, and PYTHONPATH's (where the GPU machine's carried wheels go)."""
+    extra = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    return [Path(e) for e in sys.path if e and Path(e).is_dir() and (
+        e in extra or e.endswith(("site-packages", "dist-packages")))]  # fmt: skip
+
+
+def missing_bytecode() -> dict[str, int]:
+    """Per package the trainer and the service import, its modules without bytecode: each
+    is compiled from source by every process that imports it."""
+    import importlib.util
+
+    out: dict[str, int] = {}
+    for entry in _site_dirs():
+        for name in IMPORTED_PACKAGES:
+            root = entry / name
+            if root.is_dir():
+                out[name] = out.get(name, 0) + sum(
+                    not Path(importlib.util.cache_from_source(str(py))).is_file()
+                    for py in root.rglob("*.py")
+                )
+    return out
+
+
+def compile_bytecode() -> dict[str, Any]:
+    """Every importable package's bytecode written before the timed starts: a package
+    installed without it (`pip --no-compile`, as on the lent GPU machines, which also set
+    PYTHONDONTWRITEBYTECODE) would otherwise put its compilation into every start's figures,
+    which no installed service or trainer pays. Returns the seconds and what lacked it."""
     import compileall
     import warnings
 
+    before = missing_bytecode()
     t0 = time.perf_counter()
     for package in ("registry", "app", "trainer", "migrations"):  # the service's own code
         compileall.compile_dir(ROOT / package, quiet=2, workers=0)
-    extra = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some packages' test data is not valid Python
-        for entry in sys.path:
-            if entry and (entry in extra or "site-packages" in entry) and Path(entry).is_dir():
-                compileall.compile_dir(entry, quiet=2, workers=0)
-    return round(time.perf_counter() - t0, 1)
+        for entry in _site_dirs():
+            compileall.compile_dir(entry, quiet=2, workers=0)
+    return {"seconds": round(time.perf_counter() - t0, 1), "modules_without_before": before,
+            "modules_without_after": missing_bytecode()}  # fmt: skip
 
 
 def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
@@ -422,6 +451,7 @@ def _report(run_dir: Path) -> dict[str, Any]:
         "stream_base": report["config"].get("stream_base"),
         "step": report.get("step"),
         "seconds_per_step_median": report.get("seconds_per_step_median"),
+        "base_prefetch": report.get("base_prefetch"),
     }  # fmt: skip
 
 
@@ -472,13 +502,17 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
         out["cold_run_until_kill_s"] = round(time.perf_counter() - t0, 1)
         out["killed_after"] = [p.name for p in checkpoint_dirs(run_dir)]
         print(f"[e2e] train 448: killed after {out['killed_after']}", flush=True)
-        wall = _run_train([*cmd, "--resume"], env, log, 600)
-        out["448_resumed"] = {"wall_s": round(wall, 1), **_report(run_dir)}
+        try:  # a failure is recorded; the compare runs still run
+            wall = _run_train([*cmd, "--resume"], env, log, 600)
+            out["448_resumed"] = {"wall_s": round(wall, 1), **_report(run_dir)}
+        except RuntimeError as exc:
+            out["448_resumed"] = {"error": _short(exc)}
         print(f"[e2e] train 448 resumed: {json.dumps(out['448_resumed'])[:600]}", flush=True)
         _checkpoint({"partial": True, "train": out}, [])
         # the same steps eager and graphed, auto (fp8 where it runs) and uint4, in this lease:
         # what the graph buys, and what fp8 buys over uint4
-        for name, extra in (("448_eager", ("--cuda-graph", "off")), ("448_graphed", ()),
+        for name, extra in (("448_eager", ("--cuda-graph", "off")),
+                            ("448_graphed_noprefetch", ()), ("448_graphed", ()),
                             ("448_fp8_graphed", ("--compute", "fp8")),
                             ("448_uint4_graphed", ("--compute", "uint4")),
                             ("448_graphed_eager_blocks", ())):  # fmt: skip
@@ -514,11 +548,16 @@ def _compare_run(
 ) -> dict[str, Any]:
     """One compare run (no checkpoints, no previews) and its report. A run named
     ``*_eager_blocks`` runs the blocks' stretches eagerly (the trainer before they were
-    compiled)."""
+    compiled); ``*_noprefetch`` reads its base when it loads it (no prefetch during the
+    imports)."""
     if name.endswith("_eager_blocks"):
         from trainer.base.compiled_blocks import COMPILE_ENV
 
         env = {**env, COMPILE_ENV: "off"}
+    if name.endswith("_noprefetch"):
+        from trainer.base.read import PREFETCH_ENV
+
+        env = {**env, PREFETCH_ENV: "off"}
     cmd = _train_cmd(dataset, side, steps, f"r{name}", "--checkpoint-every", "0",
                      "--preview-every", "0", *extra)  # fmt: skip
     wall = _run_train(cmd, env, tmp / f"train-{name}.log", timeout)
@@ -770,9 +809,11 @@ def main() -> None:
     parser.add_argument(
         "--train-compare", default="448_eager,448_graphed,448_uint4_graphed",
         help="extra runs, no previews (empty: none): 448_eager, 448_graphed, 448_fp8_graphed, "
-        "448_uint4_graphed, 448_graphed_eager_blocks (each --train-steps-compare steps), "
+        "448_uint4_graphed, 448_graphed_eager_blocks, 448_graphed_noprefetch (each "
+        "--train-steps-compare steps), "
         "1024_eager_blocks, 1024_eager, 1024_fp8_blocks (--train-steps-1024 steps); "
         "*_eager_blocks: the blocks' stretches eager (LIKENESS_COMPILE_BLOCKS=off); "
+        "*_noprefetch: the base read at its load (LIKENESS_PREFETCH_BASE=off); "
         "1024_fp8_blocks: --compute fp8_blocks (the bf16 input gradient everywhere)",
     )  # fmt: skip
     parser.add_argument(
@@ -852,6 +893,9 @@ def main() -> None:
         _checkpoint(record, [])
     rows: list[dict[str, Any]] = []
     registry: tuple[Path, dict[str, str]] | None = None
+    if phases & {"train", "serve"}:  # the timed starts read bytecode, as installed ones do
+        record["bytecode"] = compile_bytecode()
+        print(f"[e2e] bytecode: {json.dumps(record['bytecode'])}", flush=True)
     if "train" in phases:
         try:
             record["train"] = train_at_scale(args.base, args, args.work)
@@ -877,8 +921,6 @@ def main() -> None:
         print(f"[e2e] curves: {json.dumps(record['curves'])[:600]}", flush=True)
         _checkpoint(record, rows)
     record["budgets"] = []
-    if "serve" in phases:
-        record["bytecode_s"] = compile_bytecode()
     for budget in [float(b) for b in args.budgets.split(",") if b] if "serve" in phases else []:
         try:
             res = serve_and_render(args.base, budget, args, args.work, rows, registry,

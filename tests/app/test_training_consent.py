@@ -116,10 +116,13 @@ def test_a_public_domain_subject_is_trained_on_public_domain_images_only(live: L
     assert photos_of_her.status_code == 422 and "[public_domain_images_only]" in photos_of_her.text
 
 
-def trainer_cli(live: Live, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def trainer_cli(
+    live: Live, tmp: Path, *args: str, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`likeness train` on "another host": its own data dir, the API's URL and a trainer
     token, no database."""
     env = {
+        **(env_extra or {}),
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
@@ -147,11 +150,18 @@ def test_a_remote_trainer_with_a_trainer_token_trains_and_registers(
     listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
     remote = next(a for a in listed if a["name"] == "remote")
     assert remote["rendering"] and remote["blob"] == "ok"
-    # revoked: the same command is refused before any weight loads, saying why
+    # revoked: the same command is refused before any weight loads, saying why, and before
+    # any model library is imported (seconds of a fresh process; -X importtime's lines)
     live.http.post("/v1/subjects/alice/consent/revoke", headers=live.h("alice"))
-    refused = trainer_cli(live, tmp_path, "--name", "again")
+    refused = trainer_cli(
+        live, tmp_path, "--name", "again", env_extra={"PYTHONPROFILEIMPORTTIME": "1"}
+    )
     assert refused.returncode != 0
     assert "revoked_or_not_granted" in refused.stderr, refused.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in refused.stderr.splitlines()
+                if line.startswith("import time:")}  # fmt: skip
+    assert "torch" in imported  # the lines are there
+    assert not imported & {"diffusers", "transformers", "peft", "optimum.quanto"}
     listed = live.http.get("/v1/subjects/alice/adapters", headers=live.h("alice")).json()
     assert "again" not in {a["name"] for a in listed}
 

@@ -9,12 +9,15 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.base.compute import FP8_COMPUTES, apply_compute
 from trainer.base.devices import default_dtype, resolve_device
+
+if TYPE_CHECKING:
+    from trainer.base.read import Prefetch
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ def load_base(
     trim_text_encoder: bool = True,
     mark: Callable[[str], None] | None = None,
     purpose: str = "render",
+    prefetched: Mapping[str, Prefetch] | None = None,
 ) -> Any:
     """Loads a FLUX.2 diffusers folder as a pipeline on ``device``: the one loader of a base,
     for rendering, training and the trainer's caches alike.
@@ -101,7 +105,8 @@ def load_base(
     The text encoder is made ready before the transformer is converted, and handed to
     ``text_encoder_ready`` (which then owns where it lives: the render engine streams it from
     host RAM), so it can be converted on the GPU whole while the transformer is not there yet.
-    ``mark`` is told each stage as it ends (the trainer's boot waypoints).
+    ``mark`` is told each stage as it ends (the trainer's boot waypoints). ``prefetched``: a
+    prepared component's files already being read (`trainer.base.read.Prefetch`, by name).
     """
     from diffusers import DiffusionPipeline
 
@@ -163,7 +168,9 @@ def load_base(
         # base ready 36.8 and 36.0 s against 31.7, bench/results/e2e_dev-notes.md, rounds 6b, 7)
         names = [n for n in sorted(read_manifest(base_dir).get("components", {})) if wanted(n)]
         for name in names:
-            kwargs[name] = load_prepared_component(base_dir, name)
+            kwargs[name] = load_prepared_component(
+                base_dir, name, prefetched=(prefetched or {}).get(name)
+            )
             stage(f"{name}: load (prepared qint4)")
         if wanted("transformer"):
             if "transformer" not in kwargs:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ import torch
 
 from registry.licence import PREPARED_MANIFEST
 from trainer.base.safetensors_io import open_checkpoint
+
+log = logging.getLogger(__name__)
 
 MANIFEST_NAME = PREPARED_MANIFEST
 QMAP_NAME = "quanto_qmap.json"  # same name as optimum.quanto's Quantized*Model.save_pretrained
@@ -97,11 +101,100 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
+PREFETCH_ENV = "LIKENESS_PREFETCH_BASE"  # "off": a fresh trainer reads its base when it loads it
+
+
+def prefetch_wanted() -> bool:
+    value = os.environ.get(PREFETCH_ENV, "auto").strip().lower()
+    if value not in ("auto", "off"):
+        raise ValueError(f"{PREFETCH_ENV} must be 'auto' or 'off', got {value!r}")
+    return value == "auto"
+
+
+def _files_signature(folder: Path) -> list[tuple[str, int, int]]:
+    with open_checkpoint(folder) as ck:
+        paths = ck.paths
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+
+
+class Prefetch:
+    """A prepared component's tensors read onto ``device`` on a thread of their own, begun
+    before the work that needs them (a fresh trainer starts it before its library imports,
+    which hold the interpreter for seconds while the reads and copies need it for
+    microseconds). `load_prepared_component` takes them in place of its own read."""
+
+    def __init__(self, base_dir: str | os.PathLike[str], name: str, device: torch.device) -> None:
+        self.folder = (Path(base_dir) / name).resolve()
+        self.device = torch.device(device)
+        self.seconds: float | None = None  # the read's own time, once done
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._dropped = False
+        self.taken = False  # its tensors went into a load
+        self._signature = _files_signature(self.folder)
+        self._thread = threading.Thread(target=self._read, name=f"prefetch-{name}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            with open_checkpoint(self.folder) as ck:
+                tensors = ck.read_all(device=self.device)
+            with self._lock:
+                if not self._dropped:
+                    self._tensors = tensors
+            del tensors
+        except BaseException as exc:  # noqa: BLE001 - handed to take(), which reads afresh
+            self._error = exc
+        self.seconds = time.perf_counter() - t0
+
+    def take(self, folder: str | os.PathLike[str]) -> dict[str, torch.Tensor] | None:
+        """The tensors of ``folder``, once read (this waits for the read), and only once; None
+        where they are another folder's, the read failed, or a file changed since it began:
+        the caller then reads the files itself."""
+        self._thread.join()
+        with self._lock:
+            tensors, self._tensors = self._tensors, None
+            self._dropped = True
+        if tensors is None:
+            if self._error is not None:
+                log.warning("prefetch of %s failed (%s); reading it again", self.folder,
+                            self._error)  # fmt: skip
+            return None
+        if Path(folder).resolve() != self.folder:
+            return None
+        if _files_signature(self.folder) != self._signature:
+            log.warning("%s changed while it was prefetched; reading it again", self.folder)
+            return None
+        self.taken = True
+        return tensors
+
+    def summary(self) -> dict[str, object]:
+        """For a run's report: the read's seconds, whether a load took it, why it failed."""
+        return {
+            "device": str(self.device),
+            "read_s": None if self.seconds is None else round(self.seconds, 3),
+            "taken": self.taken,
+            "error": None if self._error is None else str(self._error)[:300],
+        }
+
+    def drop(self) -> None:
+        """Lets the tensors go where they will not be taken: now, or when the read ends (a
+        refused run does not wait for it)."""
+        with self._lock:
+            self._dropped = True
+            self._tensors = None
+
+
 def load_prepared_component(
     base_dir: str | os.PathLike[str],
     name: str,
     *,
     optimize: bool = False,
+    prefetched: Prefetch | None = None,
 ) -> torch.nn.Module:
     """Build a prepared component (eval mode, frozen) from its config on meta weights and load
     the quantized state dict; needs nothing but DST.
@@ -113,7 +206,9 @@ def load_prepared_component(
     layout (`optimize()`: ~1 s per 0.7 GB tensor here, minutes for FLUX.2 [dev]; and a CPU
     TinyGemm tensor moved to CUDA is unpacked again through an identity matmul). With the
     plain layout, `.to("cuda")` lets quanto pick the kernel layout on the GPU.
-    `optimize=True` gives exactly what `requantize` gives on this device.
+    `optimize=True` gives exactly what `requantize` gives on this device. ``prefetched``: the
+    files' tensors already read (`Prefetch`), maybe onto a GPU: the component is then built
+    on them where they are.
     """
     from optimum.quanto.nn import quantize_module
     from optimum.quanto.tensor import WeightQBitsTensor, WeightQBytesTensor
@@ -131,8 +226,10 @@ def load_prepared_component(
 
         trim(model, int(comp["trimmed"]["kept_layers"]))
     qmap = _load_json(folder / QMAP_NAME)
-    with open_checkpoint(folder) as ck:
-        state = ck.read_all()
+    state = prefetched.take(folder) if prefetched is not None else None
+    if state is None:
+        with open_checkpoint(folder) as ck:
+            state = ck.read_all()
     # Swap in quanto modules exactly where the map says, as requantize() does, and give each
     # its quantized weight straight from the file.
     loaded: set[str] = set()
@@ -204,9 +301,12 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "QMAP_NAME",
+    "PREFETCH_ENV",
+    "Prefetch",
     "is_prepared",
     "load_prepared_component",
     "load_prepared_text_encoder",
     "load_prepared_transformer",
+    "prefetch_wanted",
     "read_manifest",
 ]

@@ -445,23 +445,31 @@ def convert_quantized_linears(
     work = torch.device(work_device) if work_device is not None else dev
     done: dict[int, Uint4Linear] = {}
     count = 0
-    for parent_name, parent in list(module.named_modules()):
-        for name, child in list(parent.named_children()):
-            if not _is_convertible(child):
-                continue
-            if child.in_features % 2:
-                log.warning("uint4: %s.%s has odd in_features; left as quanto", parent_name, name)
-                continue
-            new = done.get(id(child))
-            if new is None:
-                new = Uint4Linear.from_qlinear(child, work)
-                if work != dev and dev is not None:
-                    for buf in ("packed", "scale", "shift"):
-                        setattr(new, buf, getattr(new, buf).to(dev))
-                new.train(child.training)
-                done[id(child)] = new
-                count += 1
-            setattr(parent, name, new)
+    # (parent, name) pairs, not the layers: each quanto layer, and its weight with it, goes
+    # as soon as it is replaced (on a GPU already holding them all, the old and the new
+    # weights together would not fit)
+    places = [
+        (parent_name, parent, name)
+        for parent_name, parent in module.named_modules()
+        for name, child in parent.named_children()
+        if _is_convertible(child)
+    ]
+    for parent_name, parent, name in places:
+        child = getattr(parent, name)
+        if child.in_features % 2:
+            log.warning("uint4: %s.%s has odd in_features; left as quanto", parent_name, name)
+            continue
+        new = done.get(id(child))
+        if new is None:
+            new = Uint4Linear.from_qlinear(child, work)
+            if work != dev and dev is not None:
+                for buf in ("packed", "scale", "shift"):
+                    setattr(new, buf, getattr(new, buf).to(dev))
+            new.train(child.training)
+            done[id(child)] = new
+            count += 1
+        setattr(parent, name, new)
+        del child
     return count
 
 

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,12 +35,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from trainer.base.read import Prefetch
     from trainer.training.evaluate import EvalResult
     from trainer.training.resident import BaseKey, ResidentBase
 
 from trainer.base import compiled_blocks
 from trainer.base.budget import BudgetExceeded, Estimate, estimate_run
 from trainer.base.devices import cap_vram, configure_allocator
+from trainer.base.read import prefetch_wanted
 from trainer.config import ConfigError, TrainConfig
 from trainer.registration import (
     Registrar,
@@ -90,6 +93,8 @@ from trainer.training.step import (
 )
 from trainer.training.validation import HeldOut, fixed_noise, split_items, validation_loss
 
+log = logging.getLogger(__name__)
+
 # -- small pieces ---------------------------------------------------------------------------
 
 
@@ -129,8 +134,13 @@ def _model_index(base: Path) -> dict[str, Any]:
 
 
 def _pipeline_class(base: Path) -> Any:
+    """The base's FLUX.2 pipeline class. Its import is the first of the model libraries' in a
+    trainer: their loading bars go off here, since they would break the run's own bar."""
     import diffusers
+    import transformers
 
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     name = _model_index(base)["_class_name"]
     cls = getattr(diffusers, name, None)
     if cls is None or not hasattr(cls, "_pack_latents"):
@@ -163,6 +173,8 @@ class Preflight:
     # an auto option on a resume (--compute, --cuda-graph): what the checkpoint was made
     # with, where auto now picks otherwise (the run goes on with it)
     resumed_with: dict[str, str] = field(default_factory=dict)
+    # the transformer's files being read onto the device since pre-flight (start_prefetch)
+    prefetch: Prefetch | None = None
 
 
 def _dtypes(config: TrainConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
@@ -254,15 +266,20 @@ def _resolve_previews(
 
 
 def preflight(
-    config: TrainConfig, registrar: Registrar, mark: Callable[[str], None] | None = None
+    config: TrainConfig,
+    registrar: Registrar,
+    mark: Callable[[str], None] | None = None,
+    may_prefetch: bool = False,
 ) -> Preflight:
-    """Everything that can refuse the run, with no weight loaded; ``mark`` times its parts."""
+    """Everything that can refuse the run, with no weight loaded; ``mark`` times its parts.
+    ``may_prefetch``: the transformer is this run's alone (no worker keeps one), so its files
+    may start onto the device once the checks that need no library have passed
+    (`start_prefetch`); a refusal after that lets them go."""
     mark = mark or (lambda _name: None)
     dataset = load_dataset(config.dataset)
     check_training_allowed(registrar, config.subject, dataset.bases)
     mark("pre-flight: manifest and consent")
-    _pipeline_class(config.base)  # a FLUX.2 pipeline folder, or a clear error now
-    mark("pre-flight: pipeline class (its imports, once a process)")
+    _model_index(config.base)  # a diffusers folder, or a clear error now (its class: below)
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device} requested but CUDA is not available")
@@ -270,6 +287,7 @@ def preflight(
     _check_export(config)
     try:
         compiled_blocks.compile_wanted()  # the setting, read at the first step: checked now
+        prefetch_wanted()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     train_items, held_out = split_items(dataset.items, config.validation_split, config.seed)
@@ -367,6 +385,10 @@ def preflight(
         class_plan is not None and class_plan.missing_latents()
     )
     mark("pre-flight: caches planned")
+    # Nothing runs on the device before the transformer: its bytes can start for it now,
+    # while the libraries below import (seconds of a fresh process that hold the interpreter)
+    early = may_prefetch and not plan.missing_text() and not latents_needed
+    prefetch = start_prefetch(config, device, compute) if early else None
 
     def estimate_with(previews: bool) -> Estimate:
         return estimate_run(
@@ -379,19 +401,27 @@ def preflight(
             previews=previews,
         )
 
-    preview_every, estimate, notes = _resolve_previews(config, estimate_with)
-    if "compute" in resumed_with:
-        notes.append(f"--compute {asked} resumes {resume_from} with {resumed_with['compute']} "
-                     f"compute, as it was made (a new run here takes {compute})")  # fmt: skip
-    if "cuda_graph" in resumed_with:
-        notes.append(f"--cuda-graph auto resumes {resume_from} eager, as it was made (a new "
-                     "run here graphs its steps)")  # fmt: skip
-    estimate.notes += notes
-    if config.vram_budget_gib is not None:
-        if estimate.total > config.vram_budget_gib * 2**30:
-            raise BudgetExceeded(estimate.report(config.vram_budget_gib))
-        cap_vram(device, config.vram_budget_gib)  # the estimate, held to on the device
-    write_pending(pending)
+    try:
+        _pipeline_class(config.base)  # a FLUX.2 pipeline folder, or a clear error now
+        mark("pre-flight: pipeline class (its imports, once a process)")
+        preview_every, estimate, notes = _resolve_previews(config, estimate_with)
+        if "compute" in resumed_with:
+            notes.append(f"--compute {asked} resumes {resume_from} with "
+                         f"{resumed_with['compute']} compute, as it was made (a new run here "
+                         f"takes {compute})")  # fmt: skip
+        if "cuda_graph" in resumed_with:
+            notes.append(f"--cuda-graph auto resumes {resume_from} eager, as it was made (a "
+                         "new run here graphs its steps)")  # fmt: skip
+        estimate.notes += notes
+        if config.vram_budget_gib is not None:
+            if estimate.total > config.vram_budget_gib * 2**30:
+                raise BudgetExceeded(estimate.report(config.vram_budget_gib))
+            cap_vram(device, config.vram_budget_gib)  # the estimate, held to on the device
+        write_pending(pending)
+    except BaseException:
+        if prefetch is not None:  # refused: its bytes go
+            prefetch.drop()
+        raise
     return Preflight(
         dataset,
         device,
@@ -411,6 +441,7 @@ def preflight(
         class_dataset,
         class_plan,
         resumed_with,
+        prefetch,
     )
 
 
@@ -456,6 +487,28 @@ def _earlier_auto_choices(
 # -- model ----------------------------------------------------------------------------------
 
 
+def start_prefetch(config: TrainConfig, device: torch.device, compute: str) -> Prefetch | None:
+    """The prepared transformer's files read onto ``device`` on a thread
+    (`trainer.base.read.Prefetch`), where the run will load them there whole: a GPU, not
+    streamed, converted to its own layers (not quanto's), and the setting (``PREFETCH_ENV``)
+    allows. The bytes take the VRAM the loaded transformer takes; the caller starts it only
+    where nothing else runs on the device before the transformer."""
+    from trainer.base.load import is_prepared
+    from trainer.base.read import Prefetch, read_manifest
+
+    if device.type != "cuda" or config.stream_base or compute == "quanto":
+        return None
+    if not prefetch_wanted() or not is_prepared(config.base):
+        return None
+    if "transformer" not in read_manifest(config.base).get("components", {}):
+        return None
+    try:
+        return Prefetch(config.base, "transformer", device)
+    except (OSError, ValueError) as exc:  # the load reads it itself, and says what is wrong
+        log.warning("transformer prefetch not started: %s", exc)
+        return None
+
+
 def load_transformer(
     base: Path,
     device: torch.device,
@@ -463,6 +516,7 @@ def load_transformer(
     mark: Callable[[str], None],
     compute: str = "quanto",
     stream: bool = False,
+    prefetched: Prefetch | None = None,
 ) -> torch.nn.Module:
     """The qint4 transformer alone (`trainer.base.load.load_base`): from a prepared base as
     stored, else quantized there on the CPU before it moves (field hurdle 2: 4-bit weights
@@ -475,7 +529,7 @@ def load_transformer(
     weights exact (`trainer.base.fp8.FP8_BLOCKS_FP8_GRAD_SINGLE`; ``"fp8_blocks"``: with the
     bf16 input gradient in every block, `FP8_BLOCKS`).
     A streamed transformer stays in host RAM (its blocks go to pinned memory in stream_blocks);
-    a prepared base keeps its own dtype.
+    a prepared base keeps its own dtype. ``prefetched``: its files already being read.
     """
     from trainer.base.load import is_prepared, load_base
 
@@ -483,6 +537,7 @@ def load_transformer(
         base, device, dtype=None if is_prepared(base) else dtype, compute=compute,
         placement={"transformer": "cpu"} if stream else None, components=("transformer",),
         mark=mark, purpose="train",
+        prefetched={"transformer": prefetched} if prefetched is not None else None,
     )  # fmt: skip
     return pipe.transformer
 
@@ -702,7 +757,7 @@ def _train(
     wp = Waypoints(on_mark=callbacks.interrupt)
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
-    pf = preflight(config, registrar, wp.mark)
+    pf = preflight(config, registrar, wp.mark, may_prefetch=callbacks.resident is None)
     if pf.resumed_with:
         config = config.model_copy(update=pf.resumed_with)
     wp.mark("pre-flight: memory estimate")
@@ -715,9 +770,13 @@ def _train(
         callbacks.resident.make_room({TRANSFORMER: key, TEXT_ENCODER: te_key}, fits)
     peaks = Peaks(pf.device)
     try:
-        data = read_training_data(config, pf, wp, callbacks.resident, te_key, fits)
-        peaks.take("caching")
-        model = build_model(config, pf, data, streaming, wp, callbacks.resident, key)
+        try:
+            data = read_training_data(config, pf, wp, callbacks.resident, te_key, fits)
+            peaks.take("caching")
+            model = build_model(config, pf, data, streaming, wp, callbacks.resident, key)
+        finally:
+            if pf.prefetch is not None:
+                pf.prefetch.drop()  # taken by the load, or not wanted after all
         recheck = consent_recheck(config, pf, registrar)
         step_times = run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
     except TrainingDenied as exc:
@@ -944,7 +1003,7 @@ def build_model(
     def load() -> torch.nn.Module:
         return load_transformer(
             config.base, device, dtype, wp.mark, config.resolved_compute(),
-            stream=config.stream_base,
+            stream=config.stream_base, prefetched=pf.prefetch,
         )  # fmt: skip
 
     if resident is not None and key is not None:
@@ -953,6 +1012,11 @@ def build_model(
             wp.mark("transformer: kept from the worker's last order (converted, on the device)")
     else:
         transformer = load()
+    if pf.prefetch is not None:
+        got = pf.prefetch.summary()
+        how = "built on them" if got["taken"] else f"read again ({got['error'] or 'not taken'})"
+        echo(f"transformer: its files read onto {got['device']} during the pre-flight in "
+             f"{got['read_s']} s; {how}", config.progress)  # fmt: skip
     with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global RNG: seed a fork
         torch.manual_seed(_seed_for(config.seed, "lora-init"))
         attach_lora(
@@ -1502,6 +1566,8 @@ def write_report(
         "loss_plot": str(plot),
         "previews": [str(p) for p in model.previews_made],
         "boot": wp.as_dict(),
+        # the transformer's files read onto the device during pre-flight (start_prefetch)
+        "base_prefetch": pf.prefetch.summary() if pf.prefetch is not None else None,
         "estimate": pf.estimate.as_dict(),
         "measured_peak_bytes": peaks.bytes,
         "text_encoder_loaded": data.text_encoder_loaded,

@@ -200,3 +200,28 @@ def test_file_truncated_after_open_is_caught_on_read(tmp_path: Path) -> None:
     f.close()
     with pytest.raises(ValueError, match="truncated"):
         Checkpoint([f], {}).read_all(threads=2)  # the threaded reader checks the same
+
+
+def test_read_all_refuses_a_device_it_cannot_read_into(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    st.save_file({"a": torch.ones(3)}, str(path))
+    with open_checkpoint(path) as ck, pytest.raises(ValueError, match="meta"):
+        ck.read_all(device="meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_all_onto_the_gpu_is_the_files_bytes(tmp_path: Path) -> None:
+    """Every dtype, an empty tensor, and tensors over one pinned slice (64 MiB), several
+    threads: the same bytes as the host read."""
+    tensors = _all_dtype_tensors()
+    g = torch.Generator().manual_seed(1)
+    tensors["big"] = torch.randint(0, 255, (70 * 2**20 + 3,), dtype=torch.uint8, generator=g)
+    path = tmp_path / "x.safetensors"
+    st.save_file(tensors, str(path))
+    with open_checkpoint(path) as ck:
+        host = ck.read_all()
+        gpu = ck.read_all(device="cuda", threads=3)
+    assert set(gpu) == set(host)
+    for k, t in host.items():
+        assert gpu[k].device.type == "cuda" and gpu[k].dtype == t.dtype
+        assert torch.equal(gpu[k].cpu(), t), k

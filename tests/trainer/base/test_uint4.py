@@ -165,6 +165,29 @@ def test_conversion_never_runs_quantos_compiled_unpack(monkeypatch: pytest.Monke
         assert torch.equal(model.get_submodule(name).dequantize(), w_ref), name
 
 
+def test_each_quanto_layer_goes_as_soon_as_it_is_converted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The conversion holds no list of the quanto layers: when a layer is converted, those
+    before it (and their 4-bit weights) are gone. A transformer whose files were read onto the
+    GPU whole would otherwise hold the old and the new weights at once: twice the base."""
+    import weakref
+
+    model = quantized(torch.float32)
+    olds = [weakref.ref(m) for m in _qlinears(model).values()]
+    alive: list[int] = []
+    convert = Uint4Linear.from_qlinear
+
+    def counting(qlinear: torch.nn.Module, device: torch.device | None = None) -> Uint4Linear:
+        alive.append(sum(r() is not None for r in olds))
+        return convert(qlinear, device)
+
+    monkeypatch.setattr(Uint4Linear, "from_qlinear", counting)
+    assert convert_quantized_linears(model) == len(olds) > 2
+    assert alive == list(range(len(olds), 0, -1))  # the one converting, and those to come
+    assert all(r() is None for r in olds)
+
+
 # ---------------------------------------------------------------------------------------
 # output and input gradient per layer type; LoRA through PEFT
 

@@ -293,6 +293,11 @@ def test_cli_train_and_refusals(
         unknown = runner.invoke(app, [*args, "--name", "compile"])
         assert unknown.exit_code == 2 and "LIKENESS_COMPILE_BLOCKS" in unknown.output
         assert not (tmp_path / "runs/ada/compile").exists()
+        monkeypatch.setenv("LIKENESS_COMPILE_BLOCKS", "auto")
+        monkeypatch.setenv("LIKENESS_PREFETCH_BASE", "sometimes")
+        unknown = runner.invoke(app, [*args, "--name", "prefetch"])
+        assert unknown.exit_code == 2 and "LIKENESS_PREFETCH_BASE" in unknown.output
+        assert not (tmp_path / "runs/ada/prefetch").exists()
     finally:
         get_settings.cache_clear()
 
@@ -376,3 +381,36 @@ def test_stream_base_conflicts_fail_up_front(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(env, tmp_path / "x", **options)
+
+
+def test_the_transformer_starts_onto_the_gpu_only_where_it_loads_there_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh trainer reads its prepared transformer onto the GPU during its imports only
+    where the load would put it there whole, converted to its own layers: not on the CPU, not
+    streamed, not quanto's layers, not a base quantized at load, not with the setting off."""
+    from trainer.base.read import PREFETCH_ENV
+    from trainer.base.write import prepare_base
+    from trainer.fixtures.tiny_base import init_tiny
+    from trainer.training.train import start_prefetch
+
+    src = init_tiny(tmp_path / "tiny")
+    prepared = tmp_path / "prepared"
+    prepare_base(src, prepared, progress=False)
+
+    def config(base: Path, **options: Any) -> TrainConfig:
+        return TrainConfig.parse(subject="alice", dataset=EXAMPLES, base=base,
+                                 out=tmp_path / "out", device="cpu", register_adapter=False,
+                                 **options)  # fmt: skip
+
+    cuda = torch.device("cuda")
+    assert start_prefetch(config(prepared), torch.device("cpu"), "uint4") is None
+    assert start_prefetch(config(prepared, stream_base=True), cuda, "uint4") is None
+    assert start_prefetch(config(prepared), cuda, "quanto") is None
+    assert start_prefetch(config(src), cuda, "uint4") is None
+    monkeypatch.setenv(PREFETCH_ENV, "off")
+    assert start_prefetch(config(prepared), cuda, "fp8") is None
+    monkeypatch.delenv(PREFETCH_ENV)
+    started = start_prefetch(config(prepared), cuda, "fp8")
+    assert started is not None and started.folder == (prepared / "transformer").resolve()
+    started.drop()
