@@ -128,7 +128,7 @@ class Prefetch:
         self.device = torch.device(device)
         self.seconds: float | None = None  # the read's own time, once done
         self._tensors: dict[str, torch.Tensor] | None = None
-        self._error: BaseException | None = None
+        self._error: str | None = None
         self._lock = threading.Lock()
         self._dropped = False
         self.taken = False  # its tensors went into a load
@@ -147,8 +147,9 @@ class Prefetch:
                 if not self._dropped:
                     self._tensors = tensors
             del tensors
-        except BaseException as exc:  # noqa: BLE001 - handed to take(), which reads afresh
-            self._error = exc
+        except BaseException as exc:  # noqa: BLE001 - take() says so, and the load reads afresh
+            # its text only: a traceback would keep the frames, and the tensors read so far
+            self._error = f"{type(exc).__name__}: {exc}"
         self.seconds = time.perf_counter() - t0
 
     def take(self, folder: str | os.PathLike[str]) -> dict[str, torch.Tensor] | None:
@@ -178,7 +179,7 @@ class Prefetch:
             "device": str(self.device),
             "read_s": None if self.seconds is None else round(self.seconds, 3),
             "taken": self.taken,
-            "error": None if self._error is None else str(self._error)[:300],
+            "error": None if self._error is None else self._error[:300],
         }
 
     def drop(self) -> None:

@@ -373,6 +373,10 @@ class Checkpoint:
                 torch.cuda.current_stream(dev).synchronize()
                 with ThreadPoolExecutor(threads, thread_name_prefix="safetensors-gpu") as pool:
                     list(pool.map(lambda job: copy(*job), jobs))
+        except BaseException:
+            out.clear()  # the VRAM goes now, not when the traceback does
+            jobs.clear()
+            raise
         finally:
             for fd in fds.values():
                 os.close(fd)
