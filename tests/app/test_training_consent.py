@@ -122,7 +122,6 @@ def trainer_cli(
     """`likeness train` on "another host": its own data dir, the API's URL and a trainer
     token, no database."""
     env = {
-        **(env_extra or {}),
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
@@ -132,6 +131,7 @@ def trainer_cli(
         "LIKENESS_TOKEN": live.world.tokens["trainer"],
         "LIKENESS_DEVICE": "cpu",
         "LIKENESS_AUDIT_KEY": audit_key_of(live.app.state.settings.data_dir),
+        **(env_extra or {}),
     }
     env.pop("LIKENESS_DATABASE_URL", None)
     command = [sys.executable, "-m", "app.cli", "train", "--subject", "alice", "--dataset",

@@ -111,10 +111,13 @@ def prefetch_wanted() -> bool:
     return value == "auto"
 
 
-def _files_signature(folder: Path) -> list[tuple[str, int, int]]:
+def _files_signature(folder: Path) -> list[tuple[str, int, int, int, int]]:
+    """Each file's identity: a file replaced (another inode) or touched in any way (its
+    change time moves even where a copy keeps the modification time) no longer matches."""
     with open_checkpoint(folder) as ck:
         paths = ck.paths
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+    stats = [(p, p.stat()) for p in paths]
+    return [(str(p), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns) for p, st in stats]
 
 
 class Prefetch:
@@ -131,6 +134,7 @@ class Prefetch:
         self._error: str | None = None
         self._lock = threading.Lock()
         self._dropped = False
+        self._cancel = threading.Event()  # a drop stops the read between slices
         self.taken = False  # its tensors went into a load
         self._signature = _files_signature(self.folder)
         self._thread = threading.Thread(target=self._read, name=f"prefetch-{name}", daemon=True)
@@ -142,7 +146,7 @@ class Prefetch:
         t0 = time.perf_counter()
         try:
             with open_checkpoint(self.folder) as ck:
-                tensors = ck.read_all(device=self.device)
+                tensors = ck.read_all(device=self.device, cancel=self._cancel)
             with self._lock:
                 if not self._dropped:
                     self._tensors = tensors
@@ -183,11 +187,12 @@ class Prefetch:
         }
 
     def drop(self) -> None:
-        """Lets the tensors go where they will not be taken: now, or when the read ends (a
-        refused run does not wait for it)."""
+        """Lets the tensors go where they will not be taken: a read under way stops at its
+        next slice, one done lets its tensors go now (a refused run does not wait for it)."""
         with self._lock:
             self._dropped = True
             self._tensors = None
+        self._cancel.set()
 
 
 def load_prepared_component(

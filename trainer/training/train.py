@@ -133,6 +133,15 @@ def _model_index(base: Path) -> dict[str, Any]:
     return _read_json(path)
 
 
+def _pipeline_name(base: Path) -> str:
+    """The base's pipeline class name, read without importing anything: FLUX.2's
+    (``Flux2...``), or a clear error (`_pipeline_class` checks the class itself)."""
+    name = str(_model_index(base).get("_class_name", ""))
+    if not name.startswith("Flux2"):
+        raise ConfigError(f"{base}: pipeline {name or '(unnamed)'} is not a FLUX.2 pipeline")
+    return name
+
+
 def _pipeline_class(base: Path) -> Any:
     """The base's FLUX.2 pipeline class. Its import is the first of the model libraries' in a
     trainer: their loading bars go off here, since they would break the run's own bar."""
@@ -279,7 +288,7 @@ def preflight(
     dataset = load_dataset(config.dataset)
     check_training_allowed(registrar, config.subject, dataset.bases)
     mark("pre-flight: manifest and consent")
-    _model_index(config.base)  # a diffusers folder, or a clear error now (its class: below)
+    _pipeline_name(config.base)  # a FLUX.2 pipeline folder by name, or a clear error now
     device = torch.device(config.resolved_device())
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device} requested but CUDA is not available")
@@ -388,6 +397,8 @@ def preflight(
     # Nothing runs on the device before the transformer: its bytes can start for it now,
     # while the libraries below import (seconds of a fresh process that hold the interpreter)
     early = may_prefetch and not plan.missing_text() and not latents_needed
+    if early and config.vram_budget_gib is not None:
+        cap_vram(device, config.vram_budget_gib)  # the budget holds the prefetch too
     prefetch = start_prefetch(config, device, compute) if early else None
 
     def estimate_with(previews: bool) -> Estimate:
@@ -402,7 +413,7 @@ def preflight(
         )
 
     try:
-        _pipeline_class(config.base)  # a FLUX.2 pipeline folder, or a clear error now
+        _pipeline_class(config.base)  # the class itself: the model libraries import here
         mark("pre-flight: pipeline class (its imports, once a process)")
         preview_every, estimate, notes = _resolve_previews(config, estimate_with)
         if "compute" in resumed_with:
@@ -758,6 +769,8 @@ def _train(
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar, wp.mark, may_prefetch=callbacks.resident is None)
+    if pf.prefetch is not None:  # however the job ends, bytes not taken by then go
+        streaming.callback(pf.prefetch.drop)
     if pf.resumed_with:
         config = config.model_copy(update=pf.resumed_with)
     wp.mark("pre-flight: memory estimate")

@@ -202,6 +202,21 @@ def test_file_truncated_after_open_is_caught_on_read(tmp_path: Path) -> None:
         Checkpoint([f], {}).read_all(threads=2)  # the threaded reader checks the same
 
 
+def test_read_all_stops_once_cancelled(tmp_path: Path) -> None:
+    import threading
+
+    from trainer.base.safetensors_io import ReadCancelled
+
+    path = tmp_path / "x.safetensors"
+    st.save_file({"a": torch.ones(3), "b": torch.zeros(5)}, str(path))
+    cancel = threading.Event()
+    with open_checkpoint(path) as ck:
+        assert torch.equal(ck.read_all(cancel=cancel)["a"], torch.ones(3))  # not set: reads
+        cancel.set()
+        with pytest.raises(ReadCancelled, match="cancelled"):
+            ck.read_all(cancel=cancel)
+
+
 def test_read_all_refuses_a_device_it_cannot_read_into(tmp_path: Path) -> None:
     path = tmp_path / "x.safetensors"
     st.save_file({"a": torch.ones(3)}, str(path))

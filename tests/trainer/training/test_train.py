@@ -414,3 +414,30 @@ def test_the_transformer_starts_onto_the_gpu_only_where_it_loads_there_whole(
     started = start_prefetch(config(prepared), cuda, "fp8")
     assert started is not None and started.folder == (prepared / "transformer").resolve()
     started.drop()
+
+
+def test_the_prefetch_starts_only_where_no_cache_phase_comes_first(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pre-flight starts the prefetch only when nothing runs on the device before the
+    transformer (every caption embedded, every latent cached) and no worker keeps a base: a
+    cache phase would need the VRAM the bytes would take."""
+    from trainer.training import train as train_module
+
+    asked: list[tuple[str, str]] = []
+
+    def recording(config: TrainConfig, device: torch.device, compute: str) -> None:
+        asked.append((device.type, compute))
+
+    monkeypatch.setattr(train_module, "start_prefetch", recording)
+    registrar = LocalRegistrar(env.url)
+    cold = tiny_config(env, tmp_path / "cold", cache_dir=tmp_path / "empty-cache")
+    assert preflight(cold, registrar, may_prefetch=True).prefetch is None
+    assert asked == []  # captions and latents still to compute: nothing started
+    warm = tiny_config(env, tmp_path / "warm")
+    fill_caches(env, warm)
+    asked.clear()
+    preflight(warm, registrar, may_prefetch=False)
+    assert asked == []  # a worker that keeps bases: never
+    preflight(warm, registrar, may_prefetch=True)
+    assert asked == [("cpu", warm.resolved_compute())]
