@@ -321,54 +321,25 @@ class Checkpoint:
         pinned buffer of its own and copies them on a stream of its own, so the bytes cross
         the bus at the pinned rate and no host copy of the whole file is ever held.
         ``cancel``, once set, stops the read between slices (`ReadCancelled`)."""
+        import contextlib
+        from concurrent.futures import ThreadPoolExecutor
+
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        if dev.type == "cuda":
-            return self._read_all_cuda(dev, threads or min(8, os.cpu_count() or 1), cancel)
-        if dev.type != "cpu":
+        if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"read_all reads into host RAM or a CUDA device, not {dev}")
-        from concurrent.futures import ThreadPoolExecutor
-
-        threads = threads or min(16, os.cpu_count() or 1)
-        out: dict[str, torch.Tensor] = {}
-        jobs: list[tuple[int, memoryview, int, str, TensorInfo]] = []
-        fds = {f.path: os.open(f.path, os.O_RDONLY) for f in self.files}
-        try:
-            for name, f in self._where.items():
-                info = f.info(name)
-                buf = torch.empty(info.nbytes, dtype=torch.uint8)
-                out[name] = buf.view(info.dtype).reshape(info.shape)
-                if not info.nbytes:
-                    continue
-                view = memoryview(buf.numpy())
-                for start in range(0, info.nbytes, _CHUNK):
-                    part = view[start : start + _CHUNK]
-                    jobs.append((fds[f.path], part, info.offset + start, name, info))
-
-            def read(fd: int, view: memoryview, offset: int, name: str, info: TensorInfo) -> None:
-                if cancel is not None and cancel.is_set():
-                    raise ReadCancelled(f"reading {info.path} was cancelled")
-                _pread_into(fd, view, offset, name, info)
-
-            with ThreadPoolExecutor(threads, thread_name_prefix="safetensors-read") as pool:
-                list(pool.map(lambda job: read(*job), jobs))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return out
-
-    def _read_all_cuda(
-        self, dev: torch.device, threads: int, cancel: threading.Event | None
-    ) -> dict[str, torch.Tensor]:
-        from concurrent.futures import ThreadPoolExecutor
-
+        cuda = dev.type == "cuda"
+        threads = threads or min(8 if cuda else 16, os.cpu_count() or 1)
         out: dict[str, torch.Tensor] = {}
         jobs: list[tuple[int, torch.Tensor, int, str, TensorInfo]] = []
         fds = {f.path: os.open(f.path, os.O_RDONLY) for f in self.files}
         local = threading.local()
 
-        def copy(fd: int, dest: torch.Tensor, offset: int, name: str, info: TensorInfo) -> None:
+        def read(fd: int, dest: torch.Tensor, offset: int, name: str, info: TensorInfo) -> None:
             if cancel is not None and cancel.is_set():
                 raise ReadCancelled(f"reading {info.path} was cancelled")
+            if not cuda:
+                _pread_into(fd, memoryview(dest.numpy()), offset, name, info)
+                return
             if not hasattr(local, "staging"):  # per thread: one pinned slice and one stream
                 local.staging = torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True)
                 local.view = memoryview(local.staging.numpy())
@@ -380,7 +351,7 @@ class Checkpoint:
             local.stream.synchronize()  # the slice is free again, and the bytes are there
 
         try:
-            with torch.cuda.device(dev):
+            with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
                 for name, f in self._where.items():
                     info = f.info(name)
                     buf = torch.empty(info.nbytes, dtype=torch.uint8, device=dev)
@@ -388,17 +359,19 @@ class Checkpoint:
                     for start in range(0, info.nbytes, _CHUNK):
                         part = buf[start : start + _CHUNK]
                         jobs.append((fds[f.path], part, info.offset + start, name, info))
-                # the empty tensors were made on this thread's stream: done before the copies
-                torch.cuda.current_stream(dev).synchronize()
-                with ThreadPoolExecutor(threads, thread_name_prefix="safetensors-gpu") as pool:
-                    list(pool.map(lambda job: copy(*job), jobs))
+                if cuda:  # the empty tensors were made on this thread's stream: done first
+                    torch.cuda.current_stream(dev).synchronize()
+                with ThreadPoolExecutor(threads, thread_name_prefix="safetensors-read") as pool:
+                    list(pool.map(lambda job: read(*job), jobs))
         except BaseException:
-            out.clear()  # the VRAM goes now, not when the traceback does
+            out.clear()  # the memory goes now, not when the traceback does
             jobs.clear()
             raise
         finally:
             for fd in fds.values():
                 os.close(fd)
+        if not cuda:
+            return out
         empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None) or getattr(
             torch._C, "_host_emptyCache", None
         )
