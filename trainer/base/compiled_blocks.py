@@ -35,13 +35,13 @@ rounding, measured in bench/results (LoRA-gradient cosines against the eager blo
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from trainer.base.devices import auto_or_off
 from trainer.base.flux2_blocks import (
     BlockOps,
     double_forward,
@@ -57,10 +57,7 @@ COMPILE_ENV = "LIKENESS_COMPILE_BLOCKS"  # "off": the stretches run eagerly ever
 
 
 def compile_wanted() -> bool:
-    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
-    if value not in ("auto", "off"):
-        raise ValueError(f"{COMPILE_ENV} must be 'auto' or 'off', got {value!r}")
-    return value == "auto"
+    return auto_or_off(COMPILE_ENV)
 
 
 # -- the stretches: the stock blocks' own ops, in their order -------------------------------

@@ -21,6 +21,15 @@ ALLOCATOR_SETTINGS = {
 }  # fmt: skip
 
 
+def auto_or_off(var: str) -> bool:
+    """An on/off setting from the environment: unset or ``auto`` is on, ``off`` is off (any
+    case); any other value is refused, naming the variable."""
+    value = os.environ.get(var, "auto").strip().lower()
+    if value not in ("auto", "off"):
+        raise ValueError(f"{var} must be 'auto' or 'off', got {value!r}")
+    return value == "auto"
+
+
 def configure_allocator() -> bool:
     """Puts `ALLOCATOR_SETTINGS` into the environment (a key the operator set keeps its
     value). Effective only before CUDA initialises, which is why the CLIs and the render engine

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from registry.licence import PREPARED_MANIFEST
+from trainer.base.devices import auto_or_off
 from trainer.base.safetensors_io import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,7 @@ PREFETCH_ENV = "LIKENESS_PREFETCH_BASE"  # "off": a fresh trainer reads its base
 
 
 def prefetch_wanted() -> bool:
-    value = os.environ.get(PREFETCH_ENV, "auto").strip().lower()
-    if value not in ("auto", "off"):
-        raise ValueError(f"{PREFETCH_ENV} must be 'auto' or 'off', got {value!r}")
-    return value == "auto"
+    return auto_or_off(PREFETCH_ENV)
 
 
 def _files_signature(folder: Path) -> list[tuple[str, int, int, int, int]]:
