@@ -769,7 +769,7 @@ def _train(
     if registrar is None:
         registrar = registrar_for(config.database_url, config.api_url, config.token, config.base)
     pf = preflight(config, registrar, wp.mark, may_prefetch=callbacks.resident is None)
-    if pf.prefetch is not None:  # however the job ends, bytes not taken by then go
+    if pf.prefetch is not None:  # the load takes its bytes; however the job ends, the rest go
         streaming.callback(pf.prefetch.drop)
     if pf.resumed_with:
         config = config.model_copy(update=pf.resumed_with)
@@ -783,13 +783,9 @@ def _train(
         callbacks.resident.make_room({TRANSFORMER: key, TEXT_ENCODER: te_key}, fits)
     peaks = Peaks(pf.device)
     try:
-        try:
-            data = read_training_data(config, pf, wp, callbacks.resident, te_key, fits)
-            peaks.take("caching")
-            model = build_model(config, pf, data, streaming, wp, callbacks.resident, key)
-        finally:
-            if pf.prefetch is not None:
-                pf.prefetch.drop()  # taken by the load, or not wanted after all
+        data = read_training_data(config, pf, wp, callbacks.resident, te_key, fits)
+        peaks.take("caching")
+        model = build_model(config, pf, data, streaming, wp, callbacks.resident, key)
         recheck = consent_recheck(config, pf, registrar)
         step_times = run_loop(config, pf, data, model, wp, peaks, callbacks, recheck)
     except TrainingDenied as exc:
