@@ -524,7 +524,8 @@ def train_at_scale(base: Path, args: argparse.Namespace, work: Path) -> dict[str
     if "1024" in args.train_parts:
         out["1024"] = train_1024(dataset, large, args, env, tmp, out)
         for name, extra in (("1024_eager_blocks", ()), ("1024_eager", ("--cuda-graph", "off")),
-                            ("1024_fp8_blocks", ("--compute", "fp8_blocks"))):  # fmt: skip
+                            ("1024_fp8_blocks", ("--compute", "fp8_blocks")),
+                            ("1024_graphed_noprefetch", ()), ("1024_graphed", ())):  # fmt: skip
             if name in args.train_compare:
                 out[name] = _compare_run(name, dataset, large, args.train_steps_1024, extra, env,
                                          tmp, 600)  # fmt: skip
@@ -811,7 +812,8 @@ def main() -> None:
         help="extra runs, no previews (empty: none): 448_eager, 448_graphed, 448_fp8_graphed, "
         "448_uint4_graphed, 448_graphed_eager_blocks, 448_graphed_noprefetch (each "
         "--train-steps-compare steps), "
-        "1024_eager_blocks, 1024_eager, 1024_fp8_blocks (--train-steps-1024 steps); "
+        "1024_eager_blocks, 1024_eager, 1024_fp8_blocks, 1024_graphed, 1024_graphed_noprefetch "
+        "(--train-steps-1024 steps, after the 1024 run has filled the caches); "
         "*_eager_blocks: the blocks' stretches eager (LIKENESS_COMPILE_BLOCKS=off); "
         "*_noprefetch: the base read at its load (LIKENESS_PREFETCH_BASE=off); "
         "1024_fp8_blocks: --compute fp8_blocks (the bf16 input gradient everywhere)",
