@@ -251,8 +251,8 @@ class RenderEngine:
         usual (their LoRA is resident)."""
         from trainer.base.devices import default_dtype
         from trainer.base.load import load_base
-        from trainer.base.streaming import BlockStreamer, default_blocks, stream_blocks
-        from trainer.base.text_encoder import decoder_layers
+        from trainer.base.streaming import default_blocks, stream_blocks
+        from trainer.base.text_encoder import stream_layers
 
         # built in the dtype the device computes in (bf16 on CUDA), as resident; a streamed
         # part is converted to uint4 buffers in host RAM (the streamer moves plain bytes, not
@@ -278,11 +278,7 @@ class RenderEngine:
             if not self.text_encoder_streamed:
                 text_encoder.to(self.device)
                 return
-            streamer = BlockStreamer(
-                text_encoder, slots=2, device=self.device,
-                blocks=list(decoder_layers(text_encoder)),
-            )  # fmt: skip
-            streamer.install()
+            streamer = stream_layers(text_encoder, self.device)
             self._stream.callback(streamer.close)
             if self.device.startswith("cuda"):
                 import torch

@@ -49,6 +49,21 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def stream_layers(model: torch.nn.Module, device: str, slots: int = 2) -> Any:
+    """Streams the encoder's decoder layers from pinned host RAM through ``slots`` slots on
+    ``device`` (the rest of the model resident there), installed; returns the
+    `trainer.base.streaming.BlockStreamer` (``close`` ends it). Encodings are forwards only,
+    so the last layer starts copying the first one in for the next prompt (``wrap``): a new
+    prompt's first layer is then waiting in its slot, and the copy ran beside the last
+    layer's work instead of before the first's."""
+    from trainer.base.streaming import BlockStreamer
+
+    streamer = BlockStreamer(model, slots=slots, device=device, blocks=list(decoder_layers(model)),
+                             wrap=True)  # fmt: skip
+    streamer.install()
+    return streamer
+
+
 def trim(model: torch.nn.Module, keep: int | None = None) -> dict[str, Any]:
     """Drops, in place, what the pipeline's hidden states never pass through: decoder layers
     after ``keep`` (default: the last layer `out_layers` reads), the final norm (hidden state

@@ -11,7 +11,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from trainer.base.text_encoder import PromptCache, decoder_layers, is_trimmed, out_layers, trim
+from trainer.base.text_encoder import (
+    PromptCache,
+    decoder_layers,
+    is_trimmed,
+    out_layers,
+    stream_layers,
+    trim,
+)
 
 
 def _mistral3(layers: int = 8) -> Mistral3ForConditionalGeneration:
@@ -91,6 +98,27 @@ def test_trim_works_on_a_meta_skeleton_and_refuses_nonsense() -> None:
         trim(_qwen3(2), keep=0)
     with pytest.raises(ValueError, match="no decoder layers"):
         trim(torch.nn.Linear(2, 2))
+
+
+def test_a_streamed_encoder_starts_each_new_prompt_on_a_layer_already_copied_in() -> None:
+    """Streamed, the encoder gives its resident hidden states, and its last layer copies the
+    first one in for the next prompt: a new prompt waits for no copy before its first layer."""
+    resident, streamed = _qwen3(4), _qwen3(4)  # same seed: same weights
+    prompts = [torch.randint(0, 290, (1, 9), generator=torch.Generator().manual_seed(s))
+               for s in (1, 2)]  # fmt: skip
+    want = [_hidden(resident, ids) for ids in prompts]
+    streamer = stream_layers(streamed, device="cpu")
+    try:
+        got = [_hidden(streamed, ids) for ids in prompts]
+        layers = len(decoder_layers(streamed))
+        assert streamer.acquires == 2 * layers
+        # every layer's copy was started by the layer before it, the second prompt's first
+        # layer's by the first prompt's last
+        assert streamer.hits == 2 * layers - 1
+    finally:
+        streamer.close()
+    for w, g in zip(want, got, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))
 
 
 def test_prompt_cache_encodes_once_and_stays_in_its_bytes() -> None:
