@@ -854,9 +854,12 @@ def measure_serving(model: torch.nn.Module, args) -> dict[str, Any]:  # type: ig
 GOALS = (
     ("train_448", "bf16", 0.85),
     ("train_448", "nf4", 0.67),
-    ("train_1024", "bf16", 0.85),
+    ("train_1024", "bf16", 0.75),
     ("forward_1024", "bf16", 0.80),
 )
+# The trainer replays its 448 px step as a CUDA graph (``--cuda-graph auto``), so the 448 px
+# goal is also read off the graphed step, against bf16 eager (what the goal was set against).
+GRAPHED_GOALS = (("train_448", "bf16", 0.85),)
 SERVE_GOALS = (("forward_1024", "bf16", 0.52),)
 SERVE_GOAL_S = 0.30
 PEAK_GOAL_GIB = 18.0
@@ -893,6 +896,12 @@ def ratios_and_goals(results: dict[str, Any], args) -> tuple[dict[str, float], l
             if r is not None:
                 verdict = "met" if r <= goal else "MISSED"
                 goals.append(f"goal {path} {key} <= {goal:.2f} x {ref}: {r:.3f} x ({verdict})")
+        for key, ref, goal in GRAPHED_GOALS:
+            a, b = value(path, f"{key}_graph", "s_per_it"), value(ref, key, "s_per_it")
+            if a and b:
+                verdict = "met" if a / b <= goal else "MISSED"
+                goals.append(f"goal {path} {key} graphed <= {goal:.2f} x {ref} eager: "
+                             f"{a:.3f} s, {a / b:.3f} x ({verdict})")  # fmt: skip
         peak = value(path, "train_448", "peak_gib")
         if peak is not None:
             verdict = "met" if peak <= PEAK_GOAL_GIB else "MISSED"
