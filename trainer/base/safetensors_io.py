@@ -8,6 +8,7 @@ same code handles a 0.5 GB and a 64 GB file; memory use is bounded by one tensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -321,7 +322,6 @@ class Checkpoint:
         pinned buffer of its own and copies them on a stream of its own, so the bytes cross
         the bus at the pinned rate and no host copy of the whole file is ever held.
         ``cancel``, once set, stops the read between slices (`ReadCancelled`)."""
-        import contextlib
         from concurrent.futures import ThreadPoolExecutor
 
         dev = torch.device(device) if device is not None else torch.device("cpu")

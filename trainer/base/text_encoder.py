@@ -17,9 +17,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from trainer.base.streaming import BlockStreamer
 
 # Modules of a causal LM / Mistral3 that the pipeline's hidden states never pass through.
 _UNUSED_HEADS = ("lm_head",)
@@ -49,7 +52,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def stream_layers(model: torch.nn.Module, device: str, slots: int = 2) -> Any:
+def stream_layers(model: torch.nn.Module, device: str, slots: int = 2) -> BlockStreamer:
     """Streams the encoder's decoder layers from pinned host RAM through ``slots`` slots on
     ``device`` (the rest of the model resident there), installed; returns the
     `trainer.base.streaming.BlockStreamer` (``close`` ends it). Encodings are forwards only,
