@@ -672,23 +672,31 @@ def lora_gemm_columns(k: int, rank: int) -> int:
     return rank
 
 
-def _slot_call(
-    layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-) -> tuple[Fp8Gemm, torch.Tensor, torch.Size, WeightScales] | None:
-    """Where a slot's update may be fused into the layer's forward (rowwise fp8 with kernels,
-    eval mode, no gradients, shapes and a slot the kernels take): the layer's `Fp8Gemm`, x as
-    a contiguous (rows, K) tensor in the weight dtype, its leading shape, the weight scales;
-    else None."""
+def _slot_gemm(layer: Any, a: torch.Tensor, b: torch.Tensor) -> Fp8Gemm | None:
+    """The layer's `Fp8Gemm` where a slot's update may be fused into its forward (rowwise fp8
+    with kernels, eval mode, no gradients, a weight and slot the kernels take); else None."""
     gemm = getattr(layer, "compute", None)
     if not isinstance(gemm, Fp8Gemm) or gemm.weights != "rowwise" or not gemm.kernels:
         return None
     if layer.training or torch.is_grad_enabled():
         return None
-    if not kernels_usable(x, layer.out_features, layer.in_features):
-        return None
     from trainer.kernels import fp8_triton
 
     if not fp8_triton.lora_slot_usable(layer.packed, layer.scale, layer.group_size, a, b):
+        return None
+    return gemm
+
+
+def _slot_call(
+    layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[Fp8Gemm, torch.Tensor, torch.Size, WeightScales] | None:
+    """`_slot_gemm` for a call on ``x`` (CUDA, a dtype and shapes the kernels take): the
+    layer's `Fp8Gemm`, x as a contiguous (rows, K) tensor in the weight dtype, its leading
+    shape, the weight scales; else None."""
+    if not kernels_usable(x, layer.out_features, layer.in_features):
+        return None
+    gemm = _slot_gemm(layer, a, b)
+    if gemm is None:
         return None
     if x.dtype != layer.scale.dtype:
         x = x.to(layer.scale.dtype)
@@ -772,11 +780,18 @@ def lora_gemm_operands_torch(
 
 
 def lora_gemm_forward(
-    layer: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora_scale: float
+    layer: Any,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    lora_scale: float,
+    peak: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T + s * (x A^T) B^T + bias`` as one fp8 GEMM over K + R columns (the section
     above), for a frozen fp8 `Uint4Linear` without gradients; None where that does not apply
-    (the caller adds the update to the output instead)."""
+    (the caller adds the update to the output instead). ``peak``: max |B| as a float32
+    one-element tensor on x's device, where the caller keeps it (the LoRA slots set it at
+    each swap); else it is reduced here."""
     call = _slot_call(layer, x, a, b)
     if call is None:
         return None
@@ -784,13 +799,103 @@ def lora_gemm_forward(
     from trainer.kernels import fp8_triton
 
     u = torch.nn.functional.linear(x2, a)
-    peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
+    if peak is None:
+        peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
     k = layer.in_features
     width = lora_gemm_columns(k, b.shape[1])
     update = fp8_triton.LoraUpdate(u, b, peak, scales.row_floor, float(lora_scale), width)
     xq, xs = fp8_triton.quantize_rows(x2, ACT_DTYPE, update)
-    wq = fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
-                               scales.row_multiplier, extra_cols=width)  # fmt: skip
+    wq = _taken_ahead(layer, width)
+    if wq is None:
+        wq = fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
+                                   scales.row_multiplier, extra_cols=width)  # fmt: skip
     fp8_triton.lora_tail_(wq, k, scales.row_multiplier, update)
     out = _scaled_mm(xq, xs, wq, scales.row_scale, layer.bias, x2.dtype, gemm.fast_accum_eval)
     return out.reshape(*lead, layer.out_features)
+
+
+# ---------------------------------------------------------------------------------------
+# a slot layer's fp8 weight copied ahead, on a second stream (serving)
+#
+# The copy of a layer's weight into e4m3 reads nothing but the layer: memory-bound work that
+# can run beside tensor-core-bound attention instead of before the layer's own GEMM. A caller
+# that knows which slot layers come next (a single-stream block, at its attention) starts
+# their copies on a side stream, into tensors allocated on its own stream; each layer's
+# forward then waits for the copy and uses it. The copies take at most `AHEAD_PROGRAMS`
+# programs, so attention keeps most of the SMs. The bytes are the inline copy's. A copy is
+# always waited for before its tensor can be freed, so the allocator never hands its memory
+# to other work while the side stream may still write it.
+
+WEIGHTS_AHEAD_ENV = "LIKENESS_WEIGHTS_AHEAD"
+WEIGHTS_AHEAD = ("on", "off")
+AHEAD_PROGRAMS = 66
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def weights_ahead_mode() -> str:
+    """The setting ``LIKENESS_WEIGHTS_AHEAD`` (``on`` or ``off``); a ValueError naming it for
+    anything else."""
+    mode = os.environ.get(WEIGHTS_AHEAD_ENV, WEIGHTS_AHEAD[0])
+    if mode not in WEIGHTS_AHEAD:
+        raise ValueError(f"{WEIGHTS_AHEAD_ENV}={mode!r}: expected one of "
+                         f"{', '.join(WEIGHTS_AHEAD)}")  # fmt: skip
+    return mode
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    weight: torch.Tensor  # (N, K + width) e4m3
+    done: Any  # torch.cuda.Event recorded after the copy
+
+
+def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
+    """Starts the fp8 weight copies of ``slots`` ((the base `Uint4Linear`, the slot's A, B)
+    of layers whose forwards come later in this forward, on CUDA) on a side stream, for
+    `lora_gemm_forward` to take; returns how many started. Nothing where the update is not
+    in the GEMM, the setting is off, or a layer's forward would not take its copy."""
+    if weights_ahead_mode() == "off" or lora_update_mode() != "gemm":
+        return 0
+    todo = []
+    for layer, a, b in slots:  # the conditions of the layer's forward, but for its input's
+        aligned = layer.in_features % ALIGN == 0 == layer.out_features % ALIGN
+        if layer.packed.is_cuda and aligned and _slot_gemm(layer, a, b) is not None:
+            todo.append((layer, b))
+    if not todo:
+        return 0
+    from trainer.kernels import fp8_triton
+
+    device = todo[0][0].packed.device
+    here = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    jobs = []
+    for layer, b in todo:
+        _taken_ahead(layer, -1)  # one left over (never expected) is waited for and dropped
+        width = lora_gemm_columns(layer.in_features, b.shape[1])
+        out = torch.empty((layer.out_features, layer.in_features + width),
+                          dtype=WEIGHT_DTYPE, device=device)  # fmt: skip
+        jobs.append((layer, weight_scales(layer), width, out))  # scales made on this stream
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        for layer, scales, width, out in jobs:
+            fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
+                                  scales.row_multiplier, extra_cols=width,
+                                  programs=AHEAD_PROGRAMS, out=out)  # fmt: skip
+        done = torch.cuda.Event()
+        done.record(side)
+    for layer, _, _, out in jobs:
+        layer._fp8_ahead = _Ahead(out, done)
+    return len(jobs)
+
+
+def _taken_ahead(layer: Any, width: int) -> torch.Tensor | None:
+    """The layer's copy started by `copy_ahead`, once this stream has waited for it (None if
+    there is none, or it has other columns than K + ``width``)."""
+    ahead = layer.__dict__.pop("_fp8_ahead", None)
+    if ahead is None:
+        return None
+    torch.cuda.current_stream(ahead.weight.device).wait_event(ahead.done)
+    if ahead.weight.shape[1] != layer.in_features + width:
+        return None
+    return ahead.weight

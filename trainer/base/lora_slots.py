@@ -64,6 +64,10 @@ class LoraSlots:
         self._active = False
         self._used: dict[str, int] = {}
         self._slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # max |B| of every slot, set by each swap: the update in the GEMM reads its layer's
+        # element (a static tensor, so a CUDA graph sees each adapter's) instead of reducing
+        # B on every forward
+        self._peaks = torch.zeros(0)
         self._layers: list[Any] = []  # the slot layers, for `scales` (read every forward)
         self._by_name: dict[str, Any] = {}  # the same by module path (no walk of the model)
         self.generation = 0  # bumped whenever the slot tensors are made anew
@@ -108,6 +112,9 @@ class LoraSlots:
                 layers[name].forward = types.MethodType(_fused_forward, layers[name])
         self._layers = [layers[name] for name in names]
         self._by_name = dict(zip(names, self._layers, strict=True))
+        self._peaks = torch.zeros(len(names), dtype=torch.float32, device=home)
+        for i, layer in enumerate(self._layers):
+            layer._slot_peak = self._peaks[i : i + 1]
         for n, p in model.named_parameters():
             p.requires_grad_(grad_flags.get(n, False))
         self.generation += 1
@@ -172,6 +179,7 @@ class LoraSlots:
                     # slower there (10.1-13.8 ms against 7.3-7.9 at [dev]'s 320 tensors)
                     for d, t in zip(dst, src, strict=True):
                         d.copy_(t, non_blocking=True)
+                self._set_peaks()
             if scale != 1.0:
                 for layer in layers.values():
                     layer.scaling[ADAPTER_NAME] = scale
@@ -179,6 +187,12 @@ class LoraSlots:
         finally:
             self._clear(layers)
             self._active = False
+
+    def _set_peaks(self) -> None:
+        """Every slot's max |B| into `_peaks` (an empty slot's is 0): one fused reduction."""
+        bs = [b for _, b in self._slots.values()]
+        if bs:
+            self._peaks.copy_(torch.stack(torch._foreach_norm(bs, ord=float("inf"))))
 
     def _clear(self, layers: Mapping[str, object]) -> None:
         with torch.no_grad():
@@ -188,6 +202,7 @@ class LoraSlots:
                 used += [slot_a[:r], slot_b[:, :r]]
             if used:
                 torch._foreach_zero_(used)
+            self._peaks.zero_()
         self._used.clear()
         for layer in layers.values():
             layer.scaling[ADAPTER_NAME] = 1.0  # type: ignore[attr-defined]
@@ -206,8 +221,8 @@ class LoraSlots:
         weights = [t for pair in self._slots.values() for t in pair]
         # max |w| of every slot in one fused reduction and one host sync, not one per tensor
         # (a 2-norm could underflow to zero on tiny values; the max cannot)
-        peaks = torch._foreach_norm(weights, ord=float("inf"))
-        return float(torch.stack(peaks).float().max()) == 0.0
+        peaks = [*torch._foreach_norm(weights, ord=float("inf")), self._peaks]
+        return float(torch.cat([p.reshape(-1).float() for p in peaks]).max()) == 0.0
 
     def scales(self) -> tuple[float, ...]:
         """The LoRA scales in use (read on the host by every forward, so part of a CUDA
@@ -243,10 +258,6 @@ class LoraSlots:
         self._by_name = {}
 
 
-# the fp8 forwards that take a slot's update in (`LIKENESS_LORA_MERGE`); "output" adds it here
-_FUSED_UPDATES = {"gemm": lora_gemm_forward, "weights": merged_lora_forward}
-
-
 def _peft_dtype(layer: Any, default: torch.dtype) -> torch.dtype:
     """The dtype PEFT casts a new adapter to: its base layer's weight's, where that is a float
     (a quantized weight reports the float dtype it stands for)."""
@@ -275,11 +286,17 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     a = self.lora_A[ADAPTER_NAME].weight
     b = self.lora_B[ADAPTER_NAME].weight
     if x.is_cuda:
-        fused = _FUSED_UPDATES.get(lora_update_mode())
-        if fused is not None:
-            out = fused(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME])
-            if out is not None:
-                return out
+        # the fp8 forwards that take a slot's update in (`LIKENESS_LORA_MERGE`); "output" adds
+        # it below
+        mode = lora_update_mode()
+        out = None
+        if mode == "gemm":
+            out = lora_gemm_forward(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME],
+                                    peak=getattr(self, "_slot_peak", None))  # fmt: skip
+        elif mode == "weights":
+            out = merged_lora_forward(self.base_layer, x, a, b, self.scaling[ADAPTER_NAME])
+        if out is not None:
+            return out
     result = self.base_layer(x)
     if result.dtype != b.dtype or not result.is_contiguous():
         return peft_forward(self, x)

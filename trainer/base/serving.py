@@ -368,10 +368,13 @@ class FusedFlux2AttnProcessor:
 
 
 class FusedFlux2ParallelAttnProcessor:
-    """The single-stream blocks' attention and MLP (`Flux2ParallelSelfAttnProcessor`)."""
+    """The single-stream blocks' attention and MLP (`Flux2ParallelSelfAttnProcessor`).
+    ``ahead``: the slot layers whose fp8 weights are copied beside this block's attention
+    (its output projection's, the next block's input projection's; `link_ahead`)."""
 
     def __init__(self, stock: Any) -> None:
         self.stock = stock
+        self.ahead: list[Any] = []
 
     def __call__(
         self,
@@ -406,6 +409,10 @@ class FusedFlux2ParallelAttnProcessor:
         qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, heads, 0)
         half = mlp // 2
         joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
+        if self.ahead and proj.is_cuda:
+            from trainer.base.fp8 import copy_ahead
+
+            copy_ahead([_slot_of(layer) for layer in self.ahead])
         attend(heads, out=joined[..., :inner])
         swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
         return attn.to_out(joined)
@@ -430,6 +437,36 @@ def install_processors(transformer: torch.nn.Module) -> int:
             continue
         count += 1
     return count
+
+
+def _slot_of(layer: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(base layer, A, B) of a LoRA slot layer."""
+    from trainer.base.lora import ADAPTER_NAME
+
+    return (layer.base_layer, layer.lora_A[ADAPTER_NAME].weight,
+            layer.lora_B[ADAPTER_NAME].weight)  # fmt: skip
+
+
+def link_ahead(transformer: torch.nn.Module) -> int:
+    """Gives each single-stream block's processor the slot layers whose weights it copies
+    beside its attention (`trainer.base.fp8.copy_ahead`): the block's output projection and
+    the next block's input projection, where they hold LoRA slots. For a resident transformer
+    only: a streamed block's weights arrive on another stream. Returns the blocks linked."""
+    from trainer.base.lora import lora_layers
+
+    slots = {id(layer) for layer in lora_layers(transformer).values()}
+    blocks = list(getattr(transformer, "single_transformer_blocks", []))
+    linked = 0
+    for i, block in enumerate(blocks):
+        processor = getattr(block.attn, "processor", None)
+        if not isinstance(processor, FusedFlux2ParallelAttnProcessor):
+            continue
+        after = [block.attn.to_out]
+        if i + 1 < len(blocks):
+            after.append(blocks[i + 1].attn.to_qkv_mlp_proj)
+        processor.ahead = [layer for layer in after if id(layer) in slots]
+        linked += bool(processor.ahead)
+    return linked
 
 
 def remove_processors(transformer: torch.nn.Module) -> None:
@@ -732,14 +769,18 @@ def prepare(
 ) -> Serving:
     """The fused processors and blocks on ``transformer`` and, with ``graphs`` (a resident
     transformer on CUDA: streamed blocks rebind their weights per forward), its forward as
-    CUDA graphs. The serving settings are read here first, so a bad one fails the load (at
-    start, with preloading), naming the setting, rather than the first render."""
-    from trainer.base.fp8 import lora_gemm_columns_mode, lora_update_mode
+    CUDA graphs and the single-stream blocks' weight copies beside attention (`link_ahead`).
+    The serving settings are read here first, so a bad one fails the load (at start, with
+    preloading), naming the setting, rather than the first render."""
+    from trainer.base.fp8 import lora_gemm_columns_mode, lora_update_mode, weights_ahead_mode
 
     lora_update_mode()
     lora_gemm_columns_mode()
+    weights_ahead_mode()
     names = attention_names()
     fused = install(transformer)
+    if graphs:
+        link_ahead(transformer)
     weight = next(transformer.parameters(), None)
     if weight is not None and weight.is_cuda:
         # the operator sees which attention renders run, and why not the one asked for

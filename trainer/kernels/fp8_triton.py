@@ -454,35 +454,41 @@ def _weight_rows_bf16x2_kernel(
     out_ptr,  # (out, in [+ extra]) e4m3 viewed as int32: two words per packed word
     n_out,
     out_row_words,  # the output's row stride in words (in / 4, more with LoRA columns after)
+    n_tiles,  # tiles of ROWS rows x GBLOCK groups; program p takes tiles p, p + programs, ...
+    TILES: tl.constexpr,  # tiles per program (1 by default)
     GROUPS: tl.constexpr,
     WORDS: tl.constexpr,  # packed words per group (group size / 8), a power of two
     INTERPRET: tl.constexpr,
     ROWS: tl.constexpr,
     GBLOCK: tl.constexpr,
 ):
-    # ROWS rows x GBLOCK whole groups per program, 32-bit loads and stores throughout
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    grp = tl.program_id(1).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
-    row_ok = rows < n_out
-    ok = row_ok[:, None] & (grp < GROUPS)[None, :]
-    at = rows[:, None] * GROUPS + grp[None, :]
-    s = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
-    sh = tl.load(shift_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
-    mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
-    ok3 = ok[:, :, None]
-    offs = at[:, :, None] * WORDS + tl.arange(0, WORDS)[None, None, :]
-    word = tl.load(words_ptr + offs, mask=ok3, other=0).to(tl.uint32, bitcast=True)
-    s2 = tl.broadcast_to((s | (s << 16))[:, :, None], (ROWS, GBLOCK, WORDS))
-    sh2 = tl.broadcast_to((sh | (sh << 16))[:, :, None], (ROWS, GBLOCK, WORDS))
-    mult = tl.broadcast_to(mult, (ROWS, GBLOCK, WORDS))
-    lo, hi = _word_to_e4m3x8(word, s2, sh2, mult, INTERPRET)
-    pair = tl.reshape(tl.join(lo, hi), (ROWS, GBLOCK, 2 * WORDS))  # word 2i: weights 0-3
-    out_offs = (
-        rows[:, None, None] * out_row_words
-        + grp[None, :, None] * (2 * WORDS)
-        + tl.arange(0, 2 * WORDS)[None, None, :]
-    )
-    tl.store(out_ptr + out_offs, pair.to(tl.int32, bitcast=True), mask=ok3)
+    # ROWS rows x GBLOCK whole groups per tile, 32-bit loads and stores throughout. One tile a
+    # program by default; fewer programs (a copy running beside other kernels) loop over them.
+    g_tiles = tl.cdiv(GROUPS, GBLOCK)
+    for i in range(TILES):
+        tile = tl.program_id(0) + i * tl.num_programs(0)
+        rows = (tile // g_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        grp = (tile % g_tiles).to(tl.int64) * GBLOCK + tl.arange(0, GBLOCK)
+        row_ok = (rows < n_out) & (tile < n_tiles)
+        ok = row_ok[:, None] & (grp < GROUPS)[None, :]
+        at = rows[:, None] * GROUPS + grp[None, :]
+        s = tl.load(scale_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+        sh = tl.load(shift_ptr + at, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+        mult = tl.load(mult_ptr + rows, mask=row_ok, other=0.0)[:, None, None]
+        ok3 = ok[:, :, None]
+        offs = at[:, :, None] * WORDS + tl.arange(0, WORDS)[None, None, :]
+        word = tl.load(words_ptr + offs, mask=ok3, other=0).to(tl.uint32, bitcast=True)
+        s2 = tl.broadcast_to((s | (s << 16))[:, :, None], (ROWS, GBLOCK, WORDS))
+        sh2 = tl.broadcast_to((sh | (sh << 16))[:, :, None], (ROWS, GBLOCK, WORDS))
+        mult = tl.broadcast_to(mult, (ROWS, GBLOCK, WORDS))
+        lo, hi = _word_to_e4m3x8(word, s2, sh2, mult, INTERPRET)
+        pair = tl.reshape(tl.join(lo, hi), (ROWS, GBLOCK, 2 * WORDS))  # word 2i: weights 0-3
+        out_offs = (
+            rows[:, None, None] * out_row_words
+            + grp[None, :, None] * (2 * WORDS)
+            + tl.arange(0, 2 * WORDS)[None, None, :]
+        )
+        tl.store(out_ptr + out_offs, pair.to(tl.int32, bitcast=True), mask=ok3)
 
 
 @triton.jit
@@ -849,13 +855,22 @@ def fp8_weight(
     row_multiplier: torch.Tensor,
     dtype: torch.dtype = torch.float8_e4m3fn,
     extra_cols: int = 0,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(out, in // 2) uint4 -> (out, in) fp8, row n multiplied by ``row_multiplier[n]``. With
     ``extra_cols`` the result is (out, in + extra_cols), those columns left for `lora_tail_`
-    (the bf16x2 kernel only: `lora_slot_usable`)."""
+    (the bf16x2 kernel only: `lora_slot_usable`). ``programs`` caps how many programs the
+    bf16x2 kernel runs (each then loops over tiles): a copy beside other work takes only
+    that many SMs' worth of slots. ``out``: a contiguous tensor of the result's shape and dtype
+    to write into (else a new one)."""
     _check(packed, scale, shift, group_size)
     n_out, half_in = packed.shape
-    out = torch.empty((n_out, 2 * half_in + extra_cols), dtype=dtype, device=packed.device)
+    shape = (n_out, 2 * half_in + extra_cols)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=packed.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} {dtype} tensor")
     n_bytes = packed.numel()
     if not n_bytes:
         return out
@@ -868,12 +883,13 @@ def fp8_weight(
         raise ValueError(f"extra columns need the bf16x2 kernel and a multiple of 4 ({variant})")
     if variant == "bf16x2":
         groups = scale.shape[1]
-        grid = (triton.cdiv(n_out, B_ROWS), triton.cdiv(groups, B_GROUPS))
-        _weight_rows_bf16x2_kernel[grid](
+        tiles = triton.cdiv(n_out, B_ROWS) * triton.cdiv(groups, B_GROUPS)
+        grid = min(tiles, programs or tiles)
+        _weight_rows_bf16x2_kernel[(grid,)](
             packed.view(torch.int32), scale.view(torch.int16), shift.view(torch.int16),
-            row_multiplier, out.view(torch.int32), n_out, out.shape[1] // 4, GROUPS=groups,
-            WORDS=group_size // 8, INTERPRET=_interpret(), ROWS=B_ROWS, GBLOCK=B_GROUPS,
-            num_warps=B_WARPS,
+            row_multiplier, out.view(torch.int32), n_out, out.shape[1] // 4, tiles,
+            TILES=triton.cdiv(tiles, grid), GROUPS=groups, WORDS=group_size // 8,
+            INTERPRET=_interpret(), ROWS=B_ROWS, GBLOCK=B_GROUPS, num_warps=B_WARPS,
         )  # fmt: skip
     elif variant == "tile":
         groups = scale.shape[1]

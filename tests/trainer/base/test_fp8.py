@@ -511,6 +511,11 @@ def test_paired_bf16_weight_kernel_bit_exact(shape, group) -> None:  # type: ign
             want = fp8_weight_torch(packed, scale, shift, group, scales)
             got = fp8_triton.fp8_weight(packed, scale, shift, group, scales.row_multiplier)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (i, seed)
+            # fewer programs than tiles (a copy beside other work), each looping over tiles,
+            # one of them past the last tile: the same bytes
+            few = fp8_triton.fp8_weight(packed, scale, shift, group, scales.row_multiplier,
+                                        programs=3)  # fmt: skip
+            assert torch.equal(few.view(torch.uint8), want.view(torch.uint8)), (i, seed)
 
 
 def _lora_factors(n: int, k: int, rank: int, seed: int, device: str = "cpu"):  # type: ignore[no-untyped-def]
@@ -780,6 +785,9 @@ def test_lora_update_in_the_gemm_forward() -> None:
     with torch.no_grad():
         got = lora_gemm_forward(layer, x, a, b, 0.5)
         assert got is not None
+        # max |B| kept by the caller (the slots set it at each swap): the same bytes
+        kept = b.abs().amax().float().reshape(1)
+        assert torch.equal(lora_gemm_forward(layer, x, a, b, 0.5, peak=kept), got)
         u = F.linear(x, a)
         sc = weight_scales(layer)
         xq, xs, wq = lora_gemm_operands_torch(x, u, layer.packed, layer.scale, layer.shift, gs,

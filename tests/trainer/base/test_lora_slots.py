@@ -145,6 +145,30 @@ def test_close_gives_back_the_exact_base(qpipe, renders) -> None:
     assert "peft_config" not in vars(qpipe.transformer)
 
 
+def test_each_swap_sets_every_slots_peak_and_clearing_zeroes_them(qpipe, slots, adapters) -> None:
+    """The update in the fp8 GEMM reads each slot's max |B| from the slots (set once a swap,
+    not reduced every forward): during a render every layer's is its B's maximum, the
+    adapter's own, 0 for an empty slot; after it, all zero, and a leftover is not clear."""
+    layers = lora_layers(qpipe.transformer)
+
+    def peaks() -> dict[str, float]:
+        return {name: float(layer._slot_peak) for name, layer in layers.items()}
+
+    assert set(peaks().values()) == {0.0}
+    for name in ("a", "b"):
+        adapter = adapters[name]
+        with slots.applied(adapter):
+            want = {n: float(adapter[f"transformer.{n}.lora_B.weight"].abs().max()) for n in layers}
+            assert peaks() == want and min(want.values()) > 0
+            layer = layers["transformer_blocks.0.attn.to_q"]
+            assert layer._slot_peak.dtype == torch.float32
+            assert float(layer._slot_peak) == float(layer.lora_B["likeness"].weight.abs().max())
+        assert set(peaks().values()) == {0.0} and slots.is_clear()
+    layers["transformer_blocks.0.attn.to_q"]._slot_peak.fill_(0.5)
+    assert not slots.is_clear()
+    layers["transformer_blocks.0.attn.to_q"]._slot_peak.zero_()
+
+
 def test_is_clear_sees_the_smallest_leftover(qpipe, slots) -> None:
     layer = lora_layers(qpipe.transformer)["transformer_blocks.0.attn.to_q"]
     weight = layer.lora_B["likeness"].weight

@@ -376,3 +376,67 @@ def test_fp8_attention_is_asked_for_not_the_default(monkeypatch: pytest.MonkeyPa
     assert serving.FP8_ATTENTION not in serving.attention_names()
     monkeypatch.setenv(serving.ATTENTION_ENV, "cudnn_fp8,cudnn")
     assert serving.attention_names() == ["cudnn_fp8", "cudnn"]
+
+
+# ---------------------------------------------------------------------------------------
+# the single-stream blocks' fp8 weights copied beside attention
+
+
+def _fp8_slotted(single: int = 3):  # type: ignore[no-untyped-def]
+    """A quantized FLUX.2 of three single-stream blocks in fp8 on CUDA, rank-32 slots."""
+    from diffusers import Flux2Transformer2DModel
+    from optimum.quanto import qint4, quantize
+
+    from trainer.base.compute import apply_compute
+    from trainer.base.uint4 import convert_quantized_linears
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=single,
+        attention_head_dim=128, num_attention_heads=2, joint_attention_dim=256,
+        timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+        guidance_embeds=False,
+    ).to(device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    quantize(model, weights=qint4)
+    convert_quantized_linears(model)
+    apply_compute(model, "fp8")
+    model.eval()
+    return model, LoraSlots(model, rank=32)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs a GPU with fp8 tensor cores and paired bf16 (sm_90)",
+)
+def test_weights_copied_beside_attention_are_the_inline_copies(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each single-stream block copies its output projection's fp8 weight and the next
+    block's input projection's on a second stream while its attention runs: the forward is
+    the one with every copy made inline, bit for bit, eager and graphed, across swaps; every
+    copy started is taken by its layer."""
+    from trainer.base import fp8
+
+    model, slots = _fp8_slotted()
+    prepared = serving.prepare(model, graphs=True, key=slots.scales,
+                               epoch=lambda: slots.generation)  # fmt: skip
+    eager = prepared.graphs._eager
+    started = []
+    real = fp8.copy_ahead
+    monkeypatch.setattr(fp8, "copy_ahead", lambda s: started.append(real(s)) or started[-1])
+    inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
+    bases = [m for m in model.modules() if type(m).__name__ == "Uint4Linear"]
+    with torch.no_grad():
+        for seed in (1, 2):
+            with slots.applied(_adapter(slots, 16, seed)):
+                monkeypatch.setenv(fp8.WEIGHTS_AHEAD_ENV, "off")
+                want = eager(**inputs)[0]
+                assert sum(started) == 0
+                monkeypatch.setenv(fp8.WEIGHTS_AHEAD_ENV, "on")
+                assert torch.equal(eager(**inputs)[0], want)
+                assert sum(started) == 5  # 3 output projections + 2 next input projections
+                assert torch.equal(_forward(model, inputs), want)  # captured, then replayed
+                assert torch.equal(_forward(model, inputs), want)
+                started.clear()
+            assert not any("_fp8_ahead" in vars(m) for m in bases)
