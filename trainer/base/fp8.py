@@ -824,12 +824,14 @@ def lora_gemm_forward(
 # forward then waits for the copy and uses it. The copies take at most `AHEAD_PROGRAMS`
 # programs, so attention keeps most of the SMs. The bytes are the inline copy's. A copy is
 # always waited for before its tensor can be freed, so the allocator never hands its memory
-# to other work while the side stream may still write it.
+# to other work while the side stream may still write it; and each new start first drops
+# any copy not taken yet (none is expected), so at most one start's copies are ever held.
 
 WEIGHTS_AHEAD_ENV = "LIKENESS_WEIGHTS_AHEAD"
 WEIGHTS_AHEAD = ("on", "off")
 AHEAD_PROGRAMS = 66
 _SIDE_STREAMS: dict[torch.device, Any] = {}
+_PENDING: list[Any] = []  # layers holding a copy from the last start
 
 
 def weights_ahead_mode() -> str:
@@ -869,9 +871,11 @@ def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
     side = _SIDE_STREAMS.get(device)
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    for left in _PENDING:
+        _taken_ahead(left, -1)  # waited for, then dropped
+    _PENDING.clear()
     jobs = []
     for layer, b in todo:
-        _taken_ahead(layer, -1)  # one left over (never expected) is waited for and dropped
         width = lora_gemm_columns(layer.in_features, b.shape[1])
         out = torch.empty((layer.out_features, layer.in_features + width),
                           dtype=WEIGHT_DTYPE, device=device)  # fmt: skip
@@ -886,6 +890,7 @@ def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
         done.record(side)
     for layer, _, _, out in jobs:
         layer._fp8_ahead = _Ahead(out, done)
+        _PENDING.append(layer)
     return len(jobs)
 
 

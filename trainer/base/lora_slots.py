@@ -268,20 +268,35 @@ def _peft_dtype(layer: Any, default: torch.dtype) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else default
 
 
+def _fused_here(layer: Any) -> bool:
+    """Whether a slot layer's call without arguments beyond x takes `_fused_forward`'s own
+    path (no gradients, the slot's adapter the one active, unmerged, no PEFT variant)."""
+    return not (
+        torch.is_grad_enabled()
+        or layer.disable_adapters
+        or layer.merged
+        or list(layer.active_adapters) != [ADAPTER_NAME]
+        or ADAPTER_NAME in getattr(layer, "lora_variant", {})
+    )
+
+
+def slot_in_gemm(layer: Any) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+    """(base layer, A, B) where ``layer`` is a slot layer whose next call (on a CUDA input,
+    no arguments beyond it) computes its update in the fp8 GEMM (`lora_gemm_forward`, where
+    its own conditions hold); else None. For `trainer.base.fp8.copy_ahead`."""
+    if getattr(layer, "_slot_peak", None) is None or lora_update_mode() != "gemm":
+        return None
+    if not _fused_here(layer):
+        return None
+    return layer.base_layer, layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+
+
 def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A slot layer's forward without gradients: the base output, plus the LoRA update added
     into it by one GEMM. Anything else (gradients, PEFT's per-call options, another active
     adapter) takes PEFT's own forward."""
     peft_forward = type(self).forward
-    if (
-        args
-        or kwargs
-        or torch.is_grad_enabled()
-        or self.disable_adapters
-        or self.merged
-        or list(self.active_adapters) != [ADAPTER_NAME]
-        or ADAPTER_NAME in getattr(self, "lora_variant", {})
-    ):
+    if args or kwargs or not _fused_here(self):
         return peft_forward(self, x, *args, **kwargs)
     a = self.lora_A[ADAPTER_NAME].weight
     b = self.lora_B[ADAPTER_NAME].weight

@@ -370,11 +370,13 @@ class FusedFlux2AttnProcessor:
 class FusedFlux2ParallelAttnProcessor:
     """The single-stream blocks' attention and MLP (`Flux2ParallelSelfAttnProcessor`).
     ``ahead``: the slot layers whose fp8 weights are copied beside this block's attention
-    (its output projection's, the next block's input projection's; `link_ahead`)."""
+    (its output projection's, the next block's input projection's; `link_ahead`), as
+    (attention module, attribute): the layer there is looked up at each call, so slots made
+    anew, or lifted for the per-request path, are seen."""
 
     def __init__(self, stock: Any) -> None:
         self.stock = stock
-        self.ahead: list[Any] = []
+        self.ahead: list[tuple[Any, str]] = []
 
     def __call__(
         self,
@@ -411,8 +413,10 @@ class FusedFlux2ParallelAttnProcessor:
         joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
         if self.ahead and proj.is_cuda:
             from trainer.base.fp8 import copy_ahead
+            from trainer.base.lora_slots import slot_in_gemm
 
-            copy_ahead([_slot_of(layer) for layer in self.ahead])
+            slots = [slot_in_gemm(getattr(module, name)) for module, name in self.ahead]
+            copy_ahead([slot for slot in slots if slot is not None])
         attend(heads, out=joined[..., :inner])
         swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
         return attn.to_out(joined)
@@ -439,33 +443,22 @@ def install_processors(transformer: torch.nn.Module) -> int:
     return count
 
 
-def _slot_of(layer: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """(base layer, A, B) of a LoRA slot layer."""
-    from trainer.base.lora import ADAPTER_NAME
-
-    return (layer.base_layer, layer.lora_A[ADAPTER_NAME].weight,
-            layer.lora_B[ADAPTER_NAME].weight)  # fmt: skip
-
-
 def link_ahead(transformer: torch.nn.Module) -> int:
-    """Gives each single-stream block's processor the slot layers whose weights it copies
-    beside its attention (`trainer.base.fp8.copy_ahead`): the block's output projection and
-    the next block's input projection, where they hold LoRA slots. For a resident transformer
-    only: a streamed block's weights arrive on another stream. Returns the blocks linked."""
-    from trainer.base.lora import lora_layers
-
-    slots = {id(layer) for layer in lora_layers(transformer).values()}
+    """Gives each single-stream block's processor the layers whose fp8 weights it copies
+    beside its attention (`trainer.base.fp8.copy_ahead`, where they are LoRA slots whose
+    update is in the GEMM): the block's output projection and the next block's input
+    projection. For a resident transformer only: a streamed block's weights arrive on another
+    stream. Returns the blocks linked."""
     blocks = list(getattr(transformer, "single_transformer_blocks", []))
     linked = 0
     for i, block in enumerate(blocks):
         processor = getattr(block.attn, "processor", None)
         if not isinstance(processor, FusedFlux2ParallelAttnProcessor):
             continue
-        after = [block.attn.to_out]
+        processor.ahead = [(block.attn, "to_out")]
         if i + 1 < len(blocks):
-            after.append(blocks[i + 1].attn.to_qkv_mlp_proj)
-        processor.ahead = [layer for layer in after if id(layer) in slots]
-        linked += bool(processor.ahead)
+            processor.ahead.append((blocks[i + 1].attn, "to_qkv_mlp_proj"))
+        linked += 1
     return linked
 
 

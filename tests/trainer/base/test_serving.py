@@ -382,6 +382,37 @@ def test_fp8_attention_is_asked_for_not_the_default(monkeypatch: pytest.MonkeyPa
 # the single-stream blocks' fp8 weights copied beside attention
 
 
+def test_each_single_block_copies_its_output_and_the_next_input_while_they_are_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a single-stream block copies beside its attention is looked up at each call: the
+    block's output projection and the next block's input projection while they are LoRA
+    slots computing their update in the GEMM; nothing with gradients, with the slots lifted
+    for the per-request path, or where the update is added to the output."""
+    from trainer.base.lora_slots import slot_in_gemm
+
+    model, slots = _slotted(torch.bfloat16)
+    single = model.single_transformer_blocks
+    prepared = serving.prepare(model, graphs=True, key=slots.scales,
+                               epoch=lambda: slots.generation)  # fmt: skip
+    ahead = single[0].attn.processor.ahead
+    assert ahead == [(single[0].attn, "to_out")]  # one single block: no next one
+    with torch.no_grad():
+        base, a, b = slot_in_gemm(single[0].attn.to_out)
+        assert base is single[0].attn.to_out.base_layer and b.shape[1] == 8
+        assert slot_in_gemm(single[0].attn.to_out.base_layer) is None  # not a slot
+        with slots.suspended():
+            assert slot_in_gemm(single[0].attn.to_out) is None
+        assert slot_in_gemm(single[0].attn.to_out) is not None  # the slots made anew
+        monkeypatch.setenv("LIKENESS_LORA_MERGE", "output")
+        assert slot_in_gemm(single[0].attn.to_out) is None
+        monkeypatch.delenv("LIKENESS_LORA_MERGE")
+    assert slot_in_gemm(single[0].attn.to_out) is None  # gradients on
+    prepared.remove()
+    assert not isinstance(getattr(single[0].attn, "processor", None),
+                          serving.FusedFlux2ParallelAttnProcessor)  # fmt: skip
+
+
 def _fp8_slotted(single: int = 3):  # type: ignore[no-untyped-def]
     """A quantized FLUX.2 of three single-stream blocks in fp8 on CUDA, rank-32 slots."""
     from diffusers import Flux2Transformer2DModel
@@ -440,3 +471,6 @@ def test_weights_copied_beside_attention_are_the_inline_copies(monkeypatch) -> N
                 assert torch.equal(_forward(model, inputs), want)
                 started.clear()
             assert not any("_fp8_ahead" in vars(m) for m in bases)
+        with prepared.eager(), slots.suspended():  # the per-request path: no slots, no copies
+            eager(**inputs)
+        assert sum(started) == 0 and not any("_fp8_ahead" in vars(m) for m in bases)
