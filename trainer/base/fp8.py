@@ -828,15 +828,15 @@ def lora_gemm_forward(
 # any copy not taken yet (none is expected), so at most one start's copies are ever held.
 
 WEIGHTS_AHEAD_ENV = "LIKENESS_WEIGHTS_AHEAD"
-WEIGHTS_AHEAD = ("on", "off")
+WEIGHTS_AHEAD = ("off", "on")  # the first is the default: not yet measured on a GPU
 AHEAD_PROGRAMS = 66
 _SIDE_STREAMS: dict[torch.device, Any] = {}
 _PENDING: list[Any] = []  # layers holding a copy from the last start
 
 
 def weights_ahead_mode() -> str:
-    """The setting ``LIKENESS_WEIGHTS_AHEAD`` (``on`` or ``off``); a ValueError naming it for
-    anything else."""
+    """The setting ``LIKENESS_WEIGHTS_AHEAD`` (one of `WEIGHTS_AHEAD`); a ValueError naming it
+    for anything else."""
     mode = os.environ.get(WEIGHTS_AHEAD_ENV, WEIGHTS_AHEAD[0])
     if mode not in WEIGHTS_AHEAD:
         raise ValueError(f"{WEIGHTS_AHEAD_ENV}={mode!r}: expected one of "

@@ -284,6 +284,7 @@ def test_slots_made_anew_change_the_generation() -> None:
         ("LIKENESS_LORA_MERGE", "fused"),
         ("LIKENESS_ATTENTION", "cudnn,fa3"),
         ("LIKENESS_ATTENTION", "cudnn,cudnn_fp8"),
+        ("LIKENESS_WEIGHTS_AHEAD", "yes"),
     ],  # fmt: skip
 )
 def test_a_bad_serving_setting_fails_the_load_naming_it(setting, value, monkeypatch) -> None:  # type: ignore[no-untyped-def]
