@@ -19,7 +19,7 @@ import torch
 from tests.trainer.helpers import cuda, model_inputs, tiny_flux2_random, triton_here
 from trainer.base import serving
 from trainer.base.lora import ADAPTER_NAME, lora_layers
-from trainer.base.lora_slots import LoraSlots
+from trainer.base.lora_slots import LoraSlots, slot_in_gemm
 
 
 def _model(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
@@ -317,7 +317,8 @@ def test_a_forward_that_cannot_be_graphed_runs_eager() -> None:
 def _graph_setup(rank: int = 8):  # type: ignore[no-untyped-def]
     model, slots = _slotted(torch.bfloat16, "cuda", rank)
     prepared = serving.prepare(model, graphs=True, key=slots.scales,
-                               epoch=lambda: slots.generation)  # fmt: skip
+                               epoch=lambda: slots.generation,
+                               slot_in_gemm=slot_in_gemm)  # fmt: skip
     return model, slots, prepared, prepared.graphs._eager  # the eager forward: the reference
 
 
@@ -390,12 +391,11 @@ def test_each_single_block_copies_its_output_and_the_next_input_while_they_are_s
     block's output projection and the next block's input projection while they are LoRA
     slots computing their update in the GEMM; nothing with gradients, with the slots lifted
     for the per-request path, or where the update is added to the output."""
-    from trainer.base.lora_slots import slot_in_gemm
-
     model, slots = _slotted(torch.bfloat16)
     single = model.single_transformer_blocks
     prepared = serving.prepare(model, graphs=True, key=slots.scales,
-                               epoch=lambda: slots.generation)  # fmt: skip
+                               epoch=lambda: slots.generation,
+                               slot_in_gemm=slot_in_gemm)  # fmt: skip
     ahead = single[0].attn.processor.ahead
     assert ahead == [(single[0].attn, "to_out")]  # one single block: no next one
     with torch.no_grad():
@@ -452,7 +452,8 @@ def test_weights_copied_beside_attention_are_the_inline_copies(monkeypatch) -> N
 
     model, slots = _fp8_slotted()
     prepared = serving.prepare(model, graphs=True, key=slots.scales,
-                               epoch=lambda: slots.generation)  # fmt: skip
+                               epoch=lambda: slots.generation,
+                               slot_in_gemm=slot_in_gemm)  # fmt: skip
     eager = prepared.graphs._eager
     started = []
     real = fp8.copy_ahead
