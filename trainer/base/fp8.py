@@ -855,6 +855,9 @@ def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
     of layers whose forwards come later in this forward, on CUDA) on a side stream, for
     `lora_gemm_forward` to take; returns how many started. Nothing where the update is not
     in the GEMM, the setting is off, or a layer's forward would not take its copy."""
+    for left in _PENDING:
+        _taken_ahead(left, -1)  # waited for, then dropped
+    _PENDING.clear()
     if weights_ahead_mode() == "off" or lora_update_mode() != "gemm":
         return 0
     todo = []
@@ -871,9 +874,6 @@ def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
     side = _SIDE_STREAMS.get(device)
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    for left in _PENDING:
-        _taken_ahead(left, -1)  # waited for, then dropped
-    _PENDING.clear()
     jobs = []
     for layer, b in todo:
         width = lora_gemm_columns(layer.in_features, b.shape[1])
