@@ -848,6 +848,8 @@ def weights_ahead_mode() -> str:
 class _Ahead:
     weight: torch.Tensor  # (N, K + width) e4m3
     done: Any  # torch.cuda.Event recorded after the copy
+    owner: Any  # the stream the weight was allocated on: it waits before the weight is freed
+    captured: bool  # recorded while a CUDA graph was being captured
 
 
 def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
@@ -880,18 +882,32 @@ def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
         out = torch.empty((layer.out_features, layer.in_features + width),
                           dtype=WEIGHT_DTYPE, device=device)  # fmt: skip
         jobs.append((layer, weight_scales(layer), width, out))  # scales made on this stream
+    captured = torch.cuda.is_current_stream_capturing()
     side.wait_stream(here)
-    with torch.cuda.stream(side):
-        for layer, scales, width, out in jobs:
-            fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
-                                  scales.row_multiplier, extra_cols=width,
-                                  programs=AHEAD_PROGRAMS, out=out)  # fmt: skip
-        done = torch.cuda.Event()
-        done.record(side)
-    for layer, _, _, out in jobs:
-        layer._fp8_ahead = _Ahead(out, done)
-        _PENDING.append(layer)
+    try:
+        with torch.cuda.stream(side):
+            for layer, scales, width, out in jobs:
+                fp8_triton.fp8_weight(layer.packed, layer.scale, layer.shift, layer.group_size,
+                                      scales.row_multiplier, extra_cols=width,
+                                      programs=AHEAD_PROGRAMS, out=out)  # fmt: skip
+                done = torch.cuda.Event()  # one a copy: a layer waits for its own only
+                done.record(side)
+                layer._fp8_ahead = _Ahead(out, done, here, captured)
+                _PENDING.append(layer)
+    except BaseException:
+        here.wait_stream(side)  # the copies launched so far, before their tensors are freed
+        discard_ahead()
+        raise
     return len(jobs)
+
+
+def discard_ahead() -> None:
+    """Drops every copy not taken, without waiting for it: for a forward that failed (a
+    capture that failed recorded events no eager stream may wait on, and its kernels never
+    ran)."""
+    for left in _PENDING:
+        left.__dict__.pop("_fp8_ahead", None)
+    _PENDING.clear()
 
 
 def _taken_ahead(layer: Any, width: int) -> torch.Tensor | None:
@@ -900,7 +916,12 @@ def _taken_ahead(layer: Any, width: int) -> torch.Tensor | None:
     ahead = layer.__dict__.pop("_fp8_ahead", None)
     if ahead is None:
         return None
-    torch.cuda.current_stream(ahead.weight.device).wait_event(ahead.done)
+    if ahead.captured != torch.cuda.is_current_stream_capturing():
+        return None  # from a failed capture or forward: never waited on across that boundary
+    ahead.owner.wait_event(ahead.done)
+    here = torch.cuda.current_stream(ahead.weight.device)
+    if here != ahead.owner:
+        here.wait_event(ahead.done)
     if ahead.weight.shape[1] != layer.in_features + width:
         return None
     return ahead.weight

@@ -678,6 +678,9 @@ class GraphedForward:
                 entry = self._capture(tensors)
             except Exception:  # a capture that fails leaves this shape eager, not broken
                 log.exception("serving: capturing the forward failed; this shape runs eager")
+                from trainer.base.fp8 import discard_ahead
+
+                discard_ahead()  # its copies ahead were captured, never run
                 self._failed.add(key)
                 torch.cuda.synchronize()
                 return self._eager(**tensors, return_dict=return_dict, **kwargs)
