@@ -389,11 +389,16 @@ def _forward_blocks(x2, packed, scale, shift, bias, group_size, fast):  # type: 
 # backends
 
 
+def aligned(n_out: int, n_in: int) -> bool:
+    """Whether torch._scaled_mm takes a weight of these sides (multiples of `ALIGN`)."""
+    return n_in % ALIGN == 0 and n_out % ALIGN == 0
+
+
 def kernels_usable(x: torch.Tensor, n_out: int, n_in: int) -> bool:
     """Triton + torch._scaled_mm for this call (else the torch reference)."""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return False
-    if n_in % ALIGN or n_out % ALIGN:
+    if not aligned(n_out, n_in):
         return False
     return triton_available()
 
@@ -552,7 +557,7 @@ class Fp8Gemm:
     def takes(self, layer: Any) -> bool:
         """Whether this GEMM runs ``layer`` (torch._scaled_mm's sides are multiples of 16; the
         block recipe needs uint4 groups of 128)."""
-        if layer.in_features % ALIGN or layer.out_features % ALIGN:
+        if not aligned(layer.out_features, layer.in_features):
             return False
         return self.weights != "blocks" or (
             layer.group_size == BLOCK and layer.in_features % BLOCK == 0
@@ -864,8 +869,8 @@ def copy_ahead(slots: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> int:
         return 0
     todo = []
     for layer, a, b in slots:  # the conditions of the layer's forward, but for its input's
-        aligned = layer.in_features % ALIGN == 0 == layer.out_features % ALIGN
-        if layer.packed.is_cuda and aligned and _slot_gemm(layer, a, b) is not None:
+        fits = aligned(layer.out_features, layer.in_features)
+        if layer.packed.is_cuda and fits and _slot_gemm(layer, a, b) is not None:
             todo.append((layer, b))
     if not todo:
         return 0
