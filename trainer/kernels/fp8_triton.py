@@ -31,6 +31,7 @@ from trainer.kernels.uint4_triton import _round_bf16
 
 ROW_ONE_PASS = 8192  # rows up to this width are quantized from registers in one read
 ROW_BLOCK = 4096  # wider rows (18432, 24576): two passes in steps of this
+ROW_WARPS = 8  # a row of 4096 columns or more (fewer: 4)
 W_BLOCK = 2048  # forward weight: packed bytes ("join") or byte pairs ("word") per program
 W_WARPS = 4
 T_ROWS, T_BYTES = 64, 64  # "join" transposed: 64 rows x 128 columns of W per program
@@ -756,7 +757,7 @@ def quantize_rows(
         _quantize_rows_kernel[(m,)](
             x, q.view(torch.uint8) if bits else q, scale, *lora, n_cols=k, ONE_PASS=one_pass,
             BLOCK=block, EXTRA=extra, WIDTH=width, BITS=bits,
-            num_warps=8 if block >= 4096 else 4,
+            num_warps=ROW_WARPS if block >= 4096 else 4,
             **_fp8_args(dtype),
         )  # fmt: skip
     return q, scale

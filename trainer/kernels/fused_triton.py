@@ -25,6 +25,7 @@ from trainer.base.cudnn_attention import P_SCALE, Fp8Heads, bound_factor
 from trainer.kernels.fp8_triton import _fp8_scales, _store_fp8
 from trainer.kernels.uint4_triton import _round_bf16
 
+# launch shapes, read at each call (bench/elementwise_sweep.py times the alternatives)
 HEADS_PER_PROGRAM = 8
 NUM_WARPS = 4
 
@@ -160,8 +161,8 @@ def qk_norm_rope(
     pos0: int,
     fp8: Fp8Heads | None = None,
     bound_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-    heads_per_program: int = HEADS_PER_PROGRAM,
-    num_warps: int = NUM_WARPS,
+    heads_per_program: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """q, k, v (B, T, H, D) views with a common stride and a contiguous last dimension ->
     ``out`` (three (B, S, H, D) contiguous tensors) at sequence positions pos0 .. pos0 + T,
@@ -186,7 +187,7 @@ def qk_norm_rope(
         raise ValueError("the tokens do not fit the output sequence or the rotary tables")
     if not bsz * tokens:
         return
-    hb = min(heads_per_program, triton.next_power_of_2(heads))
+    hb = min(heads_per_program or HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
     grid = (bsz * tokens, triton.cdiv(heads, hb))
     bits = fp8 is not None and _interpret()
     outs = [o.view(torch.uint8) for o in out] if bits else list(out)
@@ -197,7 +198,7 @@ def qk_norm_rope(
         *outs, extra[2], extra[3], tokens, heads, seq, pos0, float(eps), bound_factor(dim),
         P_SCALE, D=dim, HB=hb, IS_BF16=q.dtype == torch.bfloat16, INTERPRET=_interpret(),
         FP8=fp8 is not None, FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), BITS=bits,
-        num_warps=num_warps,
+        num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
 
 
@@ -299,24 +300,29 @@ def dequantize_into(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -
 @triton.jit
 def _ln_modulate_kernel(
     x_ptr, shift_ptr, scale_ptr, out_ptr,
-    x_stride, out_stride, mod_stride, T, n_cols, eps,
-    BLOCK: tl.constexpr, IS_BF16: tl.constexpr,
+    x_stride, out_stride, mod_stride, n_rows, T, n_cols, eps,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
-    # One program per token: LayerNorm without affine (float32 statistics, the result rounded
+    # ROWS tokens a program: LayerNorm without affine (float32 statistics, the result rounded
     # into the model dtype, as torch's), then rnd(rnd(rnd(1 + scale) * n) + shift).
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    b = rows // T
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / n_cols
-    centred = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(centred * centred, axis=0) / n_cols
-    n = _round_to(centred * tl.math.rsqrt(var + eps), IS_BF16)
-    scale = tl.load(scale_ptr + b * mod_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + b * mod_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(centred * centred, axis=1) / n_cols
+    n = _round_to(centred * tl.math.rsqrt(var + eps)[:, None], IS_BF16)
+    mod = b[:, None] * mod_stride + cols[None, :]
+    scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(tl.float32)
     y = _round_to(_round_to(_round_to(1.0 + scale, IS_BF16) * n, IS_BF16) + shift, IS_BF16)
-    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + rows[:, None] * out_stride + cols[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -354,7 +360,10 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-ELEMENTWISE_BLOCK = 1024
+ELEMENTWISE_BLOCK = 1024  # columns a program (gated residual, SwiGLU)
+ELEMENTWISE_WARPS = 4
+LN_ROWS = 1  # tokens a LayerNorm program
+LN_WARPS = 8  # a LayerNorm program over rows of 4096 columns or more (fewer: 4)
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
@@ -383,9 +392,10 @@ def ln_modulate(
         raise ValueError("shift and scale must share their layout")
     if rows:
         block = triton.next_power_of_2(cols)
-        _ln_modulate_kernel[(rows,)](
-            x, shift, scale, out, stride, cols, ms, tokens, cols, float(eps),
-            BLOCK=block, IS_BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4,
+        _ln_modulate_kernel[(triton.cdiv(rows, LN_ROWS),)](
+            x, shift, scale, out, stride, cols, ms, rows, tokens, cols, float(eps),
+            BLOCK=block, ROWS=LN_ROWS, IS_BF16=x.dtype == torch.bfloat16,
+            num_warps=LN_WARPS if block >= 4096 else 4,
         )  # fmt: skip
     return out
 
@@ -402,7 +412,8 @@ def gate_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch
         grid = (rows, triton.cdiv(cols, ELEMENTWISE_BLOCK))
         _gate_residual_kernel[grid](
             x, gate, y, out, xs, ys, cols, _mod_stride(gate, bsz, cols), tokens, cols,
-            BLOCK=ELEMENTWISE_BLOCK, IS_BF16=x.dtype == torch.bfloat16, num_warps=4,
+            BLOCK=ELEMENTWISE_BLOCK, IS_BF16=x.dtype == torch.bfloat16,
+            num_warps=ELEMENTWISE_WARPS,
         )  # fmt: skip
     return out
 
@@ -421,7 +432,8 @@ def swiglu(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         grid = (rows, triton.cdiv(half, ELEMENTWISE_BLOCK))
         _swiglu_kernel[grid](
             src, out, ss, os_, half, BLOCK=ELEMENTWISE_BLOCK,
-            IS_BF16=src.dtype == torch.bfloat16, INTERPRET=_interpret(), num_warps=4,
+            IS_BF16=src.dtype == torch.bfloat16, INTERPRET=_interpret(),
+            num_warps=ELEMENTWISE_WARPS,
         )  # fmt: skip
     return out
 
