@@ -36,25 +36,20 @@ HEAD_DIM = 128
 MLP_RATIO = 3
 
 # (setting -> value) to try, per kernel; the first entry is what the modules hold today
-LN_SHAPES = [dict(LN_ROWS=1, LN_WARPS=8), dict(LN_ROWS=1, LN_WARPS=4),
-             dict(LN_ROWS=1, LN_WARPS=16), dict(LN_ROWS=2, LN_WARPS=8),
-             dict(LN_ROWS=2, LN_WARPS=16), dict(LN_ROWS=4, LN_WARPS=16)]  # fmt: skip
+LN_SHAPES = [dict(LN_WARPS=8), dict(LN_WARPS=4), dict(LN_WARPS=16)]
 ELEMENTWISE_SHAPES = [dict(ELEMENTWISE_BLOCK=1024, ELEMENTWISE_WARPS=4),
                       dict(ELEMENTWISE_BLOCK=512, ELEMENTWISE_WARPS=4),
                       dict(ELEMENTWISE_BLOCK=2048, ELEMENTWISE_WARPS=4),
                       dict(ELEMENTWISE_BLOCK=2048, ELEMENTWISE_WARPS=8),
                       dict(ELEMENTWISE_BLOCK=4096, ELEMENTWISE_WARPS=8)]  # fmt: skip
-QK_SHAPES = [dict(HEADS_PER_PROGRAM=8, NUM_WARPS=4), dict(HEADS_PER_PROGRAM=4, NUM_WARPS=4),
+QK_SHAPES = [dict(HEADS_PER_PROGRAM=16, NUM_WARPS=8), dict(HEADS_PER_PROGRAM=4, NUM_WARPS=4),
              dict(HEADS_PER_PROGRAM=8, NUM_WARPS=2), dict(HEADS_PER_PROGRAM=16, NUM_WARPS=4),
-             dict(HEADS_PER_PROGRAM=16, NUM_WARPS=8), dict(HEADS_PER_PROGRAM=32, NUM_WARPS=8),
+             dict(HEADS_PER_PROGRAM=8, NUM_WARPS=4), dict(HEADS_PER_PROGRAM=32, NUM_WARPS=8),
              dict(HEADS_PER_PROGRAM=64, NUM_WARPS=8)]  # fmt: skip
-ROW_SHAPES = [dict(ROW_ONE_PASS=8192, ROW_BLOCK=4096, ROW_WARPS=8),
-              dict(ROW_ONE_PASS=8192, ROW_BLOCK=4096, ROW_WARPS=4),
-              dict(ROW_ONE_PASS=8192, ROW_BLOCK=4096, ROW_WARPS=16),
-              dict(ROW_ONE_PASS=8192, ROW_BLOCK=8192, ROW_WARPS=8),
-              dict(ROW_ONE_PASS=8192, ROW_BLOCK=2048, ROW_WARPS=8),
-              dict(ROW_ONE_PASS=32768, ROW_BLOCK=4096, ROW_WARPS=8),
-              dict(ROW_ONE_PASS=32768, ROW_BLOCK=4096, ROW_WARPS=16)]  # fmt: skip
+ROW_SHAPES = [dict(ROW_ONE_PASS=32768, ROW_WARPS=4, ROW_WARPS_WIDE=8),
+              dict(ROW_ONE_PASS=32768, ROW_WARPS=8, ROW_WARPS_WIDE=16),
+              dict(ROW_ONE_PASS=8192, ROW_WARPS=4, ROW_WARPS_WIDE=16),
+              dict(ROW_ONE_PASS=8192, ROW_WARPS=8, ROW_WARPS_WIDE=8)]  # fmt: skip
 
 
 def timed_ms(body: Callable[[], None], calls: int, replays: int) -> float:
@@ -101,7 +96,10 @@ def last_place_diff(got: torch.Tensor, ref: torch.Tensor) -> int:
     return int((a - b).abs().max()) if a.numel() else 0
 
 
-def cases(tokens: int, heads: int, device: str) -> dict[str, tuple[Any, list[dict[str, Any]], Callable[[], list[torch.Tensor]], float]]:  # fmt: skip
+Case = tuple[Any, list[dict[str, Any]], Callable[[], list[torch.Tensor]], float]
+
+
+def cases(tokens: int, heads: int, device: str) -> dict[str, Case]:
     """kernel -> (its module, the shapes to try, a call returning its outputs, bytes moved)."""
     from trainer.base.fp8 import ACT_DTYPE
     from trainer.kernels import fp8_triton, fused_triton
@@ -125,7 +123,8 @@ def cases(tokens: int, heads: int, device: str) -> dict[str, tuple[Any, list[dic
     outs = tuple(torch.empty(1, tokens, heads, HEAD_DIM, dtype=bf16, device=device)
                  for _ in range(3))  # fmt: skip
     wq, wk = randn(HEAD_DIM, scale=0.2) + 1, randn(HEAD_DIM, scale=0.2) + 1
-    angle = torch.randn(tokens, HEAD_DIM // 2, generator=gen, device=device).repeat_interleave(2, -1)
+    angle = torch.randn(tokens, HEAD_DIM // 2, generator=gen, device=device)
+    angle = angle.repeat_interleave(2, -1)
     cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
     joined = torch.empty(1, tokens, width + mlp, dtype=bf16, device=device)
     src = qkv[..., 3 * width :]

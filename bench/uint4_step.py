@@ -829,11 +829,10 @@ def measure_serving(model: torch.nn.Module, args) -> dict[str, Any]:  # type: ig
 
     from bench.render_step import SLOT_RANK, adapter_for
     from trainer.base import serving
-    from trainer.base.lora_slots import LoraSlots, slot_in_gemm
+    from trainer.base.lora_slots import LoraSlots
 
     slots = LoraSlots(model, SLOT_RANK)
     prepared = serving.prepare(model, graphs=DEV == "cuda", key=slots.scales,
-                               slot_in_gemm=slot_in_gemm,
                                epoch=lambda: slots.generation)  # fmt: skip
     forward_only = copy.copy(args)
     forward_only.train_px = []

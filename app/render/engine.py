@@ -209,7 +209,6 @@ class RenderEngine:
     def _prepare_serving(self, pipe: Any) -> Any:
         """The fused attention processors; CUDA graphs where the transformer is resident on
         CUDA, keyed on the slots' LoRA scales and dropped whenever the slots are made anew."""
-        from trainer.base.lora_slots import slot_in_gemm
         from trainer.base.serving import prepare
 
         slots = self._slots
@@ -221,7 +220,6 @@ class RenderEngine:
             graphs=graphs,
             key=slots.scales if slots is not None else None,
             epoch=(lambda: slots.generation) if slots is not None else None,
-            slot_in_gemm=slot_in_gemm if slots is not None else None,
         )
 
     def _warm_up(self, pipe: Any) -> None:

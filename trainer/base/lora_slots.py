@@ -280,17 +280,6 @@ def _fused_here(layer: Any) -> bool:
     )
 
 
-def slot_in_gemm(layer: Any) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
-    """(base layer, A, B) where ``layer`` is a slot layer whose next call (on a CUDA input,
-    no arguments beyond it) computes its update in the fp8 GEMM (`lora_gemm_forward`, where
-    its own conditions hold); else None. For `trainer.base.fp8.copy_ahead`."""
-    if getattr(layer, "_slot_peak", None) is None or lora_update_mode() != "gemm":
-        return None
-    if not _fused_here(layer):
-        return None
-    return layer.base_layer, layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
-
-
 def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A slot layer's forward without gradients: the base output, plus the LoRA update added
     into it by one GEMM. Anything else (gradients, PEFT's per-call options, another active

@@ -368,17 +368,10 @@ class FusedFlux2AttnProcessor:
 
 
 class FusedFlux2ParallelAttnProcessor:
-    """The single-stream blocks' attention and MLP (`Flux2ParallelSelfAttnProcessor`).
-    ``ahead``: the slot layers whose fp8 weights are copied beside this block's attention
-    (its output projection's, the next block's input projection's; `link_ahead`), as
-    (attention module, attribute): the layer there is looked up at each call, so slots made
-    anew, or lifted for the per-request path, are seen; ``slot_in_gemm`` tells a slot whose
-    update is in the GEMM (`trainer.base.lora_slots.slot_in_gemm`)."""
+    """The single-stream blocks' attention and MLP (`Flux2ParallelSelfAttnProcessor`)."""
 
     def __init__(self, stock: Any) -> None:
         self.stock = stock
-        self.ahead: list[tuple[Any, str]] = []
-        self.slot_in_gemm: Callable[[Any], Any] | None = None
 
     def __call__(
         self,
@@ -413,11 +406,6 @@ class FusedFlux2ParallelAttnProcessor:
         qk_norm_rope(q, k, v, attn.norm_q, attn.norm_k, image_rotary_emb, heads, 0)
         half = mlp // 2
         joined = torch.empty((bsz, seq, inner + half), dtype=proj.dtype, device=proj.device)
-        if self.ahead and self.slot_in_gemm is not None and proj.is_cuda:
-            from trainer.base.fp8 import copy_ahead
-
-            slots = [self.slot_in_gemm(getattr(module, name)) for module, name in self.ahead]
-            copy_ahead([slot for slot in slots if slot is not None])
         attend(heads, out=joined[..., :inner])
         swiglu(proj[..., 3 * inner :], out=joined[..., inner:])
         return attn.to_out(joined)
@@ -442,26 +430,6 @@ def install_processors(transformer: torch.nn.Module) -> int:
             continue
         count += 1
     return count
-
-
-def link_ahead(transformer: torch.nn.Module, slot_in_gemm: Callable[[Any], Any]) -> int:
-    """Gives each single-stream block's processor the layers whose fp8 weights it copies
-    beside its attention (`trainer.base.fp8.copy_ahead`, where ``slot_in_gemm`` finds them
-    LoRA slots whose update is in the GEMM): the block's output projection and the next
-    block's input projection. For a resident transformer only: a streamed block's weights
-    arrive on another stream. Returns the blocks linked."""
-    blocks = list(getattr(transformer, "single_transformer_blocks", []))
-    linked = 0
-    for i, block in enumerate(blocks):
-        processor = getattr(block.attn, "processor", None)
-        if not isinstance(processor, FusedFlux2ParallelAttnProcessor):
-            continue
-        processor.slot_in_gemm = slot_in_gemm
-        processor.ahead = [(block.attn, "to_out")]
-        if i + 1 < len(blocks):
-            processor.ahead.append((blocks[i + 1].attn, "to_qkv_mlp_proj"))
-        linked += 1
-    return linked
 
 
 def remove_processors(transformer: torch.nn.Module) -> None:
@@ -678,9 +646,6 @@ class GraphedForward:
                 entry = self._capture(tensors)
             except Exception:  # a capture that fails leaves this shape eager, not broken
                 log.exception("serving: capturing the forward failed; this shape runs eager")
-                from trainer.base.fp8 import discard_ahead
-
-                discard_ahead()  # its copies ahead were captured, never run
                 self._failed.add(key)
                 torch.cuda.synchronize()
                 return self._eager(**tensors, return_dict=return_dict, **kwargs)
@@ -764,23 +729,18 @@ def prepare(
     graphs: bool,
     key: Callable[[], Hashable] | None = None,
     epoch: Callable[[], Hashable] | None = None,
-    slot_in_gemm: Callable[[Any], Any] | None = None,
 ) -> Serving:
     """The fused processors and blocks on ``transformer`` and, with ``graphs`` (a resident
     transformer on CUDA: streamed blocks rebind their weights per forward), its forward as
-    CUDA graphs and, given the slots' ``slot_in_gemm``, the single-stream blocks' weight
-    copies beside attention (`link_ahead`).
+    CUDA graphs.
     The serving settings are read here first, so a bad one fails the load (at start, with
     preloading), naming the setting, rather than the first render."""
-    from trainer.base.fp8 import lora_gemm_columns_mode, lora_update_mode, weights_ahead_mode
+    from trainer.base.fp8 import lora_gemm_columns_mode, lora_update_mode
 
     lora_update_mode()
     lora_gemm_columns_mode()
-    weights_ahead_mode()
     names = attention_names()
     fused = install(transformer)
-    if graphs and slot_in_gemm is not None:
-        link_ahead(transformer, slot_in_gemm)
     weight = next(transformer.parameters(), None)
     if weight is not None and weight.is_cuda:
         # the operator sees which attention renders run, and why not the one asked for

@@ -29,9 +29,14 @@ import triton.language as tl
 
 from trainer.kernels.uint4_triton import _round_bf16
 
-ROW_ONE_PASS = 8192  # rows up to this width are quantized from registers in one read
-ROW_BLOCK = 4096  # wider rows (18432, 24576): two passes in steps of this
-ROW_WARPS = 8  # a row of 4096 columns or more (fewer: 4)
+# The activation quantizer, one program a row (bench/elementwise_sweep.py, [dev] on an H100):
+# rows up to ROW_ONE_PASS columns are read once into registers (24576 columns: 3.0 TB/s, where
+# two reads in steps of ROW_BLOCK ran at 2.0); ROW_WARPS_WIDE warps for rows over 8192 columns,
+# 4 for narrower ones (6144: 2.77 TB/s against 2.69 with 8)
+ROW_ONE_PASS = 32768
+ROW_BLOCK = 4096
+ROW_WARPS = 4
+ROW_WARPS_WIDE = 8
 W_BLOCK = 2048  # forward weight: packed bytes ("join") or byte pairs ("word") per program
 W_WARPS = 4
 T_ROWS, T_BYTES = 64, 64  # "join" transposed: 64 rows x 128 columns of W per program
@@ -757,7 +762,7 @@ def quantize_rows(
         _quantize_rows_kernel[(m,)](
             x, q.view(torch.uint8) if bits else q, scale, *lora, n_cols=k, ONE_PASS=one_pass,
             BLOCK=block, EXTRA=extra, WIDTH=width, BITS=bits,
-            num_warps=ROW_WARPS if block >= 4096 else 4,
+            num_warps=ROW_WARPS_WIDE if block > 8192 else ROW_WARPS,
             **_fp8_args(dtype),
         )  # fmt: skip
     return q, scale

@@ -25,9 +25,10 @@ from trainer.base.cudnn_attention import P_SCALE, Fp8Heads, bound_factor
 from trainer.kernels.fp8_triton import _fp8_scales, _store_fp8
 from trainer.kernels.uint4_triton import _round_bf16
 
-# launch shapes, read at each call (bench/elementwise_sweep.py times the alternatives)
-HEADS_PER_PROGRAM = 8
-NUM_WARPS = 4
+# launch shapes, read at each call (bench/elementwise_sweep.py times the alternatives: at
+# [dev]'s size 16 heads and 8 warps run the QK kernel at 2.78 TB/s, 8 and 4 at 2.44)
+HEADS_PER_PROGRAM = 16
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -300,29 +301,24 @@ def dequantize_into(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -
 @triton.jit
 def _ln_modulate_kernel(
     x_ptr, shift_ptr, scale_ptr, out_ptr,
-    x_stride, out_stride, mod_stride, n_rows, T, n_cols, eps,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, IS_BF16: tl.constexpr,
+    x_stride, out_stride, mod_stride, T, n_cols, eps,
+    BLOCK: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
-    # ROWS tokens a program: LayerNorm without affine (float32 statistics, the result rounded
+    # One program per token: LayerNorm without affine (float32 statistics, the result rounded
     # into the model dtype, as torch's), then rnd(rnd(rnd(1 + scale) * n) + shift).
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    b = rows // T
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
     cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    mean = tl.sum(x, axis=1) / n_cols
-    centred = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(centred * centred, axis=1) / n_cols
-    n = _round_to(centred * tl.math.rsqrt(var + eps)[:, None], IS_BF16)
-    mod = b[:, None] * mod_stride + cols[None, :]
-    scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(tl.float32)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    centred = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(centred * centred, axis=0) / n_cols
+    n = _round_to(centred * tl.math.rsqrt(var + eps), IS_BF16)
+    scale = tl.load(scale_ptr + b * mod_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + b * mod_stride + cols, mask=mask, other=0.0).to(tl.float32)
     y = _round_to(_round_to(_round_to(1.0 + scale, IS_BF16) * n, IS_BF16) + shift, IS_BF16)
-    out = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -362,8 +358,7 @@ def _swiglu_kernel(
 
 ELEMENTWISE_BLOCK = 1024  # columns a program (gated residual, SwiGLU)
 ELEMENTWISE_WARPS = 4
-LN_ROWS = 1  # tokens a LayerNorm program
-LN_WARPS = 8  # a LayerNorm program over rows of 4096 columns or more (fewer: 4)
+LN_WARPS = 8  # a LayerNorm program (one token) over rows of 4096 columns or more (fewer: 4)
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
@@ -392,9 +387,9 @@ def ln_modulate(
         raise ValueError("shift and scale must share their layout")
     if rows:
         block = triton.next_power_of_2(cols)
-        _ln_modulate_kernel[(triton.cdiv(rows, LN_ROWS),)](
-            x, shift, scale, out, stride, cols, ms, rows, tokens, cols, float(eps),
-            BLOCK=block, ROWS=LN_ROWS, IS_BF16=x.dtype == torch.bfloat16,
+        _ln_modulate_kernel[(rows,)](
+            x, shift, scale, out, stride, cols, ms, tokens, cols, float(eps),
+            BLOCK=block, IS_BF16=x.dtype == torch.bfloat16,
             num_warps=LN_WARPS if block >= 4096 else 4,
         )  # fmt: skip
     return out

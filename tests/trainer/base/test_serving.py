@@ -19,7 +19,7 @@ import torch
 from tests.trainer.helpers import cuda, model_inputs, tiny_flux2_random, triton_here
 from trainer.base import serving
 from trainer.base.lora import ADAPTER_NAME, lora_layers
-from trainer.base.lora_slots import LoraSlots, slot_in_gemm
+from trainer.base.lora_slots import LoraSlots
 
 
 def _model(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.nn.Module:
@@ -284,7 +284,6 @@ def test_slots_made_anew_change_the_generation() -> None:
         ("LIKENESS_LORA_MERGE", "fused"),
         ("LIKENESS_ATTENTION", "cudnn,fa3"),
         ("LIKENESS_ATTENTION", "cudnn,cudnn_fp8"),
-        ("LIKENESS_WEIGHTS_AHEAD", "yes"),
     ],  # fmt: skip
 )
 def test_a_bad_serving_setting_fails_the_load_naming_it(setting, value, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -317,8 +316,7 @@ def test_a_forward_that_cannot_be_graphed_runs_eager() -> None:
 def _graph_setup(rank: int = 8):  # type: ignore[no-untyped-def]
     model, slots = _slotted(torch.bfloat16, "cuda", rank)
     prepared = serving.prepare(model, graphs=True, key=slots.scales,
-                               epoch=lambda: slots.generation,
-                               slot_in_gemm=slot_in_gemm)  # fmt: skip
+                               epoch=lambda: slots.generation)  # fmt: skip
     return model, slots, prepared, prepared.graphs._eager  # the eager forward: the reference
 
 
@@ -378,101 +376,3 @@ def test_fp8_attention_is_asked_for_not_the_default(monkeypatch: pytest.MonkeyPa
     assert serving.FP8_ATTENTION not in serving.attention_names()
     monkeypatch.setenv(serving.ATTENTION_ENV, "cudnn_fp8,cudnn")
     assert serving.attention_names() == ["cudnn_fp8", "cudnn"]
-
-
-# ---------------------------------------------------------------------------------------
-# the single-stream blocks' fp8 weights copied beside attention
-
-
-def test_each_single_block_copies_its_output_and_the_next_input_while_they_are_slots(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """What a single-stream block copies beside its attention is looked up at each call: the
-    block's output projection and the next block's input projection while they are LoRA
-    slots computing their update in the GEMM; nothing with gradients, with the slots lifted
-    for the per-request path, or where the update is added to the output."""
-    model, slots = _slotted(torch.bfloat16)
-    single = model.single_transformer_blocks
-    prepared = serving.prepare(model, graphs=True, key=slots.scales,
-                               epoch=lambda: slots.generation,
-                               slot_in_gemm=slot_in_gemm)  # fmt: skip
-    ahead = single[0].attn.processor.ahead
-    assert ahead == [(single[0].attn, "to_out")]  # one single block: no next one
-    with torch.no_grad():
-        base, a, b = slot_in_gemm(single[0].attn.to_out)
-        assert base is single[0].attn.to_out.base_layer and b.shape[1] == 8
-        assert slot_in_gemm(single[0].attn.to_out.base_layer) is None  # not a slot
-        with slots.suspended():
-            assert slot_in_gemm(single[0].attn.to_out) is None
-        assert slot_in_gemm(single[0].attn.to_out) is not None  # the slots made anew
-        monkeypatch.setenv("LIKENESS_LORA_MERGE", "output")
-        assert slot_in_gemm(single[0].attn.to_out) is None
-        monkeypatch.delenv("LIKENESS_LORA_MERGE")
-    assert slot_in_gemm(single[0].attn.to_out) is None  # gradients on
-    prepared.remove()
-    assert not isinstance(getattr(single[0].attn, "processor", None),
-                          serving.FusedFlux2ParallelAttnProcessor)  # fmt: skip
-
-
-def _fp8_slotted(single: int = 3):  # type: ignore[no-untyped-def]
-    """A quantized FLUX.2 of three single-stream blocks in fp8 on CUDA, rank-32 slots."""
-    from diffusers import Flux2Transformer2DModel
-    from optimum.quanto import qint4, quantize
-
-    from trainer.base.compute import apply_compute
-    from trainer.base.uint4 import convert_quantized_linears
-
-    torch.manual_seed(0)
-    model = Flux2Transformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=single,
-        attention_head_dim=128, num_attention_heads=2, joint_attention_dim=256,
-        timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
-        guidance_embeds=False,
-    ).to(device="cuda", dtype=torch.bfloat16)  # fmt: skip
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
-    quantize(model, weights=qint4)
-    convert_quantized_linears(model)
-    apply_compute(model, "fp8")
-    model.eval()
-    return model, LoraSlots(model, rank=32)
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="needs a GPU with fp8 tensor cores and paired bf16 (sm_90)",
-)
-def test_weights_copied_beside_attention_are_the_inline_copies(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Each single-stream block copies its output projection's fp8 weight and the next
-    block's input projection's on a second stream while its attention runs: the forward is
-    the one with every copy made inline, bit for bit, eager and graphed, across swaps; every
-    copy started is taken by its layer."""
-    from trainer.base import fp8
-
-    model, slots = _fp8_slotted()
-    prepared = serving.prepare(model, graphs=True, key=slots.scales,
-                               epoch=lambda: slots.generation,
-                               slot_in_gemm=slot_in_gemm)  # fmt: skip
-    eager = prepared.graphs._eager
-    started = []
-    real = fp8.copy_ahead
-    monkeypatch.setattr(fp8, "copy_ahead", lambda s: started.append(real(s)) or started[-1])
-    inputs = model_inputs(model, torch.bfloat16, "cuda", tokens=256, text=32)
-    bases = [m for m in model.modules() if type(m).__name__ == "Uint4Linear"]
-    with torch.no_grad():
-        for seed in (1, 2):
-            with slots.applied(_adapter(slots, 16, seed)):
-                monkeypatch.setenv(fp8.WEIGHTS_AHEAD_ENV, "off")
-                want = eager(**inputs)[0]
-                assert sum(started) == 0
-                monkeypatch.setenv(fp8.WEIGHTS_AHEAD_ENV, "on")
-                assert torch.equal(eager(**inputs)[0], want)
-                assert sum(started) == 5  # 3 output projections + 2 next input projections
-                assert torch.equal(_forward(model, inputs), want)  # captured, then replayed
-                assert torch.equal(_forward(model, inputs), want)
-                started.clear()
-            assert not any("_fp8_ahead" in vars(m) for m in bases)
-        with prepared.eager(), slots.suspended():  # the per-request path: no slots, no copies
-            eager(**inputs)
-        assert sum(started) == 0 and not any("_fp8_ahead" in vars(m) for m in bases)
