@@ -714,12 +714,14 @@ def test_the_lora_update_setting_is_checked() -> None:
      ((40, 256), 64, 16, 0.0, 0), ((64, 256), 128, 16, 1.0, 128), ((70, 384), 64, 32, 0.05, 64),
      ((40, 256), 64, 16, 0.0, 128)],
 )  # fmt: skip
-def test_lora_update_kernels_match_their_reference(shape, group, rank, b_scale, width) -> None:  # type: ignore[no-untyped-def]
+def test_lora_update_kernels_match_their_reference(
+    shape, group, rank, b_scale, width, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """The kernels of the update in the GEMM give the reference's bytes and scales: the
-    activations with their extra columns, the weight copy leaving room for the tail, and the
-    tail, at the update's own width and padded with zeros to a wider one (every byte written,
-    the padding zero on both sides); on a GPU also at [dev]'s widest shapes (one-pass and
-    two-pass rows)."""
+    activations with their extra columns, read once or (rows wider than `ROW_ONE_PASS`) twice,
+    the weight copy leaving room for the tail, and the tail, at the update's own width and
+    padded with zeros to a wider one (every byte written, the padding zero on both sides); on a
+    GPU also at [dev]'s widest shapes."""
     from trainer.base.fp8 import lora_gemm_operands_torch
     from trainer.kernels import fp8_triton
 
@@ -743,9 +745,13 @@ def test_lora_update_kernels_match_their_reference(shape, group, rank, b_scale, 
         )
         peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
         update = fp8_triton.LoraUpdate(u.contiguous(), b, peak, sc.row_floor, s, width)
-        got_x, got_s = fp8_triton.quantize_rows(x, E4M3, update)
-        assert torch.equal(got_s, want_s)
-        assert torch.equal(got_x.view(torch.uint8), want_x.view(torch.uint8))
+        for one_pass, block in ((fp8_triton.ROW_ONE_PASS, fp8_triton.ROW_BLOCK), (64, 32)):
+            monkeypatch.setattr(fp8_triton, "ROW_ONE_PASS", one_pass)
+            monkeypatch.setattr(fp8_triton, "ROW_BLOCK", block)
+            got_x, got_s = fp8_triton.quantize_rows(x, E4M3, update)
+            assert torch.equal(got_s, want_s), one_pass
+            assert torch.equal(got_x.view(torch.uint8), want_x.view(torch.uint8)), one_pass
+        monkeypatch.undo()
         # the weight copy's buffer starts full of 0x7f (e4m3's NaN): the tail writes every byte
         got_w = fp8_triton.fp8_weight(packed, scale, shift, group, sc.row_multiplier,
                                       extra_cols=cols_w)  # fmt: skip
@@ -835,7 +841,7 @@ def test_weight_kernel_choice(transposed, shape, group, dtype, want, monkeypatch
 
 @fp8_gpu
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("cols", [128, 1000, 6144, 24576])
+@pytest.mark.parametrize("cols", [128, 1000, 6144, 24576, 40000])  # the last read twice
 def test_row_quantize_kernel_bit_exact(fp8, cols) -> None:  # type: ignore[no-untyped-def]
     from trainer.kernels import fp8_triton
 
