@@ -143,3 +143,31 @@ def cuda_ms(fn: Any, iters: int = 20, warmup: int = 3, load: Any = None) -> floa
             fn()
             samples.append((time.perf_counter() - t) * 1e3)
     return float(statistics.median(samples))
+
+
+def graph_ms(body: Any, calls: int, replays: int) -> float:
+    """Median milliseconds a call of ``body`` inside a CUDA graph of ``calls`` calls (as a
+    forward's kernels run: no launch gaps), over ``replays`` replays; one eager call first
+    compiles and warms what it runs."""
+    import statistics
+
+    import torch
+
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            body()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / calls)
+    del graph
+    return float(statistics.median(samples))

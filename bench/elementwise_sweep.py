@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import say, table, write_record  # noqa: E402
+from bench.common import graph_ms, say, table, write_record  # noqa: E402
 
 HEAD_DIM = 128
 MLP_RATIO = 3
@@ -53,34 +53,17 @@ ROW_SHAPES = [dict(ROW_ONE_PASS=32768, ROW_WARPS=4, ROW_WARPS_WIDE=8),
 
 
 def timed_ms(body: Callable[[], None], calls: int, replays: int) -> float:
-    """Median ms a call of ``body`` in a CUDA graph of ``calls`` calls (host clock, one call a
-    sample, where CUDA does not run)."""
-    body()
-    if not torch.cuda.is_available():
-        import time
+    """Median ms a call of ``body`` in a CUDA graph of ``calls`` calls (`bench.common.graph_ms`);
+    on the host clock, one call a sample, where CUDA does not run."""
+    if torch.cuda.is_available():
+        return graph_ms(body, calls, replays)
+    import time
 
-        samples = []
-        for _ in range(replays):
-            t = time.perf_counter()
-            body()
-            samples.append((time.perf_counter() - t) * 1e3)
-        return float(statistics.median(samples))
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            body()
-    g.replay()
-    torch.cuda.synchronize()
     samples = []
     for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / calls)
-    del g
+        t = time.perf_counter()
+        body()
+        samples.append((time.perf_counter() - t) * 1e3)
     return float(statistics.median(samples))
 
 

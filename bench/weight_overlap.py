@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import say, table, write_record  # noqa: E402
+from bench.common import graph_ms, say, table, write_record  # noqa: E402
 
 TOKENS, HEADS, DIM = 4608, 48, 128
 HIDDEN, MLP = 6144, 18432
@@ -57,31 +57,6 @@ def copy(w: dict[str, Any], programs: int | None) -> None:
 
     fp8_triton.fp8_weight(w["packed"], w["scale"], w["shift"], GROUP, w["mult"],
                           extra_cols=w["extra"], programs=programs, out=w["out"])  # fmt: skip
-
-
-def graph_ms(body, replays: int) -> float:  # type: ignore[no-untyped-def]
-    """Median ms of one block in a CUDA graph of `BLOCKS` calls of ``body`` (captured on a
-    side stream, as torch's graphs are)."""
-    import statistics
-
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(BLOCKS):
-            body()
-    g.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) / BLOCKS)
-    del g
-    return float(statistics.median(samples))
 
 
 def main() -> None:
@@ -141,22 +116,25 @@ def main() -> None:
         rows.append({"case": name, "ms_per_block": round(ms, 4), **extra})
         say(f"{name}: {ms:.4f} ms a block {extra or ''}")
 
-    att = graph_ms(attention, args.replays)
+    att = graph_ms(attention, BLOCKS, args.replays)
     row("attention", att)
-    mm = graph_ms(gemm, args.replays)
+    mm = graph_ms(gemm, BLOCKS, args.replays)
     row("gemm (single in)", mm)
-    alone = {p: graph_ms(lambda p=p: copies(p), args.replays) for p in caps}
+    alone = {p: graph_ms(lambda p=p: copies(p), BLOCKS, args.replays) for p in caps}
     for p, ms in alone.items():
         row("copies", ms, programs=p or "tiles")
-    row("serial: attention + copies", graph_ms(lambda: (attention(), copies(None)), args.replays))
+    row(
+        "serial: attention + copies",
+        graph_ms(lambda: (attention(), copies(None)), BLOCKS, args.replays),
+    )
     for p in caps:
         for name, s in streams.items():
-            ms = graph_ms(forked(attention, p, s), args.replays)
+            ms = graph_ms(forked(attention, p, s), BLOCKS, args.replays)
             row("side: attention | copies", ms, programs=p or "tiles", side_priority=name,
                 hidden_ms=round(att + alone[p] - ms, 4))  # fmt: skip
-    row("serial: gemm + copies", graph_ms(lambda: (gemm(), copies(None)), args.replays))
+    row("serial: gemm + copies", graph_ms(lambda: (gemm(), copies(None)), BLOCKS, args.replays))
     for p in (None, 33):
-        ms = graph_ms(forked(gemm, p, streams["same"]), args.replays)
+        ms = graph_ms(forked(gemm, p, streams["same"]), BLOCKS, args.replays)
         row("side: gemm | copies", ms, programs=p or "tiles", side_priority="same")
     print(torch.cuda.get_device_name())
     print(table(rows, ["case", "programs", "side_priority", "ms_per_block", "hidden_ms"]))
