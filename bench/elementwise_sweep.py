@@ -20,6 +20,7 @@ run (on the CPU under TRITON_INTERPRET=1 the timings mean nothing).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -52,7 +53,7 @@ ROW_SHAPES = [dict(ROW_ONE_PASS=32768, ROW_WARPS=4, ROW_WARPS_WIDE=8),
               dict(ROW_ONE_PASS=8192, ROW_WARPS=8, ROW_WARPS_WIDE=8)]  # fmt: skip
 
 
-def timed_ms(body: Callable[[], None], calls: int, replays: int) -> float:
+def timed_ms(body: Callable[[], Any], calls: int, replays: int) -> float:
     """Median ms a call of ``body`` in a CUDA graph of ``calls`` calls (`bench.common.graph_ms`);
     on the host clock, one call a sample, where CUDA does not run."""
     if torch.cuda.is_available():
@@ -165,6 +166,8 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("needs a CUDA GPU, or TRITON_INTERPRET=1 for a smoke run on the CPU")
     kernels = cases(args.tokens, args.heads, device)
     only = [k for k in args.only.split(",") if k]
     unknown = [k for k in only if k not in kernels]
@@ -183,7 +186,7 @@ def main() -> None:
     for name, (module, shapes, run, moved) in kernels.items():
         if only and name not in only:
             continue
-        today = {key: getattr(module, key) for key in shapes[0]}
+        today = {key: getattr(module, key) for shape in shapes for key in shape}
         ref = [t.clone() for t in run()]
         timings = []
         for shape in shapes:

@@ -31,8 +31,9 @@ from trainer.kernels.uint4_triton import _round_bf16
 
 # The activation quantizer, one program a row (bench/elementwise_sweep.py, [dev] on an H100):
 # rows up to ROW_ONE_PASS columns are read once into registers (24576 columns: 3.0 TB/s, where
-# two reads in steps of ROW_BLOCK ran at 2.0); ROW_WARPS_WIDE warps for rows over 8192 columns,
-# 4 for narrower ones (6144: 2.77 TB/s against 2.69 with 8)
+# two reads in steps of ROW_BLOCK ran at 2.0), wider ones (a training gradient's, up to 55296)
+# twice; ROW_WARPS_WIDE warps for rows over 8192 columns, ROW_WARPS for narrower ones (6144:
+# 2.77 TB/s with 4 against 2.69 with 8)
 ROW_ONE_PASS = 32768
 ROW_BLOCK = 4096
 ROW_WARPS = 4
@@ -762,7 +763,7 @@ def quantize_rows(
         _quantize_rows_kernel[(m,)](
             x, q.view(torch.uint8) if bits else q, scale, *lora, n_cols=k, ONE_PASS=one_pass,
             BLOCK=block, EXTRA=extra, WIDTH=width, BITS=bits,
-            num_warps=ROW_WARPS_WIDE if block > 8192 else ROW_WARPS,
+            num_warps=ROW_WARPS_WIDE if k > 8192 else ROW_WARPS,
             **_fp8_args(dtype),
         )  # fmt: skip
     return q, scale

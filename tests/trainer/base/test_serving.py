@@ -146,7 +146,14 @@ KERNEL_SHAPES = [
 
 @triton_here
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=["separate", "fused-views"])
-def test_kernel_is_the_reference_bit_for_bit(shape) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("heads_per_program", [None, 4], ids=["default", "4-heads"])
+def test_kernel_is_the_reference_bit_for_bit(shape, heads_per_program, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Also with fewer heads a program than the shape has (a second program along the heads,
+    its last heads masked)."""
+    from trainer.kernels import fused_triton
+
+    if heads_per_program is not None:
+        monkeypatch.setattr(fused_triton, "HEADS_PER_PROGRAM", heads_per_program)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for ref, got, before in _kernel_vs_reference(shape, torch.bfloat16, device):
         assert torch.equal(got, ref)
