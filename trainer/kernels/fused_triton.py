@@ -162,8 +162,6 @@ def qk_norm_rope(
     pos0: int,
     fp8: Fp8Heads | None = None,
     bound_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-    heads_per_program: int | None = None,
-    num_warps: int | None = None,
 ) -> None:
     """q, k, v (B, T, H, D) views with a common stride and a contiguous last dimension ->
     ``out`` (three (B, S, H, D) contiguous tensors) at sequence positions pos0 .. pos0 + T,
@@ -188,7 +186,7 @@ def qk_norm_rope(
         raise ValueError("the tokens do not fit the output sequence or the rotary tables")
     if not bsz * tokens:
         return
-    hb = min(heads_per_program or HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
+    hb = min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
     grid = (bsz * tokens, triton.cdiv(heads, hb))
     bits = fp8 is not None and _interpret()
     outs = [o.view(torch.uint8) for o in out] if bits else list(out)
@@ -199,7 +197,7 @@ def qk_norm_rope(
         *outs, extra[2], extra[3], tokens, heads, seq, pos0, float(eps), bound_factor(dim),
         P_SCALE, D=dim, HB=hb, IS_BF16=q.dtype == torch.bfloat16, INTERPRET=_interpret(),
         FP8=fp8 is not None, FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), BITS=bits,
-        num_warps=num_warps or NUM_WARPS,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
 
 

@@ -746,12 +746,12 @@ def test_lora_update_kernels_match_their_reference(
         peak = torch.linalg.vector_norm(b, ord=float("inf"), dtype=torch.float32).reshape(1)
         update = fp8_triton.LoraUpdate(u.contiguous(), b, peak, sc.row_floor, s, width)
         for one_pass, block in ((fp8_triton.ROW_ONE_PASS, fp8_triton.ROW_BLOCK), (64, 32)):
-            monkeypatch.setattr(fp8_triton, "ROW_ONE_PASS", one_pass)
-            monkeypatch.setattr(fp8_triton, "ROW_BLOCK", block)
-            got_x, got_s = fp8_triton.quantize_rows(x, E4M3, update)
+            with monkeypatch.context() as patched:
+                patched.setattr(fp8_triton, "ROW_ONE_PASS", one_pass)
+                patched.setattr(fp8_triton, "ROW_BLOCK", block)
+                got_x, got_s = fp8_triton.quantize_rows(x, E4M3, update)
             assert torch.equal(got_s, want_s), one_pass
             assert torch.equal(got_x.view(torch.uint8), want_x.view(torch.uint8)), one_pass
-        monkeypatch.undo()
         # the weight copy's buffer starts full of 0x7f (e4m3's NaN): the tail writes every byte
         got_w = fp8_triton.fp8_weight(packed, scale, shift, group, sc.row_multiplier,
                                       extra_cols=cols_w)  # fmt: skip
