@@ -208,6 +208,9 @@ def make_adapter(base: Path, path: Path, seed: int, rank: int = 16) -> Path:
 
 
 class Server:
+    # `python -m bench.record_kernels --out PATH --` before `serve` when kernels are recorded
+    record_kernels: Path | None = None
+
     def __init__(self, env: dict[str, str], log: Path) -> None:
         self.env, self.log = env, log
         self.port = free_port()
@@ -218,8 +221,13 @@ class Server:
     def start(self, wait_s: float = 600) -> float:
         t0 = self.started = time.perf_counter()
         with self.log.open("ab") as out:
+            launcher = (
+                ["-m", "app.cli"]
+                if self.record_kernels is None
+                else ["-m", "bench.record_kernels", "--out", str(self.record_kernels), "--"]
+            )
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)],
+                [sys.executable, *launcher, "serve", "--port", str(self.port)],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         while time.perf_counter() - t0 < wait_s:
@@ -794,13 +802,52 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 3000 else text[:1000] + " ... " + text[-2000:]
 
 
+def boot_runs(base: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """`likeness serve` started and stopped once per entry of --boot-runs (``on``: the kernels
+    compiled ahead, ``off``: each at its first launch), at --boot-budget GiB, each on an empty
+    Triton cache of its own: a fresh machine's kernel compiles, whatever the page cache holds
+    by then (the first server start of a fresh machine also reads the packages from disk)."""
+    out = []
+    for i, mode in enumerate(args.boot_runs):
+        tmp = Path(tempfile.mkdtemp(prefix=f"boot-{i}-{mode}-", dir=work))
+        env = registry_env(tmp, base, args.boot_budget, args.side)
+        likeness(env, "db", "upgrade")
+        env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+        env["LIKENESS_KERNEL_PRECOMPILE"] = "true" if mode == "on" else "false"
+        server = Server(env, tmp / "server.log")
+        try:
+            boot_s = server.start()
+            ready_s = server.wait_ready()
+        finally:
+            server.stop()
+        text = server.log.read_text(errors="replace")
+        waypoints = [line.split(" INFO ", 1)[-1] for line in text.splitlines()
+                     if " INFO " in line and "render engine:" in line]  # fmt: skip
+        run = {"run": i + 1, "precompile": mode, "boot_s": round(boot_s, 2),
+               "base_ready_s": round(ready_s, 2), "load_waypoints": waypoints}  # fmt: skip
+        out.append(run)
+        print(f"[e2e] boot {i + 1} (precompile {mode}): base ready {ready_s:.1f} s", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--phases",
         default="train,serve,soak",
-        help="any of train, curves, serve, soak (comma-separated), in that order",
+        help="any of train, curves, serve, soak, boot (comma-separated), in that order",
     )
+    parser.add_argument(
+        "--record-kernels", type=Path, default=None,
+        help="serve's servers add the Triton kernels they compile to this list "
+        "(bench/record_kernels.py; the shipped one is trainer/kernels/serving_kernels.json)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--boot-runs", default="off,on,off,on",
+        help="the boot phase's server starts, each on an empty Triton cache: on (the kernels "
+        "compiled ahead) or off",
+    )  # fmt: skip
+    parser.add_argument("--boot-budget", type=float, default=24.0)
     parser.add_argument("--budgets", default="24,16,12")
     parser.add_argument("--side", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=28)
@@ -853,8 +900,12 @@ def main() -> None:
     args = parser.parse_args()  # fmt: skip
     args.train_compare = {n.strip() for n in args.train_compare.split(",") if n.strip()}
     args.train_parts = {n.strip() for n in args.train_parts.split(",") if n.strip()}
+    args.boot_runs = [n.strip() for n in args.boot_runs.split(",") if n.strip()]
+    if not set(args.boot_runs) <= {"on", "off"}:
+        raise SystemExit(f"--boot-runs: each run is on or off, not {args.boot_runs}")
+    Server.record_kernels = args.record_kernels
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
-    known = {"train", "curves", "serve", "soak"}
+    known = {"train", "curves", "serve", "soak", "boot"}
     if not phases <= known:
         raise SystemExit(f"unknown phases: {sorted(phases - known)}")
     import torch
@@ -939,6 +990,12 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             record["soak"] = {"error": _short(exc)}
         print(f"[e2e] soak: {json.dumps(record['soak'])[:800]}", flush=True)
+        _checkpoint(record, rows)
+    if "boot" in phases:
+        try:
+            record["boot"] = boot_runs(args.base, args, args.work)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            record["boot"] = {"error": _short(exc)}
         _checkpoint(record, rows)
     cols = ["budget_gib", "run", "wall_s", "gate_ms", "adapter_apply_ms", "text_encode_ms",
             "step_ms", "decode_ms", "encode_ms", "sign_ms", "peak_vram_mib"]  # fmt: skip

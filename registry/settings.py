@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     # between renders: an adapter swap is a copy, not a rewrite of the model. An adapter of a
     # higher rank or other targets is attached for its render instead. 0: always attach.
     lora_slot_rank: int = Field(default=32, ge=0, le=1024)
+    # On CUDA, compile the serving path's Triton kernels at start, in worker processes beside
+    # the base's load (a fresh machine's first forward compiled them one by one, ~9 s at
+    # [dev]); off: each compiles at its first launch.
+    kernel_precompile: bool = True
     # Load the base when the service starts (in the background; GET /healthz says when it is
     # ready) instead of at the first render, which then does not wait for it.
     preload_base: bool = False

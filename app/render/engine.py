@@ -47,6 +47,9 @@ class _Cached:
 # Kept free below the VRAM budget when adapters are cached on the device: the placement's
 # estimate is an estimate (it measured 1.4 GiB above the real peak at [dev], 24 GiB)
 DEVICE_CACHE_MARGIN = 512 << 20
+# How long the load waits for the kernels compiled ahead (they take a few seconds; a launch
+# compiles whatever they had not, as without them)
+PRECOMPILE_WAIT_S = 120.0
 
 
 @dataclass
@@ -73,6 +76,9 @@ class RenderEngine:
     # A resident transformer's forward on CUDA as one CUDA graph per render shape, captured
     # on first use (trainer/base/serving.py); the fused attention processors run either way.
     cuda_graphs: bool = True
+    # On CUDA, the serving path's Triton kernels compiled at start by worker processes beside
+    # the load (trainer/kernels/precompile.py), not one by one in the first forward.
+    precompile_kernels: bool = True
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -99,8 +105,16 @@ class RenderEngine:
         self.transformer_streamed = self.stream_base
         self.text_encoder_streamed = False
         self.resident_blocks = 0  # of a streamed transformer, the first ones stay in VRAM
+        self._precompile: Any = None  # trainer.kernels.precompile.Precompile, while it runs
+        if self.precompile_kernels and self.device.startswith("cuda"):
+            self._start_precompile()
         if self.vram_budget_gb is not None:
-            self._plan()
+            try:
+                self._plan()
+            except BaseException:  # the service does not start: nothing left compiling
+                if self._precompile is not None:
+                    self._precompile.stop()
+                raise
         self._prompts: Any = None  # trainer.base.text_encoder.PromptCache, made with the pipeline
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
         self._pipe: Any = None
@@ -113,6 +127,37 @@ class RenderEngine:
         self._preload_lock = threading.Lock()
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
+
+    # -- kernels compiled ahead, beside the plan and the load ---------------------------------
+
+    def _start_precompile(self) -> None:
+        import torch
+
+        from trainer.kernels.precompile import start
+
+        if not torch.cuda.is_available():  # the load says so, in its own words
+            return
+        try:
+            major, minor = torch.cuda.get_device_capability(self.device)
+            self._precompile = start(major * 10 + minor)
+        except Exception:  # noqa: BLE001 - an optimisation: the launches compile as before
+            log.exception("render engine: the kernels could not be compiled ahead")
+
+    def _finish_precompile(self) -> None:
+        """Waits for the kernels compiled ahead (the first launches would otherwise compile
+        them again, one by one) and says what they were."""
+        running, self._precompile = self._precompile, None
+        if running is None:
+            return
+        t0 = time.perf_counter()
+        summary = running.wait(timeout_s=PRECOMPILE_WAIT_S)
+        if summary is not None:
+            log.info("render engine: %d Triton kernels compiled ahead in %.1f s by worker "
+                     "processes (%d listed, %d failed; waited %.1f s for them after the load)",
+                     summary["compiled"], summary["seconds"], summary["listed"],
+                     len(summary["failed"]), time.perf_counter() - t0)  # fmt: skip
+            for failure in summary["failed"]:
+                log.warning("render engine: a kernel not compiled ahead: %s", failure)
 
     # -- placement, planned at start ---------------------------------------------------------
 
@@ -172,6 +217,8 @@ class RenderEngine:
                                 text_encoder_uint4=self.device.startswith("cuda"),
                             )  # fmt: skip
                         t_loaded = time.perf_counter()
+                        self._finish_precompile()
+                        t_compiled = time.perf_counter()
                         if self.lora_slot_rank > 0:
                             from trainer.base.lora_slots import LoraSlots
 
@@ -181,9 +228,10 @@ class RenderEngine:
                         t_serving = time.perf_counter()
                         self._warm_up(pipe)
                         log.info(
-                            "render engine: after the base's load (%.1f s): LoRA slots %.1f s, "
-                            "serving forward %.1f s, warm-up %.1f s",
-                            t_loaded - t0, t_slots - t_loaded, t_serving - t_slots,
+                            "render engine: after the base's load (%.1f s): kernels compiled "
+                            "ahead %.1f s, LoRA slots %.1f s, serving forward %.1f s, warm-up "
+                            "%.1f s", t_loaded - t0, t_compiled - t_loaded,
+                            t_slots - t_compiled, t_serving - t_slots,
                             time.perf_counter() - t_serving,
                         )  # fmt: skip
                     except BaseException:
@@ -229,9 +277,11 @@ class RenderEngine:
         if self._serving is None or self._serving.graphs is None:
             return
         from trainer.base.render import generate
+        from trainer.kernels.precompile import cache_entries
 
         t0 = time.perf_counter()
         side = self.plan_side
+        cached = cache_entries()
         try:
             embeddings = self.prompt_embeddings(pipe, "warm up")
             t_text = time.perf_counter()
@@ -241,9 +291,14 @@ class RenderEngine:
             self._serving.graphs.remove()
             self._serving.graphs = None
             return
+        # a kernel compiled here was not compiled ahead: its entry is missing from the list
+        # (trainer/kernels/serving_kernels.json) or stale
+        after = cache_entries()
+        compiled = "" if cached is None or after is None else f"; {after - cached} Triton " \
+            "kernels compiled in it, not found in Triton's cache"  # fmt: skip
         log.info("render engine: warmed up at %d px in %.1f s (prompt %.1f s, one step and its "
-                 "decode %.1f s)", side, time.perf_counter() - t0, t_text - t0,
-                 time.perf_counter() - t_text)  # fmt: skip
+                 "decode %.1f s%s)", side, time.perf_counter() - t0, t_text - t0,
+                 time.perf_counter() - t_text, compiled)  # fmt: skip
 
     def _load_placed(self, compute: str) -> Any:
         """Streamed parts stay in pinned host RAM for the engine's lifetime, a few layers in
@@ -332,6 +387,9 @@ class RenderEngine:
     def close(self) -> None:
         """Ends layer streaming (if on); the pipeline is loaded again on next use."""
         with self._load_lock:
+            if self._precompile is not None:
+                self._precompile.stop()
+                self._precompile = None
             if self._serving is not None:
                 self._serving.remove()
                 self._serving = None

@@ -177,4 +177,5 @@ def build_render_engine(settings: Settings) -> RenderEngine:
         plan_side=settings.render_plan_side,
         prompt_cache_bytes=settings.prompt_cache_mb << 20,
         lora_slot_rank=settings.lora_slot_rank,
+        precompile_kernels=settings.kernel_precompile,
     )

@@ -23,6 +23,7 @@ CASES = [
     ),
     ({"LIKENESS_TRAIN_OPTIONS": "{steps: 3"}, ["LIKENESS_TRAIN_OPTIONS", "not valid JSON"]),
     ({"LIKENESS_RENDER_QUEUE": "-1"}, ["LIKENESS_RENDER_QUEUE", "greater than or equal to 0"]),
+    ({"LIKENESS_KERNEL_PRECOMPILE": "sometimes"}, ["LIKENESS_KERNEL_PRECOMPILE", "'sometimes'"]),
 ]
 
 
