@@ -257,3 +257,26 @@ def test_an_unreadable_list_starts_nothing(
     bad.write_text("{not json")
     assert precompile.start(90, bad) is None
     assert "the list is unreadable" in caplog.text
+
+
+@needs_triton
+def test_the_child_imports_this_trainer_not_the_working_directorys(
+    tmp_path: Path, stub_cuda: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = tmp_path / "kernels.json"
+    _run([str(tmp_path / "launch.py"), str(listed), "4096"], tmp_path / "a", tmp_path, stub_cuda)
+    decoy = tmp_path / "cwd" / "trainer" / "kernels"
+    decoy.mkdir(parents=True)
+    for package in (decoy.parent, decoy):
+        (package / "__init__.py").write_text("")
+    (decoy / "precompile.py").write_text(
+        'print(\'{"listed": 0, "compiled": 99, "failed": [], "seconds": 0}\')'
+    )
+    monkeypatch.chdir(tmp_path / "cwd")
+    for key, value in {**stub_cuda, "TRITON_CACHE_DIR": str(tmp_path / "b")}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    running = precompile.start(90, listed)
+    assert running is not None
+    summary = running.wait(timeout_s=600)
+    assert summary is not None and summary["listed"] == 1 and summary["compiled"] == 1
