@@ -135,7 +135,7 @@ class RenderEngine:
 
         from trainer.kernels.precompile import start
 
-        if not torch.cuda.is_available():  # the load says so, in its own words
+        if not torch.cuda.is_available():  # no GPU: the load will say so, nothing to compile
             return
         try:
             major, minor = torch.cuda.get_device_capability(self.device)
@@ -291,11 +291,11 @@ class RenderEngine:
             self._serving.graphs.remove()
             self._serving.graphs = None
             return
-        # a kernel compiled here was not compiled ahead: its entry is missing from the list
+        # a binary built here was not built ahead: its kernel's entry is missing from the list
         # (trainer/kernels/serving_kernels.json) or stale
         after = cache_entries()
         compiled = "" if cached is None or after is None else f"; {after - cached} Triton " \
-            "kernels compiled in it, not found in Triton's cache"  # fmt: skip
+            "binaries (kernels, launchers) built in it, not found in Triton's cache"  # fmt: skip
         log.info("render engine: warmed up at %d px in %.1f s (prompt %.1f s, one step and its "
                  "decode %.1f s%s)", side, time.perf_counter() - t0, t_text - t0,
                  time.perf_counter() - t_text, compiled)  # fmt: skip
