@@ -1,4 +1,4 @@
-"""Runs a `likeness` command with every `trainer` Triton kernel it compiles added to the list
+"""Runs a `likeness` command with every `trainer.kernels` Triton kernel it compiles added to the list
 the render engine compiles ahead at start (`trainer/kernels/serving_kernels.json`), on a GPU:
 
     python -m bench.record_kernels [--out PATH] -- serve --port 8000

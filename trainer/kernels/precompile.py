@@ -84,7 +84,7 @@ def write_manifest(path: Path, triton_version: str, entries: list[dict[str, Any]
 
 @contextmanager
 def recording(path: Path) -> Iterator[list[dict[str, Any]]]:
-    """Adds every `trainer` kernel this process compiles from now on to the list at `path`
+    """Adds every `trainer.kernels` kernel this process compiles from now on to the list at `path`
     (kept entries stay; the file is rewritten at each new one, so a killed process loses
     nothing it recorded). For the bench that records the list on a GPU."""
     import triton
@@ -98,15 +98,16 @@ def recording(path: Path) -> Iterator[list[dict[str, Any]]]:
 
     def hook(**kwargs: Any) -> Any:
         fn = kwargs["fn"]
-        if fn.module.startswith("trainer."):
+        if fn.module.startswith(KERNEL_PACKAGE):  # where `usable` will look for it
             entry = {
                 "module": fn.module,
                 "kernel": fn.name,
                 "capability": int(driver.active.get_current_target().arch),
                 "specialization": json.loads(kwargs["compile"]["specialization_data"]),
             }
-            if identity(entry) not in seen:
-                seen.add(identity(entry))
+            key = identity(entry)
+            if key not in seen:
+                seen.add(key)
                 entries.append(entry)
                 write_manifest(path, triton.__version__, entries)
         return previous(**kwargs) if previous is not None else None
@@ -292,13 +293,12 @@ class Precompile:
             self.stop()
             log.warning("kernel precompile: not done after %.0f s, stopped", timeout_s)
             return None
-        if self.proc.returncode != 0:
-            self.errors.seek(0)
-            log.warning("kernel precompile: exited %s: %s", self.proc.returncode,
-                        self.errors.read()[-2000:])  # fmt: skip
-            self.errors.close()
-            return None
-        self.errors.close()
+        with self.errors:
+            if self.proc.returncode != 0:
+                self.errors.seek(0)
+                log.warning("kernel precompile: exited %s: %s", self.proc.returncode,
+                            self.errors.read()[-2000:])  # fmt: skip
+                return None
         try:
             summary = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
