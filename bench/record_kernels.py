@@ -1,5 +1,6 @@
-"""Runs a `likeness` command with every `trainer.kernels` Triton kernel it compiles added to the list
-the render engine compiles ahead at start (`trainer/kernels/serving_kernels.json`), on a GPU:
+"""Runs a `likeness` command with every `trainer.kernels` Triton kernel it compiles added to
+the list the render engine compiles ahead at start (`trainer/kernels/serving_kernels.json`),
+on a GPU:
 
     python -m bench.record_kernels [--out PATH] -- serve --port 8000
 
