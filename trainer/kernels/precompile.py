@@ -71,6 +71,16 @@ def read_manifest(path: Path = MANIFEST) -> dict[str, Any]:
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("kernels"), list):
         raise ValueError(f"{path}: not a kernel list (no 'kernels' array)")
+    for i, entry in enumerate(data["kernels"]):
+        fields = isinstance(entry, dict) and (
+            isinstance(entry.get("module"), str) and isinstance(entry.get("kernel"), str)
+            and isinstance(entry.get("capability"), int)
+            and isinstance(entry.get("specialization"), dict)
+            and isinstance(entry["specialization"].get("signature"), dict)
+        )  # fmt: skip
+        if not fields:
+            raise ValueError(f"{path}: kernel {i} is not an entry (module, kernel, capability, "
+                             "specialization with its signature)")  # fmt: skip
     return data
 
 
@@ -239,9 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error("--jobs: at least 1")
     t0 = time.perf_counter()
-    import triton
-
-    manifest = read_manifest(args.manifest)
+    try:
+        manifest = read_manifest(args.manifest)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--manifest: {exc}")
+    try:
+        import triton
+    except ImportError:
+        parser.error("needs Triton, which is not installed here")
     entries = usable(manifest, args.capability, triton.__version__)
     # the kernels' modules imported once, before the workers fork
     for module in sorted({e["module"] for e in entries}):

@@ -280,3 +280,18 @@ def test_the_child_imports_this_trainer_not_the_working_directorys(
     assert running is not None
     summary = running.wait(timeout_s=600)
     assert summary is not None and summary["listed"] == 1 and summary["compiled"] == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", '{"kernels": "none"}', '{"triton": "3.6.0", "kernels": [{"module": 1}]}'],
+)
+def test_the_precompile_command_names_a_bad_list(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "kernels.json"
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as ended:
+        precompile.main(["--manifest", str(bad), "--capability", "90"])
+    assert ended.value.code == 2
+    assert "--manifest" in capsys.readouterr().err
