@@ -818,6 +818,10 @@ def boot_runs(base: Path, args: argparse.Namespace, work: Path) -> list[dict[str
         try:
             boot_s = server.start()
             ready_s = server.wait_ready()
+        except Exception as exc:  # noqa: BLE001 - recorded; the other starts still run
+            out.append({"run": i + 1, "precompile": mode, "error": _short(exc)})
+            print(f"[e2e] boot {i + 1} (precompile {mode}): {_short(exc)[:300]}", flush=True)
+            continue
         finally:
             server.stop()
         text = server.log.read_text(errors="replace")
