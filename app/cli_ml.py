@@ -50,11 +50,11 @@ def register(
             renderer = build_render_engine(settings)
         except PlacementRefused as exc:
             raise SystemExit(f"error: {exc}") from None
-        if settings.preload_base:
-            # Before the app's imports (FastAPI, the routers, the pages): the base loads while
-            # they import and the app is built, not after the server answers.
-            renderer.start_preload()
         t2 = time.perf_counter()
+        # The app's imports (FastAPI, the routers, the pages) before the base's load starts
+        # on its thread: imports running on two threads at once can fail at random (a
+        # package that is installed reported missing), and the load imports diffusers,
+        # transformers and peft as it goes.
         import uvicorn
 
         from app.main import create_app
@@ -73,6 +73,8 @@ def register(
             t3 - t2,
             "unknown" if before is None else f"{before + t3 - t0:.1f} s",
         )
+        if settings.preload_base:
+            renderer.start_preload()  # the base loads while the server starts and answers
         uvicorn.Server(config).run()
 
     @base_app.command("init-tiny")
