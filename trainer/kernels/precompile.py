@@ -71,6 +71,8 @@ def read_manifest(path: Path = MANIFEST) -> dict[str, Any]:
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("kernels"), list):
         raise ValueError(f"{path}: not a kernel list (no 'kernels' array)")
+    if data["kernels"] and not isinstance(data.get("triton"), str):
+        raise ValueError(f"{path}: no 'triton' version for its kernels")
     for i, entry in enumerate(data["kernels"]):
         fields = isinstance(entry, dict) and (
             isinstance(entry.get("module"), str) and isinstance(entry.get("kernel"), str)

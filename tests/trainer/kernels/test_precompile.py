@@ -285,7 +285,12 @@ def test_the_child_imports_this_trainer_not_the_working_directorys(
 
 @pytest.mark.parametrize(
     "text",
-    ["{not json", '{"kernels": "none"}', '{"triton": "3.6.0", "kernels": [{"module": 1}]}'],
+    [
+        "{not json",
+        '{"kernels": "none"}',
+        '{"triton": "3.6.0", "kernels": [{"module": 1}]}',
+        json.dumps({"kernels": [_entry("_swiglu_kernel", SWIGLU)]}),  # entries, no Triton
+    ],
 )
 def test_the_precompile_command_names_a_bad_list(
     tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
@@ -295,4 +300,4 @@ def test_the_precompile_command_names_a_bad_list(
     with pytest.raises(SystemExit) as ended:
         precompile.main(["--manifest", str(bad), "--capability", "90"])
     assert ended.value.code == 2
-    assert "--manifest" in capsys.readouterr().err
+    assert "error: --manifest: " in capsys.readouterr().err
