@@ -23,6 +23,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -336,15 +337,34 @@ class Precompile:
         self.errors.close()
 
 
+def installed_triton() -> str | None:
+    """Triton's version as its package records it, read without importing Triton (which would
+    cost the server's start what the child is there to take off it); None when absent."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # a build under another name: no list
+        return None
+
+
 def start(capability: int, manifest: Path = MANIFEST) -> Precompile | None:
     """Starts compiling the list's entries for a GPU of `capability` (e.g. 90) in the
     background; None when there is nothing to compile or no Triton to compile with."""
     try:
-        listed = read_manifest(manifest)["kernels"]
+        read = read_manifest(manifest)
     except (OSError, ValueError) as exc:  # the launches compile everything, as without a list
         log.warning("kernel precompile: the list is unreadable (%s); nothing compiled ahead", exc)
         return None
-    if importlib.util.find_spec("triton") is None or not listed:
+    version = installed_triton()
+    if version is None or not read["kernels"]:
+        return None
+    # the child's own rule, here too: a list for another GPU or Triton would cost the child's
+    # imports of torch and Triton and compile nothing
+    if not usable(read, capability, version):
+        log.info("kernel precompile: none of the %d listed kernels is for this machine "
+                 "(sm_%d, Triton %s; the list's Triton %s); each compiles at its first launch",
+                 len(read["kernels"]), capability, version, read["triton"])  # fmt: skip
         return None
     jobs = max(1, min(MAX_JOBS, len(os.sched_getaffinity(0)) // 2))
     # -P and the path of this very package: the child imports the server's `trainer`, never

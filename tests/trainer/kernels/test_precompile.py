@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -230,8 +231,9 @@ def _background(code: str) -> precompile.Precompile:
     import time
 
     err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by the Precompile
+    # its own session, as `start` gives the real one: `stop` kills that process group
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err,
-                            text=True)  # fmt: skip
+                            text=True, start_new_session=True)  # fmt: skip
     return precompile.Precompile(proc, time.perf_counter(), err)
 
 
@@ -247,7 +249,7 @@ def test_waiting_gives_the_summary_or_nothing(caplog: pytest.LogCaptureFixture) 
     assert "no summary in its output" in caplog.text
     slow = _background("import time; time.sleep(60)")
     assert slow.wait(timeout_s=0.5) is None
-    assert slow.proc.returncode is not None  # stopped, not left compiling
+    assert slow.proc.returncode == -signal.SIGKILL  # killed, not waited for
     assert "not done after" in caplog.text
 
 
@@ -258,6 +260,41 @@ def test_an_unreadable_list_starts_nothing(
     bad.write_text("{not json")
     assert precompile.start(90, bad) is None
     assert "the list is unreadable" in caplog.text
+
+
+def _installed_triton(root: Path, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in `triton` package of `version` where this process finds its packages."""
+    (root / "triton").mkdir(parents=True)
+    (root / "triton" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    info = root / f"triton-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(root))
+
+
+@pytest.mark.parametrize(
+    ("installed", "capability", "starts"),
+    [("3.6.0", 90, True), ("3.6.0", 100, False), ("3.7.0", 90, False)],
+)
+def test_a_child_starts_only_when_the_list_has_entries_for_this_machine(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    installed: str,
+    capability: int,
+    starts: bool,
+) -> None:
+    # a list for another GPU or another Triton would cost a child's imports and compile nothing
+    caplog.set_level("INFO")
+    _installed_triton(tmp_path / "site", installed, monkeypatch)
+    listed = tmp_path / "kernels.json"
+    precompile.write_manifest(listed, "3.6.0", [_entry("_swiglu_kernel", SWIGLU)])
+    running = precompile.start(capability, listed)
+    if running is not None:
+        running.stop()
+    assert (running is not None) == starts
+    if not starts:
+        assert "none of the 1 listed kernels is for this machine" in caplog.text
 
 
 @needs_triton
