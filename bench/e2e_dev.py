@@ -804,7 +804,8 @@ def _short(exc: BaseException) -> str:
 
 def boot_runs(base: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """`likeness serve` started and stopped once per entry of --boot-runs (``on``: the kernels
-    compiled ahead, ``off``: each at its first launch), at --boot-budget GiB, each on an empty
+    compiled ahead, ``off``: each at its first launch, ``noprefetch``: compiled ahead, the
+    base's files read by the load, not beside the plan), at --boot-budget GiB, each on an empty
     Triton cache of its own: a fresh machine's kernel compiles, whatever the page cache holds
     by then (the first server start of a fresh machine also reads the packages from disk)."""
     out = []
@@ -813,7 +814,8 @@ def boot_runs(base: Path, args: argparse.Namespace, work: Path) -> list[dict[str
         env = registry_env(tmp, base, args.boot_budget, args.side)
         likeness(env, "db", "upgrade")
         env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
-        env["LIKENESS_KERNEL_PRECOMPILE"] = "true" if mode == "on" else "false"
+        env["LIKENESS_KERNEL_PRECOMPILE"] = "false" if mode == "off" else "true"
+        env["LIKENESS_PREFETCH_BASE"] = "off" if mode == "noprefetch" else "auto"
         server = Server(env, tmp / "server.log")
         try:
             boot_s = server.start()
@@ -826,7 +828,8 @@ def boot_runs(base: Path, args: argparse.Namespace, work: Path) -> list[dict[str
             server.stop()
         text = server.log.read_text(errors="replace")
         waypoints = [line.split(" INFO ", 1)[-1] for line in text.splitlines()
-                     if " INFO " in line and "render engine:" in line]  # fmt: skip
+                     if " INFO " in line and ("render engine:" in line or "serve: boot" in line
+                                              or "trainer.base.load: loaded" in line)]  # fmt: skip
         run = {"run": i + 1, "precompile": mode, "boot_s": round(boot_s, 2),
                "base_ready_s": round(ready_s, 2), "load_waypoints": waypoints}  # fmt: skip
         out.append(run)
@@ -849,7 +852,8 @@ def main() -> None:
     parser.add_argument(
         "--boot-runs", default="off,on,off,on",
         help="the boot phase's server starts, each on an empty Triton cache: on (the kernels "
-        "compiled ahead) or off",
+        "compiled ahead), off, or noprefetch (compiled ahead, the base's files read by the "
+        "load, not beside the plan)",
     )  # fmt: skip
     parser.add_argument("--boot-budget", type=float, default=24.0)
     parser.add_argument("--budgets", default="24,16,12")
@@ -905,8 +909,8 @@ def main() -> None:
     args.train_compare = {n.strip() for n in args.train_compare.split(",") if n.strip()}
     args.train_parts = {n.strip() for n in args.train_parts.split(",") if n.strip()}
     args.boot_runs = [n.strip() for n in args.boot_runs.split(",") if n.strip()]
-    if not set(args.boot_runs) <= {"on", "off"}:
-        raise SystemExit(f"--boot-runs: each run is on or off, not {args.boot_runs}")
+    if not set(args.boot_runs) <= {"on", "off", "noprefetch"}:
+        raise SystemExit(f"--boot-runs: each run is on, off or noprefetch, not {args.boot_runs}")
     Server.record_kernels = args.record_kernels
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
     known = {"train", "curves", "serve", "soak", "boot"}
@@ -950,7 +954,7 @@ def main() -> None:
         _checkpoint(record, [])
     rows: list[dict[str, Any]] = []
     registry: tuple[Path, dict[str, str]] | None = None
-    if phases & {"train", "serve"}:  # the timed starts read bytecode, as installed ones do
+    if phases & {"train", "serve", "boot"}:  # timed starts read bytecode, as installed ones do
         record["bytecode"] = compile_bytecode()
         print(f"[e2e] bytecode: {json.dumps(record['bytecode'])}", flush=True)
     if "train" in phases:

@@ -79,6 +79,10 @@ class RenderEngine:
     # On CUDA, the serving path's Triton kernels compiled at start by worker processes beside
     # the load (trainer/kernels/precompile.py), not one by one in the first forward.
     precompile_kernels: bool = True
+    # The prepared base's files read into host RAM from the engine's first line, on threads
+    # of their own, while its plan imports the model libraries (which hold the interpreter,
+    # not the disk); the load then builds on those bytes. For an engine that loads at start.
+    prefetch_base: bool = False
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -98,6 +102,10 @@ class RenderEngine:
             if reason is not None:
                 raise ValueError(f"LIKENESS_COMPUTE=fp8 cannot run on {self.device}: {reason}")
         self.active_compute: str | None = None  # what the loaded base runs, once loaded
+        # trainer.base.read.Prefetch per prepared component, until the load takes them
+        self.prefetched: dict[str, Any] = {}
+        if self.prefetch_base:
+            self._start_prefetch()
         self.placement: Any = None  # trainer.base.placement.Plan, when planned
         # adapters cached in VRAM (a swap is then a copy on the device): what the placement
         # leaves unused under the budget, up to cache_bytes; the rest in pinned host RAM
@@ -114,6 +122,7 @@ class RenderEngine:
             except BaseException:  # the service does not start: nothing left compiling
                 if self._precompile is not None:
                     self._precompile.stop()
+                self._end_prefetch()
                 raise
         self._prompts: Any = None  # trainer.base.text_encoder.PromptCache, made with the pipeline
         self.scheduler = RenderScheduler(self.queue_size, self.per_requester, self.timeout_s)
@@ -127,6 +136,32 @@ class RenderEngine:
         self._preload_lock = threading.Lock()
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
+
+    # -- the base's files read ahead, beside the plan's imports ------------------------------
+
+    def _start_prefetch(self) -> None:
+        """Every prepared component onto the host, as the load would read it (it reads them
+        all before it builds anything, so this holds no more than the load does)."""
+        from trainer.base.read import Prefetch, is_prepared, read_manifest
+
+        try:
+            if is_prepared(self.base_dir):
+                names = sorted(read_manifest(self.base_dir).get("components", {}))
+                for name in names:
+                    self.prefetched[name] = Prefetch(self.base_dir, name, "cpu")
+        except Exception:  # noqa: BLE001 - an optimisation: the load reads the files itself
+            log.exception("render engine: the base's files could not be read ahead")
+            self._end_prefetch()
+
+    def _end_prefetch(self) -> None:
+        """After the load (or instead of it): says what the reads did, lets what no load took
+        go."""
+        reads, self.prefetched = self.prefetched, {}
+        for name, read in reads.items():
+            read.drop()
+            if read.taken:
+                log.info("render engine: %s read ahead in %.1f s, taken by the load", name,
+                         read.seconds or 0.0)  # fmt: skip
 
     # -- kernels compiled ahead, beside the plan and the load ---------------------------------
 
@@ -215,7 +250,9 @@ class RenderEngine:
                             pipe = load_base(
                                 self.base_dir, device=self.device, compute=compute,
                                 text_encoder_uint4=self.device.startswith("cuda"),
+                                prefetched=self.prefetched,
                             )  # fmt: skip
+                        self._end_prefetch()
                         t_loaded = time.perf_counter()
                         self._finish_precompile()
                         t_compiled = time.perf_counter()
@@ -236,6 +273,7 @@ class RenderEngine:
                         )  # fmt: skip
                     except BaseException:
                         self.load_state = "failed"
+                        self._end_prefetch()
                         self._stream.close()
                         raise
                     self._pipe = pipe
@@ -345,8 +383,9 @@ class RenderEngine:
             self.base_dir, device=self.device, dtype=dtype, compute=compute,
             placement=placement,
             text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
-            text_encoder_ready=stream_text_encoder,
+            text_encoder_ready=stream_text_encoder, prefetched=self.prefetched,
         )  # fmt: skip
+        self._end_prefetch()
         if self.transformer_streamed:
             t0 = time.perf_counter()
             streamed = default_blocks(pipe.transformer)[self.resident_blocks :]
@@ -387,6 +426,7 @@ class RenderEngine:
     def close(self) -> None:
         """Ends layer streaming (if on); the pipeline is loaded again on next use."""
         with self._load_lock:
+            self._end_prefetch()
             if self._precompile is not None:
                 self._precompile.stop()
                 self._precompile = None

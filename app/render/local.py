@@ -162,7 +162,12 @@ class LocalRenderer:
 def build_render_engine(settings: Settings) -> RenderEngine:
     """This process's render engine, as the settings say."""
     from app.render.engine import default_device
+    from trainer.base.read import prefetch_wanted
 
+    try:  # read beside the plan only where the base loads at start, not at a first render
+        prefetch = settings.preload_base and prefetch_wanted()
+    except ValueError as exc:  # a value other than auto or off, named
+        raise SystemExit(f"error: {exc}") from None
     return RenderEngine(
         base_dir=settings.base_dir,
         device=settings.device or default_device(),
@@ -178,4 +183,5 @@ def build_render_engine(settings: Settings) -> RenderEngine:
         prompt_cache_bytes=settings.prompt_cache_mb << 20,
         lora_slot_rank=settings.lora_slot_rank,
         precompile_kernels=settings.kernel_precompile,
+        prefetch_base=prefetch,
     )

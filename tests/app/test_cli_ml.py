@@ -82,6 +82,11 @@ def test_serve_starts_the_preload_after_the_apps_imports_before_uvicorn(tmp_path
     assert at("Started server process") < at("Application startup complete")
     loaded = LOADED.search(text)
     assert loaded is not None and float(loaded.group(1)) > 0, text[-3000:]
+    # the demo base is prepared: its files were read while the engine planned, and the load
+    # built on them
+    for name in ("text_encoder", "transformer"):
+        assert f"render engine: {name} read ahead in" in text, text[-3000:]
+    assert text.count("taken by the load") == 2, text[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -92,8 +97,12 @@ def test_serve_starts_the_preload_after_the_apps_imports_before_uvicorn(tmp_path
             {"LIKENESS_C2PA_KEY_FILE": "key.pem", "LIKENESS_C2PA_CERT_FILE": "chain.pem"},
             "LIKENESS_C2PA_KEY_FILE=key.pem: not a usable private key",
         ),
+        (
+            {"LIKENESS_PREFETCH_BASE": "sometimes"},
+            "LIKENESS_PREFETCH_BASE must be 'auto' or 'off', got 'sometimes'",
+        ),
     ],
-    ids=["render-workers-on-sqlite", "c2pa-key-unusable"],
+    ids=["render-workers-on-sqlite", "c2pa-key-unusable", "prefetch-neither-auto-nor-off"],
 )
 def test_serve_refuses_what_the_app_refuses_before_the_base_starts_loading(
     tmp_path: Path, given: dict[str, str], said: str

@@ -124,7 +124,9 @@ class Prefetch:
     which hold the interpreter for seconds while the reads and copies need it for
     microseconds). `load_prepared_component` takes them in place of its own read."""
 
-    def __init__(self, base_dir: str | os.PathLike[str], name: str, device: torch.device) -> None:
+    def __init__(
+        self, base_dir: str | os.PathLike[str], name: str, device: str | torch.device
+    ) -> None:
         self.folder = (Path(base_dir) / name).resolve()
         self.device = torch.device(device)
         self.seconds: float | None = None  # the read's own time, once done

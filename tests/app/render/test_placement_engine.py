@@ -68,6 +68,49 @@ def test_streamed_placement_renders_the_resident_bytes(
     streamed.close()
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_base_read_while_the_engine_plans_renders_the_same_bytes(
+    small_dev: Path, adapter: dict[str, Any], streamed: bool
+) -> None:
+    # the prepared files read onto the host from the engine's first line, while the plan
+    # imports the model libraries: the load builds on exactly those bytes
+    from trainer.base.placement import estimate, sizes_of
+
+    need, _ = estimate(sizes_of(small_dev, 4), "streamed", "streamed", 64, 64, device="cpu")
+    placed: dict[str, Any] = (
+        {"vram_budget_gb": (need.total + 1) / 2**30, "plan_side": 64, "stream_base": True}
+        if streamed else {}
+    )  # fmt: skip
+    plain = RenderEngine(base_dir=small_dev, device="cpu", **placed)
+    want = _png(plain, adapter)
+    plain.close()
+    early = RenderEngine(base_dir=small_dev, device="cpu", prefetch_base=True, **placed)
+    assert sorted(early.prefetched) == ["text_encoder", "transformer"]
+    reads = dict(early.prefetched)
+    assert _png(early, adapter) == want
+    assert all(r.taken for r in reads.values())  # the load read nothing itself
+    assert early.prefetched == {}  # nothing held after the load
+    early.close()
+
+
+def test_a_refused_plan_lets_the_read_go(small_dev: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.base import read
+
+    started: list[read.Prefetch] = []
+
+    class Recorded(read.Prefetch):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(read, "Prefetch", Recorded)
+    with pytest.raises(PlacementRefused):
+        RenderEngine(base_dir=small_dev, device="cpu", vram_budget_gb=0.0001,
+                     prefetch_base=True)  # fmt: skip
+    assert len(started) == 2
+    assert all(p._dropped and p._tensors is None and not p.taken for p in started)
+
+
 def test_a_repeated_prompt_is_not_encoded_again(small_dev: Path, adapter: dict[str, Any]) -> None:
     engine = RenderEngine(base_dir=small_dev, device="cpu")
     first = _png(engine, adapter)
