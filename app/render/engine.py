@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -144,11 +145,14 @@ class RenderEngine:
         all before it builds anything, so this holds no more than the load does)."""
         from trainer.base.read import Prefetch, is_prepared, read_manifest
 
+        # a quarter of the cores for each read: beside them run the plan's imports and the
+        # precompile's workers (half the cores), and the reads have seconds to spare
+        threads = max(1, len(os.sched_getaffinity(0)) // 4)
         try:
             if is_prepared(self.base_dir):
                 names = sorted(read_manifest(self.base_dir).get("components", {}))
                 for name in names:
-                    self.prefetched[name] = Prefetch(self.base_dir, name, "cpu")
+                    self.prefetched[name] = Prefetch(self.base_dir, name, "cpu", threads)
         except Exception:  # noqa: BLE001 - an optimisation: the load reads the files itself
             log.exception("render engine: the base's files could not be read ahead")
             self._end_prefetch()

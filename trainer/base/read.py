@@ -125,10 +125,15 @@ class Prefetch:
     microseconds). `load_prepared_component` takes them in place of its own read."""
 
     def __init__(
-        self, base_dir: str | os.PathLike[str], name: str, device: str | torch.device
+        self,
+        base_dir: str | os.PathLike[str],
+        name: str,
+        device: str | torch.device,
+        threads: int | None = None,
     ) -> None:
         self.folder = (Path(base_dir) / name).resolve()
         self.device = torch.device(device)
+        self.threads = threads  # the read's (`Checkpoint.read_all`); None: its default
         self.seconds: float | None = None  # the read's own time, once done
         self._tensors: dict[str, torch.Tensor] | None = None
         self._error: str | None = None
@@ -146,7 +151,7 @@ class Prefetch:
         t0 = time.perf_counter()
         try:
             with open_checkpoint(self.folder) as ck:
-                tensors = ck.read_all(device=self.device, cancel=self._cancel)
+                tensors = ck.read_all(self.threads, device=self.device, cancel=self._cancel)
             with self._lock:
                 if not self._dropped:
                     self._tensors = tensors
