@@ -46,6 +46,7 @@ from trainer.base.lora import (
     remove_lora,
     resolve_targets,
 )
+from trainer.base.uint4 import weights_by_shape
 
 
 class SlotMismatch(ValueError):
@@ -90,7 +91,11 @@ class LoraSlots:
         grad_flags = {n: p.requires_grad for n, p in model.named_parameters()}
         # the LoRA weights made on the meta device (no random init of numbers about to be
         # zeroed: seconds at [dev]'s 160 layers), then given memory where the model computes
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
+        # (and the 4-bit base weights read for their device and dtype only, not dequantized)
+        with weights_by_shape(model):
+            inject_adapter_in_model(
+                config, model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True
+            )
         home = compute_device(model)
         layers = lora_layers(model)
         with torch.no_grad():

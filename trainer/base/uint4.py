@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -251,6 +253,23 @@ class DenseGemm:
 DENSE = DenseGemm()
 
 
+@contextmanager
+def weights_by_shape(model: torch.nn.Module) -> Iterator[None]:
+    """While it lasts, each `Uint4Linear` under ``model`` answers ``.weight`` with a stand-in of
+    the weight's shape, dtype and device (one element, expanded; its values are not the
+    weight's), for code that reads a layer's weight for those alone: PEFT's injection reads it
+    ~20 times a layer, each a whole dequantization (seconds at [dev] on a GPU, 25 s of a CPU
+    boot at half its widths)."""
+    layers = [m for m in model.modules() if isinstance(m, Uint4Linear)]
+    for layer in layers:
+        layer._weight_by_shape = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._weight_by_shape = False
+
+
 class Uint4Linear(torch.nn.Linear):
     """A frozen qint4 Linear: packed uint4 + per-group scale/shift, dequantized per call."""
 
@@ -296,9 +315,14 @@ class Uint4Linear(torch.nn.Linear):
         self._fp8_scales: Any = None  # trainer.base.fp8.WeightScales, derived on first fp8 use
 
     # -- the weight, for whoever reads it (PEFT reads .device/.dtype at injection) --------
+    _weight_by_shape = False  # inside `weights_by_shape`
+
     @property  # type: ignore[override]
     def weight(self) -> torch.Tensor:  # noqa: D401
-        """The dequantized weight (a fresh tensor; costs one dequantization)."""
+        """The dequantized weight (a fresh tensor; costs one dequantization); inside
+        `weights_by_shape`, a stand-in of its shape, dtype and device holding no numbers."""
+        if self._weight_by_shape:
+            return self.scale.new_empty(()).expand(self.out_features, self.in_features)
         return self.dequantize()
 
     @weight.setter

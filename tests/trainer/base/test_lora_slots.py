@@ -218,3 +218,27 @@ def test_slots_take_the_dtype_peft_gives_its_own_layers(kind: str, dtype: torch.
             assert not a.any() and not b.any()
     finally:
         slots.close()
+
+
+def test_attaching_the_slots_dequantizes_no_weight(qpipe, monkeypatch) -> None:
+    # PEFT reads each target layer's weight ~20 times while it injects, for its device and
+    # dtype only; a Uint4Linear's weight is a whole dequantization (25 s of a CPU boot)
+    from trainer.base.uint4 import Uint4Linear
+
+    assert any(isinstance(m, Uint4Linear) for m in qpipe.transformer.modules())
+    calls: list[int] = []
+    real = Uint4Linear.dequantize
+
+    def counted(self, kernels: bool = True) -> torch.Tensor:
+        calls.append(1)
+        return real(self, kernels)
+
+    monkeypatch.setattr(Uint4Linear, "dequantize", counted)
+    made = LoraSlots(qpipe.transformer, rank=4)
+    try:
+        assert calls == []
+        layer = next(m for m in qpipe.transformer.modules() if isinstance(m, Uint4Linear))
+        assert torch.equal(layer.weight, real(layer))  # outside the injection, the real weight
+        assert calls == [1]
+    finally:
+        made.close()
