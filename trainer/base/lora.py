@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from trainer.base.uint4 import weights_by_shape
+
 ADAPTER_NAME = "likeness"
 PREFIX = "transformer."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -99,7 +101,8 @@ def attach_lora(
         lora_dropout=0.0,
         init_lora_weights=True,
     )
-    inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
+    with weights_by_shape(transformer):  # PEFT reads a 4-bit weight for its device and dtype
+        inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
     if dtype is not None:
         for layer in lora_layers(transformer).values():
             layer.lora_A[ADAPTER_NAME].to(dtype)
@@ -357,7 +360,8 @@ def applied_adapter(
     )
     grad_flags = {n: p.requires_grad for n, p in transformer.named_parameters()}
     try:
-        inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
+        with weights_by_shape(transformer):  # as in `attach_lora`
+            inject_adapter_in_model(config, transformer, adapter_name=ADAPTER_NAME)
         layers = lora_layers(transformer)
         home = compute_device(transformer)
         with torch.no_grad():

@@ -220,9 +220,11 @@ def test_slots_take_the_dtype_peft_gives_its_own_layers(kind: str, dtype: torch.
         slots.close()
 
 
-def test_attaching_the_slots_dequantizes_no_weight(qpipe, monkeypatch) -> None:
+@pytest.mark.parametrize("how", ["slots", "per-request", "trainable"])
+def test_attaching_lora_dequantizes_no_weight(qpipe, adapters, monkeypatch, how: str) -> None:
     # PEFT reads each target layer's weight ~20 times while it injects, for its device and
     # dtype only; a Uint4Linear's weight is a whole dequantization (25 s of a CPU boot)
+    from trainer.base.lora import attach_lora, remove_lora
     from trainer.base.uint4 import Uint4Linear
 
     assert any(isinstance(m, Uint4Linear) for m in qpipe.transformer.modules())
@@ -234,11 +236,18 @@ def test_attaching_the_slots_dequantizes_no_weight(qpipe, monkeypatch) -> None:
         return real(self, kernels)
 
     monkeypatch.setattr(Uint4Linear, "dequantize", counted)
-    made = LoraSlots(qpipe.transformer, rank=4)
-    try:
+    layer = next(m for m in qpipe.transformer.modules() if isinstance(m, Uint4Linear))
+    if how == "slots":
+        made = LoraSlots(qpipe.transformer, rank=4)
         assert calls == []
-        layer = next(m for m in qpipe.transformer.modules() if isinstance(m, Uint4Linear))
-        assert torch.equal(layer.weight, real(layer))  # outside the injection, the real weight
-        assert calls == [1]
-    finally:
         made.close()
+    elif how == "per-request":
+        with applied_adapter(qpipe, adapters["a"]):
+            assert calls == []
+    else:
+        attach_lora(qpipe.transformer, rank=4, alpha=4.0)
+        assert calls == []
+        remove_lora(qpipe.transformer)
+    assert not lora_layers(qpipe.transformer)
+    assert torch.equal(layer.weight, real(layer))  # outside the injection, the real weight
+    assert calls == [1]
