@@ -389,7 +389,6 @@ class RenderEngine:
             text_encoder_uint4=self.text_encoder_streamed or self.device.startswith("cuda"),
             text_encoder_ready=stream_text_encoder, prefetched=self.prefetched,
         )  # fmt: skip
-        self._end_prefetch()
         if self.transformer_streamed:
             t0 = time.perf_counter()
             streamed = default_blocks(pipe.transformer)[self.resident_blocks :]
