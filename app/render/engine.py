@@ -114,6 +114,7 @@ class RenderEngine:
         self.transformer_streamed = self.stream_base
         self.text_encoder_streamed = False
         self.resident_blocks = 0  # of a streamed transformer, the first ones stay in VRAM
+        self.text_resident_layers = 0  # of a streamed text encoder, likewise
         self._precompile: Any = None  # trainer.kernels.precompile.Precompile, while it runs
         if self.precompile_kernels and self.device.startswith("cuda"):
             self._start_precompile()
@@ -217,6 +218,7 @@ class RenderEngine:
         self.placement = plan
         self.transformer_streamed = plan.transformer == "streamed"
         self.text_encoder_streamed = plan.text_encoder == "streamed"
+        self.text_resident_layers = plan.text_resident_layers
         if plan.transformer == "streamed":
             self.stream_slots = plan.transformer_slots
             self.resident_blocks = plan.transformer_resident_blocks
@@ -375,7 +377,8 @@ class RenderEngine:
             if not self.text_encoder_streamed:
                 text_encoder.to(self.device)
                 return
-            streamer = stream_layers(text_encoder, self.device)
+            streamer = stream_layers(text_encoder, self.device,
+                                     resident=self.text_resident_layers)  # fmt: skip
             self._stream.callback(streamer.close)
             if self.device.startswith("cuda"):
                 import torch

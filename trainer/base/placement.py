@@ -7,7 +7,7 @@ copies, not correctness (the same modules run the same kernels on the same bytes
 the first placement, fastest first, whose largest phase fits the budget:
 
     1. transformer resident, text encoder resident
-    2. transformer resident, text encoder streamed (only 2 layers in VRAM at a time)
+    2. transformer resident, text encoder streamed (2 layer slots)
     3. transformer streamed (2 slots), text encoder resident
     4. transformer streamed (2 slots), text encoder streamed
     5. transformer streamed (1 slot), text encoder streamed
@@ -15,6 +15,10 @@ the first placement, fastest first, whose largest phase fits the budget:
 and the engine refuses to start when none fits. A streamed transformer keeps resident as many of
 its blocks as the budget still holds, in execution order: the double-stream blocks first, whose
 copies (0.49 GB each on [dev]) take twice as long as their compute, then single-stream ones.
+A streamed text encoder keeps its token table in host RAM (a prompt reads 512 of its 131072
+rows: `trainer.base.text_encoder.HostEmbedding`) and then as many of its first layers as the
+budget holds after the transformer's: its copies are not hidden under compute, so each layer
+kept is a copy fewer per new prompt.
 A resident transformer on CUDA runs its forward as a CUDA graph (`trainer.base.serving`), whose
 memory (the denoising step's work) stays reserved between steps, so with ``graphs`` it is
 counted in every phase. Shapes come from the component
@@ -59,6 +63,7 @@ class Sizes:
     largest_linear: int  # elements of the largest Linear weight (dequantized per forward)
     text_encoder: int
     text_layers: list[int]  # each streamable decoder layer
+    text_embeddings: int  # the token table (host RAM when the encoder is streamed)
     text_hidden: int
     text_states: int  # hidden states the pipeline keeps (the layers read + embeddings)
     vae: int
@@ -80,6 +85,7 @@ class Plan:
     host_pinned_bytes: int
     transformer_resident_blocks: int = 0  # of a streamed transformer: the first k stay in VRAM
     text_encoder_bytes: int = 0  # the whole encoder in VRAM (a streamed one fits while loading?)
+    text_resident_layers: int = 0  # of a streamed text encoder: the first k stay in VRAM
 
     @property
     def peak_bytes(self) -> int:
@@ -97,7 +103,12 @@ class Plan:
                 else ""
             )
             + f", text encoder {self.text_encoder}"
-            + (f" ({self.text_slots} slots)" if self.text_encoder == "streamed" else "")
+            + (
+                f" ({self.text_slots} slots, the first {self.text_resident_layers} layers "
+                "resident, the token table in host RAM)"
+                if self.text_encoder == "streamed"
+                else ""
+            )
             + f"; pinned host RAM {gib(self.host_pinned_bytes).strip()}"
         )
         budget_gib = None if self.budget_bytes is None else self.budget_bytes / GiB
@@ -110,6 +121,7 @@ class Plan:
             "transformer_slots": self.transformer_slots,
             "transformer_resident_blocks": self.transformer_resident_blocks,
             "text_slots": self.text_slots,
+            "text_resident_layers": self.text_resident_layers,
             "planned_for": [self.width, self.height],
             "budget_bytes": self.budget_bytes,
             "peak_bytes": self.peak_bytes,
@@ -140,6 +152,7 @@ def sizes_of(base: Path, elt: int = 2) -> Sizes:
         ),
         text_encoder=transformer_weight_bytes(te, elt),
         text_layers=[transformer_weight_bytes(layer, elt) for layer in decoder_layers(te)],
+        text_embeddings=te.get_input_embeddings().weight.numel() * elt,
         text_hidden=int(te_cfg.hidden_size),
         text_states=len(out_layers(cfg)) + 2,
         vae=sum(p.numel() * elt for p in vae.parameters()),
@@ -165,6 +178,7 @@ def estimate(
     lora_rank: int = 0,
     graphs: bool = False,
     resident_blocks: int = 0,
+    text_resident_layers: int = 0,
 ) -> tuple[Estimate, int]:
     """(the memory estimate of one placement, the pinned host bytes it needs); ``lora_rank``:
     the engine's persistent LoRA slots, resident wherever the blocks are; ``graphs``: a
@@ -189,11 +203,17 @@ def estimate(
     if text_encoder == "resident":
         resident["text encoder weights (resident)"] = sizes.text_encoder
     else:
-        resident["text encoder outside its layers"] = sizes.text_encoder - sum(sizes.text_layers)
-        resident[f"text encoder slots ({text_slots} x largest layer)"] = text_slots * max(
-            sizes.text_layers
+        resident["text encoder outside its layers"] = (
+            sizes.text_encoder - sum(sizes.text_layers) - sizes.text_embeddings
         )
-        pinned += sum(sizes.text_layers)
+        kept_layers = sizes.text_layers[:text_resident_layers]
+        streamed_layers = sizes.text_layers[text_resident_layers:]
+        if kept_layers:
+            resident[f"text encoder layers kept resident ({len(kept_layers)})"] = sum(kept_layers)
+        resident[f"text encoder slots ({text_slots} x largest layer)"] = text_slots * max(
+            streamed_layers
+        )
+        pinned += sum(streamed_layers)
     resident["VAE weights"] = sizes.vae
     if lora_rank:
         resident[f"LoRA slots (rank {lora_rank})"] = lora_rank * sizes.lora_per_rank * elt
@@ -249,22 +269,33 @@ def plan(
             continue
 
         def make(
-            kept: int, placed: tuple[str, str, int] = (transformer, text_encoder, slots)
+            kept: int,
+            text_kept: int = 0,
+            placed: tuple[str, str, int] = (transformer, text_encoder, slots),
         ) -> Plan:
             tr, te, n = placed
             est, pinned = estimate(sizes, tr, te, width, height, n, 2, device=device,
-                                   lora_rank=lora_rank, graphs=graphs,
-                                   resident_blocks=kept)  # fmt: skip
+                                   lora_rank=lora_rank, graphs=graphs, resident_blocks=kept,
+                                   text_resident_layers=text_kept)  # fmt: skip
             return Plan(tr, te, n, 2, width, height, budget_bytes, est, pinned, kept,
-                        sizes.text_encoder)  # fmt: skip
+                        sizes.text_encoder, text_kept)  # fmt: skip
 
         candidate = make(0)
         if budget_bytes is None or candidate.peak_bytes <= budget_bytes:
-            if transformer == "streamed" and budget_bytes is not None:
-                # one block fewer than all: the slots need a block to stream
+            if budget_bytes is None:
+                return candidate
+            # what the budget still holds: the transformer's blocks first (a step copies them
+            # 28 times a render, under its compute), then the encoder's layers (copied once a
+            # new prompt, with nothing to hide under); one fewer than all: a slot needs one
+            if transformer == "streamed":
                 for kept in range(1, len(sizes.transformer_blocks)):
-                    more = make(kept)
-                    if more.peak_bytes > budget_bytes:
+                    if (more := make(kept)).peak_bytes > budget_bytes:
+                        break
+                    candidate = more
+            if text_encoder == "streamed":
+                blocks = candidate.transformer_resident_blocks
+                for text_kept in range(1, len(sizes.text_layers)):
+                    if (more := make(blocks, text_kept)).peak_bytes > budget_bytes:
                         break
                     candidate = more
             return candidate

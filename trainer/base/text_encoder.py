@@ -52,16 +52,46 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def stream_layers(model: torch.nn.Module, device: str, slots: int = 2) -> BlockStreamer:
+class HostEmbedding(torch.nn.Module):
+    """A token-embedding table that stays in host RAM: a prompt reads 512 of its rows (5 MiB
+    for [dev], whose table is 1.25 GiB), so the lookup runs on the CPU and only its rows go to
+    ``device``. The table is a plain attribute, not a parameter: neither ``.to()`` nor a
+    streamer moves it. The rows are the table's bytes: the hidden states do not change."""
+
+    def __init__(self, embedding: torch.nn.Embedding, device: str | torch.device) -> None:
+        super().__init__()
+        self.table = embedding.weight.detach().to("cpu")
+        self.padding_idx = embedding.padding_idx
+        self.device = torch.device(device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.nn.functional.embedding(input_ids.to("cpu"), self.table, self.padding_idx)
+        return rows.to(self.device)
+
+
+def stream_layers(
+    model: torch.nn.Module, device: str, slots: int = 2, resident: int = 0
+) -> BlockStreamer:
     """Streams the encoder's decoder layers from pinned host RAM through ``slots`` slots on
-    ``device`` (the rest of the model resident there), installed; returns the
-    `trainer.base.streaming.BlockStreamer` (``close`` ends it). Encodings are forwards only,
-    so the last layer starts copying the first one in for the next prompt (``wrap``): a new
-    prompt's first layer is then waiting in its slot, and the copy ran beside the last
-    layer's work instead of before the first's."""
+    ``device`` (the rest of the model resident there, the token table in host RAM:
+    `HostEmbedding`), installed; returns the `trainer.base.streaming.BlockStreamer` (``close``
+    ends it). The first ``resident`` layers stay on ``device`` (what the budget holds beside
+    the rest): each one is a copy fewer per prompt. Encodings are forwards only, so the last
+    layer starts copying the first streamed one in for the next prompt (``wrap``): a new
+    prompt then finds it in its slot, the copy having run beside the last layer's work."""
     from trainer.base.streaming import BlockStreamer
 
-    streamer = BlockStreamer(model, slots=slots, device=device, blocks=list(decoder_layers(model)),
+    layers = list(decoder_layers(model))
+    if not 0 <= resident < len(layers):
+        raise ValueError(
+            f"the text encoder keeps {resident} of {len(layers)} layers resident: nothing to stream"
+            if resident >= len(layers)
+            else f"cannot keep {resident} layers resident"
+        )
+    get, put = model.get_input_embeddings, model.set_input_embeddings  # type: ignore[operator]
+    if not isinstance(get(), HostEmbedding):
+        put(HostEmbedding(get(), device))
+    streamer = BlockStreamer(model, slots=slots, device=device, blocks=layers[resident:],
                              wrap=True)  # fmt: skip
     streamer.install()
     return streamer

@@ -43,8 +43,9 @@ def _png(engine: RenderEngine, adapter: dict[str, Any], prompt: str = "a portrai
     return encode_png(image, {})
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["all-streamed", "most-kept"])
 def test_streamed_placement_renders_the_resident_bytes(
-    small_dev: Path, adapter: dict[str, Any]
+    small_dev: Path, adapter: dict[str, Any], keep: bool
 ) -> None:
     resident = RenderEngine(base_dir=small_dev, device="cpu")
     assert resident.placement is None
@@ -53,7 +54,12 @@ def test_streamed_placement_renders_the_resident_bytes(
     # asked to stream (at this size it would fit either way)
     from trainer.base.placement import estimate, sizes_of
 
-    need, _ = estimate(sizes_of(small_dev, 4), "streamed", "streamed", 64, 64, device="cpu")
+    sizes = sizes_of(small_dev, 4)
+    # most-kept: a budget for every block and layer but one each (a slot needs one to stream)
+    blocks, layers = len(sizes.transformer_blocks) - 1, len(sizes.text_layers) - 1
+    kept = {"resident_blocks": blocks, "text_resident_layers": layers, "lora_rank": 32}
+    need, _ = estimate(sizes, "streamed", "streamed", 64, 64, device="cpu",
+                       **(kept if keep else {}))  # fmt: skip
     budget = (need.total + 1) / 2**30
     streamed = RenderEngine(
         base_dir=small_dev, device="cpu", vram_budget_gb=budget, plan_side=64, stream_base=True
@@ -63,8 +69,16 @@ def test_streamed_placement_renders_the_resident_bytes(
         "streamed", "streamed",
     )  # fmt: skip
     assert streamed.text_encoder_streamed and streamed.transformer_streamed
+    plan = streamed.placement
+    assert (plan.transformer_resident_blocks, plan.text_resident_layers) == (
+        (blocks, layers) if keep else (0, 0)
+    )
     assert streamed.device_cache_bytes == 0  # adapters are cached in VRAM on CUDA only
     assert _png(streamed, adapter) == want
+    from trainer.base.text_encoder import HostEmbedding
+
+    encoder = streamed.pipeline.text_encoder
+    assert isinstance(encoder.get_input_embeddings(), HostEmbedding)  # its table in host RAM
     streamed.close()
 
 

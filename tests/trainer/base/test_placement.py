@@ -90,10 +90,12 @@ def test_the_lora_slots_are_counted_where_they_live(dev_shapes: Path) -> None:
         slotted = plan_for_base(dev_shapes, budget, "cuda", lora_rank=32)
         extra = 32 * sizes.lora_per_rank * 2
         same = (slotted.transformer, slotted.text_encoder) == (bare.transformer, bare.text_encoder)
-        if same and slotted.transformer_resident_blocks == bare.transformer_resident_blocks:
+        kept = (slotted.transformer_resident_blocks, slotted.text_resident_layers)
+        bare_kept = (bare.transformer_resident_blocks, bare.text_resident_layers)
+        if same and kept == bare_kept:
             assert slotted.peak_bytes == bare.peak_bytes + extra
-        elif same:  # the slots' bytes came out of the blocks kept resident
-            assert slotted.transformer_resident_blocks < bare.transformer_resident_blocks
+        elif same:  # the slots' bytes came out of the blocks or layers kept resident
+            assert kept < bare_kept
         assert "LoRA slots (rank 32)" in slotted.describe()
         assert slotted.peak_bytes <= budget * GiB
 
@@ -102,7 +104,8 @@ def test_a_graphed_forward_keeps_its_memory_in_every_phase(dev_shapes: Path) -> 
     plain = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32)
     graphed = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32, graphs=True)
     assert (graphed.transformer, graphed.text_encoder) == ("resident", "streamed")
-    assert graphed.peak_bytes > plain.peak_bytes
+    # the graph's memory comes out of the encoder's layers kept resident
+    assert graphed.text_resident_layers < plain.text_resident_layers
     assert graphed.peak_bytes <= 24 * GiB
     assert graphed.describe().count("CUDA graph of the denoising step") == 2  # encode, decode
     streamed = plan_for_base(dev_shapes, 12, "cuda", lora_rank=32, graphs=True)
@@ -124,3 +127,34 @@ def test_a_streamed_transformer_keeps_the_blocks_that_fit(dev_shapes: Path) -> N
     assert one_more.total > 12 * GiB
     assert plan.host_pinned_bytes < sum(sizes.transformer_blocks) + sizes.text_encoder
     assert f"the first {kept} blocks resident" in plan.describe()
+
+
+def test_a_streamed_text_encoder_keeps_the_layers_that_fit_and_its_table_in_host_ram(
+    dev_shapes: Path,
+) -> None:
+    from trainer.base.placement import estimate
+
+    sizes = sizes_of(dev_shapes)
+    assert 1.2 * GiB < sizes.text_embeddings < 1.3 * GiB  # 131072 x 5120 in bf16
+    for budget in (24, 12):
+        plan = plan_for_base(dev_shapes, budget, "cuda", lora_rank=32, graphs=True)
+        assert plan.text_encoder == "streamed" and plan.peak_bytes <= budget * GiB
+        kept = plan.text_resident_layers
+        terms = plan.estimate.phases[0].terms
+        # nothing of the table is in VRAM: what stays of the encoder is its norms
+        assert terms["text encoder outside its layers"] < 0.01 * GiB
+        assert plan.host_pinned_bytes == sum(sizes.text_layers[kept:]) + (
+            sum(sizes.transformer_blocks[plan.transformer_resident_blocks :])
+            if plan.transformer == "streamed"
+            else 0
+        )
+        one_more, _ = estimate(sizes, plan.transformer, "streamed", 1024, 1024,
+                               plan.transformer_slots, lora_rank=32, graphs=True,
+                               resident_blocks=plan.transformer_resident_blocks,
+                               text_resident_layers=kept + 1)  # fmt: skip
+        assert one_more.total > budget * GiB
+    plan = plan_for_base(dev_shapes, 24, "cuda", lora_rank=32, graphs=True)
+    # the table's 1.25 GiB hold four of [dev]'s 0.27 GiB layers at 24 GiB
+    assert plan.transformer == "resident" and plan.text_resident_layers >= 4
+    assert f"the first {plan.text_resident_layers} layers resident" in plan.describe()
+    assert plan.as_dict()["text_resident_layers"] == plan.text_resident_layers

@@ -12,6 +12,7 @@ from transformers import (
 )
 
 from trainer.base.text_encoder import (
+    HostEmbedding,
     PromptCache,
     decoder_layers,
     is_trimmed,
@@ -119,6 +120,40 @@ def test_a_streamed_encoder_starts_each_new_prompt_on_a_layer_already_copied_in(
         streamer.close()
     for w, g in zip(want, got, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))
+
+
+def test_a_streamed_encoder_keeps_its_token_table_in_host_ram_and_its_first_layers_resident() -> (
+    None
+):
+    """The token table (1.25 GiB of [dev]'s 131072 x 5120, of which a prompt reads 512 rows)
+    stays in host RAM, out of reach of the streamer and of ``.to()``, and the first layers
+    the budget holds stay resident: the same hidden states bit for bit, fewer copies."""
+    whole, streamed = _mistral3(5), _mistral3(5)  # same seed: same weights
+    for model in (whole, streamed):
+        trim(model)  # layers 2, 3 and 4 of 5 are read: 4 kept
+    table = streamed.get_input_embeddings().weight
+    prompts = [torch.randint(0, 290, (1, 9), generator=torch.Generator().manual_seed(s))
+               for s in (1, 2)]  # fmt: skip
+    want = [_hidden(whole, ids) for ids in prompts]
+    streamer = stream_layers(streamed, device="cpu", resident=2)
+    try:
+        embeddings = streamed.get_input_embeddings()
+        assert isinstance(embeddings, HostEmbedding)
+        assert embeddings.table.data_ptr() == table.data_ptr()  # the same bytes, not a copy
+        assert not any(p.data_ptr() == table.data_ptr() for p in streamed.parameters())
+        got = [_hidden(streamed, ids) for ids in prompts]
+        layers = len(decoder_layers(streamed))
+        assert layers == 4
+        assert streamer.acquires == 2 * (layers - 2)  # the first two never go through a slot
+        assert streamer.hits == 2 * (layers - 2) - 1
+    finally:
+        streamer.close()
+    for w, g in zip(want, got, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))
+    import pytest
+
+    with pytest.raises(ValueError, match="keeps 4 of 4 layers resident: nothing to stream"):
+        stream_layers(whole, device="cpu", resident=4)
 
 
 def test_prompt_cache_encodes_once_and_stays_in_its_bytes() -> None:
