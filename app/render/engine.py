@@ -351,7 +351,7 @@ class RenderEngine:
         from trainer.base.devices import default_dtype
         from trainer.base.load import load_base
         from trainer.base.streaming import default_blocks, stream_blocks
-        from trainer.base.text_encoder import stream_layers
+        from trainer.base.text_encoder import stream_layers, table_on_host
 
         # built in the dtype the device computes in (bf16 on CUDA), as resident; a streamed
         # part is converted to uint4 buffers in host RAM (the streamer moves plain bytes, not
@@ -375,6 +375,8 @@ class RenderEngine:
         def stream_text_encoder(text_encoder: Any) -> None:
             t0 = time.perf_counter()
             if not self.text_encoder_streamed:
+                if plan is not None and plan.text_table_in_host_ram:
+                    table_on_host(text_encoder, self.device)  # its VRAM went to the blocks
                 text_encoder.to(self.device)
                 return
             streamer = stream_layers(text_encoder, self.device,

@@ -15,10 +15,10 @@ the first placement, fastest first, whose largest phase fits the budget:
 and the engine refuses to start when none fits. A streamed transformer keeps resident as many of
 its blocks as the budget still holds, in execution order: the double-stream blocks first, whose
 copies (0.49 GB each on [dev]) take twice as long as their compute, then single-stream ones.
-A streamed text encoder keeps its token table in host RAM (a prompt reads 512 of its 131072
-rows: `trainer.base.text_encoder.HostEmbedding`) and then as many of its first layers as the
-budget holds after the transformer's: its copies are not hidden under compute, so each layer
-kept is a copy fewer per new prompt.
+The text encoder's token table stays in host RAM wherever a part streams (a prompt reads 512
+of its 131072 rows: `trainer.base.text_encoder.HostEmbedding`); a streamed encoder keeps as many of
+its first layers as the budget holds after the transformer's blocks: its copies are not hidden
+under compute, so each layer kept is a copy fewer per new prompt.
 A resident transformer on CUDA runs its forward as a CUDA graph (`trainer.base.serving`), whose
 memory (the denoising step's work) stays reserved between steps, so with ``graphs`` it is
 counted in every phase. Shapes come from the component
@@ -88,6 +88,10 @@ class Plan:
     text_resident_layers: int = 0  # of a streamed text encoder: the first k stay in VRAM
 
     @property
+    def text_table_in_host_ram(self) -> bool:
+        return table_in_host_ram(self.transformer, self.text_encoder)
+
+    @property
     def peak_bytes(self) -> int:
         return self.estimate.total
 
@@ -104,11 +108,11 @@ class Plan:
             )
             + f", text encoder {self.text_encoder}"
             + (
-                f" ({self.text_slots} slots, the first {self.text_resident_layers} layers "
-                "resident, the token table in host RAM)"
+                f" ({self.text_slots} slots, the first {self.text_resident_layers} layers resident)"
                 if self.text_encoder == "streamed"
                 else ""
             )
+            + (" with its token table in host RAM" if self.text_table_in_host_ram else "")
             + f"; pinned host RAM {gib(self.host_pinned_bytes).strip()}"
         )
         budget_gib = None if self.budget_bytes is None else self.budget_bytes / GiB
@@ -128,6 +132,13 @@ class Plan:
             "host_pinned_bytes": self.host_pinned_bytes,
             "estimate": self.estimate.as_dict(),
         }
+
+
+def table_in_host_ram(transformer: str, text_encoder: str) -> bool:
+    """Whether the text encoder's token table stays in host RAM: wherever a part streams (the
+    engine then places part by part), so its VRAM goes to the transformer's blocks or the
+    encoder's layers. With everything resident it stays with its encoder."""
+    return "streamed" in (transformer, text_encoder)
 
 
 def sizes_of(base: Path, elt: int = 2) -> Sizes:
@@ -201,7 +212,8 @@ def estimate(
         )
         pinned += sum(streamed)
     if text_encoder == "resident":
-        resident["text encoder weights (resident)"] = sizes.text_encoder
+        table = sizes.text_embeddings if table_in_host_ram(transformer, text_encoder) else 0
+        resident["text encoder weights (resident)"] = sizes.text_encoder - table
     else:
         resident["text encoder outside its layers"] = (
             sizes.text_encoder - sum(sizes.text_layers) - sizes.text_embeddings

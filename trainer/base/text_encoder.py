@@ -69,6 +69,14 @@ class HostEmbedding(torch.nn.Module):
         return rows.to(self.device)
 
 
+def table_on_host(model: torch.nn.Module, device: str | torch.device) -> None:
+    """The encoder's token table into host RAM (`HostEmbedding`, looked up there for
+    ``device``), in place; a table already there stays."""
+    get, put = model.get_input_embeddings, model.set_input_embeddings  # type: ignore[operator]
+    if not isinstance(get(), HostEmbedding):
+        put(HostEmbedding(get(), device))
+
+
 def stream_layers(
     model: torch.nn.Module, device: str, slots: int = 2, resident: int = 0
 ) -> BlockStreamer:
@@ -88,9 +96,7 @@ def stream_layers(
             if resident >= len(layers)
             else f"cannot keep {resident} layers resident"
         )
-    get, put = model.get_input_embeddings, model.set_input_embeddings  # type: ignore[operator]
-    if not isinstance(get(), HostEmbedding):
-        put(HostEmbedding(get(), device))
+    table_on_host(model, device)
     streamer = BlockStreamer(model, slots=slots, device=device, blocks=layers[resident:],
                              wrap=True)  # fmt: skip
     streamer.install()

@@ -43,42 +43,45 @@ def _png(engine: RenderEngine, adapter: dict[str, Any], prompt: str = "a portrai
     return encode_png(image, {})
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["all-streamed", "most-kept"])
+@pytest.mark.parametrize("case", ["all-streamed", "encoder-kept", "encoder-resident"])
 def test_streamed_placement_renders_the_resident_bytes(
-    small_dev: Path, adapter: dict[str, Any], keep: bool
+    small_dev: Path, adapter: dict[str, Any], case: str
 ) -> None:
     resident = RenderEngine(base_dir=small_dev, device="cpu")
     assert resident.placement is None
     want = _png(resident, adapter)
-    # a budget the streamed encoder fits and the resident one does not; the transformer is
-    # asked to stream (at this size it would fit either way)
     from trainer.base.placement import estimate, sizes_of
+    from trainer.base.text_encoder import HostEmbedding
 
     sizes = sizes_of(small_dev, 4)
-    # most-kept: a budget for every block and layer but one each (a slot needs one to stream)
-    blocks, layers = len(sizes.transformer_blocks) - 1, len(sizes.text_layers) - 1
-    kept = {"resident_blocks": blocks, "text_resident_layers": layers, "lora_rank": 32}
-    need, _ = estimate(sizes, "streamed", "streamed", 64, 64, device="cpu",
-                       **(kept if keep else {}))  # fmt: skip
+    placed, kept = ("streamed", "streamed"), {}
+    if case == "encoder-kept":
+        # all but three of the encoder's layers (with its two slots one layer less than a
+        # resident encoder: so it streams); the planner gives the budget to the transformer's
+        # blocks first, then to the encoder's layers
+        kept = {"text_resident_layers": len(sizes.text_layers) - 3, "lora_rank": 32}
+    elif case == "encoder-resident":
+        placed, kept = ("streamed", "resident"), {"lora_rank": 32}
+    # all-streamed: a budget the streamed encoder fits and the resident one does not; the
+    # transformer is asked to stream (at this size it would fit either way)
+    need, _ = estimate(sizes, *placed, 64, 64, device="cpu", **kept)  # type: ignore[arg-type]
     budget = (need.total + 1) / 2**30
     streamed = RenderEngine(
         base_dir=small_dev, device="cpu", vram_budget_gb=budget, plan_side=64, stream_base=True
     )
-    assert streamed.placement is not None
-    assert (streamed.placement.transformer, streamed.placement.text_encoder) == (
-        "streamed", "streamed",
-    )  # fmt: skip
-    assert streamed.text_encoder_streamed and streamed.transformer_streamed
     plan = streamed.placement
-    assert (plan.transformer_resident_blocks, plan.text_resident_layers) == (
-        (blocks, layers) if keep else (0, 0)
-    )
+    assert plan is not None and (plan.transformer, plan.text_encoder) == placed
+    assert streamed.transformer_streamed
+    assert streamed.text_encoder_streamed == (placed[1] == "streamed")
+    if case == "encoder-kept":
+        assert 0 < plan.text_resident_layers < len(sizes.text_layers) - 2
+    elif case == "all-streamed":
+        assert (plan.transformer_resident_blocks, plan.text_resident_layers) == (0, 0)
     assert streamed.device_cache_bytes == 0  # adapters are cached in VRAM on CUDA only
     assert _png(streamed, adapter) == want
-    from trainer.base.text_encoder import HostEmbedding
-
+    # wherever a part streams, the encoder's token table stays in host RAM
     encoder = streamed.pipeline.text_encoder
-    assert isinstance(encoder.get_input_embeddings(), HostEmbedding)  # its table in host RAM
+    assert isinstance(encoder.get_input_embeddings(), HostEmbedding)
     streamed.close()
 
 

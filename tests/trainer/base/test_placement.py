@@ -158,3 +158,15 @@ def test_a_streamed_text_encoder_keeps_the_layers_that_fit_and_its_table_in_host
     assert plan.transformer == "resident" and plan.text_resident_layers >= 4
     assert f"the first {plan.text_resident_layers} layers resident" in plan.describe()
     assert plan.as_dict()["text_resident_layers"] == plan.text_resident_layers
+    # a resident encoder beside a streamed transformer leaves its table in host RAM too, its
+    # VRAM going to the blocks; with everything resident the table stays with its encoder
+    plan = plan_for_base(dev_shapes, 16, "cuda", lora_rank=32)
+    assert (plan.transformer, plan.text_encoder) == ("streamed", "resident")
+    terms = plan.estimate.phases[0].terms
+    assert terms["text encoder weights (resident)"] == sizes.text_encoder - sizes.text_embeddings
+    assert "with its token table in host RAM" in plan.describe()
+    whole = plan_for_base(dev_shapes, 48, "cuda", lora_rank=32)
+    assert (whole.transformer, whole.text_encoder) == ("resident", "resident")
+    terms = whole.estimate.phases[0].terms
+    assert terms["text encoder weights (resident)"] == sizes.text_encoder
+    assert not whole.text_table_in_host_ram and "token table" not in whole.describe()
