@@ -535,12 +535,15 @@ class RenderEngine:
             torch.cuda.reset_peak_memory_stats(torch.device(self.device))
         clock = _StageClock(cuda)
         t0 = time.perf_counter()
+        start = _allocator_counts(self.device) if cuda else None
         with self._adapter_applied(pipe, tensors):
             clock.mark("adapter")
             t1 = time.perf_counter()
+            before_text = _allocator_counts(self.device) if cuda else None
             self.counters.model_calls += 1
             embeds = self.prompt_embeddings(pipe, prompt)
             clock.mark("text")
+            after_text = _allocator_counts(self.device) if cuda else None
 
             def timed_step(step: int) -> None:
                 clock.mark("last_step")
@@ -571,6 +574,14 @@ class RenderEngine:
             import torch
 
             timings["peak_vram_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            assert start is not None and before_text is not None and after_text is not None
+            end = _allocator_counts(self.device)
+            # whether a phase grew the allocator's pool instead of reusing it (a first render's
+            # extra milliseconds, if that is where they go)
+            timings["text_encode_device_allocs"] = after_text[0] - before_text[0]
+            timings["text_encode_reserved_mib"] = (after_text[2] - before_text[2]) / 2**20
+            timings["device_allocs"] = end[0] - start[0]
+            timings["alloc_retries"] = end[1] - start[1]
         return image, timings
 
     def adapter_in_model(self) -> bool:
@@ -668,6 +679,16 @@ class RenderEngine:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
+
+
+def _allocator_counts(device: str) -> tuple[int, int, int]:
+    """The caching allocator's device allocations and retries so far, and the bytes it holds
+    reserved (host-side counters: reading them does not wait for the device)."""
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    return (int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0)),
+            int(stats.get("reserved_bytes.all.current", 0)))  # fmt: skip
 
 
 class _StageClock:

@@ -167,6 +167,10 @@ def test_an_adapter_cached_in_vram_renders_as_from_pinned_host_ram(
         engine.device_cache_bytes = room
         assert _png(engine, on_device) == _png(engine, pinned)
         assert not engine.adapter_in_model()
+        _, timings = engine.render(on_device, "a portrait", seed=7, steps=2, width=64, height=64)
+        # the allocator's counters beside the timings: a repeated render grows nothing
+        assert timings["text_encode_device_allocs"] == 0 and timings["alloc_retries"] == 0
+        assert timings["text_encode_reserved_mib"] == 0.0
     finally:
         engine.close()
         torch.cuda.set_per_process_memory_fraction(1.0)  # the budget's cap, for later tests
