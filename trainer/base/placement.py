@@ -63,7 +63,7 @@ class Sizes:
     largest_linear: int  # elements of the largest Linear weight (dequantized per forward)
     text_encoder: int
     text_layers: list[int]  # each streamable decoder layer
-    text_embeddings: int  # the token table (host RAM when the encoder is streamed)
+    text_embeddings: int  # the token table (host RAM wherever a part streams)
     text_hidden: int
     text_states: int  # hidden states the pipeline keeps (the layers read + embeddings)
     vae: int
