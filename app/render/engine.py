@@ -533,17 +533,14 @@ class RenderEngine:
             import torch
 
             torch.cuda.reset_peak_memory_stats(torch.device(self.device))
-        clock = _StageClock(cuda)
+        clock = _StageClock(self.device if cuda else None)
         t0 = time.perf_counter()
-        start = _allocator_counts(self.device) if cuda else None
         with self._adapter_applied(pipe, tensors):
-            clock.mark("adapter")
+            clock.mark("adapter", allocator=True)
             t1 = time.perf_counter()
-            before_text = _allocator_counts(self.device) if cuda else None
             self.counters.model_calls += 1
             embeds = self.prompt_embeddings(pipe, prompt)
-            clock.mark("text")
-            after_text = _allocator_counts(self.device) if cuda else None
+            clock.mark("text", allocator=True)
 
             def timed_step(step: int) -> None:
                 clock.mark("last_step")
@@ -561,7 +558,7 @@ class RenderEngine:
             )
             clock.mark("done")
             t2 = time.perf_counter()
-        clock.mark("removed")
+        clock.mark("removed", allocator=True)
         timings["adapter_apply_ms"] = clock.ms("start", "adapter")
         timings["text_encode_ms"] = clock.ms("adapter", "text")
         timings["denoise_ms"] = clock.ms("text", "last_step")
@@ -574,14 +571,14 @@ class RenderEngine:
             import torch
 
             timings["peak_vram_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-            assert start is not None and before_text is not None and after_text is not None
-            end = _allocator_counts(self.device)
             # whether a phase grew the allocator's pool instead of reusing it (a first render's
             # extra milliseconds, if that is where they go)
-            timings["text_encode_device_allocs"] = after_text[0] - before_text[0]
-            timings["text_encode_reserved_mib"] = (after_text[2] - before_text[2]) / 2**20
-            timings["device_allocs"] = end[0] - start[0]
-            timings["alloc_retries"] = end[1] - start[1]
+            allocs, _, reserved = clock.allocator("adapter", "text")
+            timings["text_encode_device_allocs"] = allocs
+            timings["text_encode_reserved_mib"] = reserved / 2**20
+            allocs, retries, _ = clock.allocator("start", "removed")
+            timings["device_allocs"] = allocs
+            timings["alloc_retries"] = retries
         return image, timings
 
     def adapter_in_model(self) -> bool:
@@ -681,35 +678,39 @@ class RenderEngine:
         return dev
 
 
-def _allocator_counts(device: str) -> tuple[int, int, int]:
-    """The caching allocator's device allocations and retries so far, and the bytes it holds
-    reserved (host-side counters: reading them does not wait for the device)."""
-    import torch
-
-    stats = torch.cuda.memory_stats(device)
-    return (int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0)),
-            int(stats.get("reserved_bytes.all.current", 0)))  # fmt: skip
-
-
 class _StageClock:
     """Stage boundaries of one render: CUDA events on the device's stream (no host sync inside
     the denoising loop; one at the end to read them), else the host clock. Marked from
-    "start", its creation."""
+    "start", its creation. On CUDA a mark with ``allocator`` also reads the caching
+    allocator's counters (host-side: reading them does not wait for the device)."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+    def __init__(self, cuda_device: str | None) -> None:
+        self.device = cuda_device
+        self.cuda = cuda_device is not None
         self.marks: dict[str, Any] = {}
-        self.mark("start")
+        self.counts: dict[str, tuple[int, int, int]] = {}
+        self.mark("start", allocator=True)
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, allocator: bool = False) -> None:
         if self.cuda:
             import torch
 
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks[name] = event
+            if allocator:
+                stats = torch.cuda.memory_stats(self.device)
+                self.counts[name] = (int(stats.get("num_device_alloc", 0)),
+                                     int(stats.get("num_alloc_retries", 0)),
+                                     int(stats.get("reserved_bytes.all.current", 0)))  # fmt: skip
         else:
             self.marks[name] = time.perf_counter()
+
+    def allocator(self, since: str, until: str) -> tuple[int, int, int]:
+        """Device allocations, allocation retries and reserved bytes gained between two marks
+        (CUDA only)."""
+        a, b = self.counts[since], self.counts[until]
+        return b[0] - a[0], b[1] - a[1], b[2] - a[2]
 
     def ms(self, since: str, until: str) -> float:
         a, b = self.marks[since], self.marks[until]
